@@ -1,0 +1,210 @@
+"""The streamed engine against a plain, un-offloaded reference (whole-model value_and_grad + optax)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from megatrain_jax.engine import StreamedEngine
+from megatrain_jax.model import ModelConfig, make_block, make_stages
+from megatrain_jax.train import build_optimizer
+from megatrain_jax.config import OptimizerConfig
+
+CFG = ModelConfig(vocab_size=61, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4,
+                  num_kv_heads=2)
+STEPS = 6
+OPT = OptimizerConfig(learning_rate=1e-2, warmup_steps=2, weight_decay=0.1)
+
+
+def batches(num_micro, batch, seq=16, seed=0):
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, CFG.vocab_size, size=(STEPS, num_micro, batch, seq + 1), dtype=np.int32)
+    return [(t[..., :-1], t[..., 1:]) for t in toks]
+
+
+def make_engine(cfg, devices, max_grad_norm, prefetch=1):
+    first, last = make_stages(cfg, seed=0)
+    compute, host = devices
+    return StreamedEngine(first=first, last=last, make_block=lambda i: make_block(cfg, 0, i),
+                          num_layers=cfg.num_layers, optimizer=build_optimizer(OPT, STEPS),
+                          max_grad_norm=max_grad_norm, compute_dtype=jnp.float32, prefetch=prefetch,
+                          compute_device=compute, host_device=host)
+
+
+def reference_run(cfg, data, max_grad_norm):
+    """The same model and optimizer, fp32, whole model on one device, one batch per step."""
+    first, last = make_stages(cfg, seed=0)
+    stages_def, stages = nnx.split((first, last))
+    blocks = [nnx.split(make_block(cfg, 0, i)) for i in range(cfg.num_layers)]
+    block_def = blocks[0][0]
+    params = {"stages": nnx.to_pure_dict(stages),
+              "layers": [nnx.to_pure_dict(b[1]) for b in blocks]}
+
+    def loss_fn(params, inputs, targets):
+        first, last = nnx.merge(stages_def, params["stages"])
+        x = first(inputs)
+        for p in params["layers"]:
+            x = nnx.merge(block_def, p)(x)
+        return last(x, targets)
+
+    tx = build_optimizer(OPT, STEPS)
+    if max_grad_norm is not None:
+        tx = optax.chain(optax.clip_by_global_norm(max_grad_norm), tx)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, inputs, targets):
+        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    for inputs, targets in data:
+        # all micro-batches of a step form one batch
+        inputs, targets = inputs.reshape(-1, inputs.shape[-1]), targets.reshape(-1, targets.shape[-1])
+        params, opt_state, loss = step(params, opt_state, inputs, targets)
+        losses.append(float(loss))
+    return losses, params
+
+
+def assert_trees_close(a, b, rtol, skip=()):
+    """Every tensor within `rtol` relative error in L2 norm. (Element-wise is too strict for Adam:
+    an element whose gradient is ~0 moves by noise-sign * lr, so rounding-level differences in the
+    gradient show up as lr-sized differences in a handful of elements.)"""
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
+        name = jax.tree_util.keystr(path)
+        if any(s in name for s in skip):
+            continue
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        assert x.shape == y.shape, name
+        err = np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30)
+        assert err <= rtol, f"{name}: relative error {err:.2e} > {rtol:.0e}"
+
+
+DEVICE_SETUPS = {"two_devices": lambda: tuple(jax.devices("cpu")[:2]),
+                 "one_device": lambda: (jax.devices("cpu")[0],) * 2}
+
+
+@pytest.mark.parametrize("devices", DEVICE_SETUPS)
+@pytest.mark.parametrize("num_micro,max_grad_norm", [(1, None), (2, None), (2, 0.5)],
+                         ids=["plain", "micro2", "micro2_clip"])
+def test_streamed_matches_reference(devices, num_micro, max_grad_norm):
+    data = batches(num_micro, batch=4 // num_micro)
+    ref_losses, ref_params = reference_run(CFG, data, max_grad_norm)
+    engine = make_engine(CFG, DEVICE_SETUPS[devices](), max_grad_norm)
+    losses, norms = [], []
+    for inputs, targets in data:
+        out = engine.train_step(inputs, targets)
+        losses.append(float(out["loss"]))
+        norms.append(float(out["grad_norm"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(engine.params(), ref_params, rtol=1e-5)
+    if max_grad_norm is not None:  # clipping must have been active for this test to mean much
+        assert max(norms) > max_grad_norm
+    engine.close()
+
+
+def test_params_live_on_host_device():
+    compute, host = jax.devices("cpu")[:2]
+    engine = make_engine(CFG, (compute, host), None)
+    for leaf in jax.tree.leaves(engine.state()):  # fresh (optax init included) ...
+        assert leaf.devices() == {host} and leaf.committed
+    inputs, targets = batches(1, 2)[0]
+    engine.train_step(inputs, targets)
+    for leaf in jax.tree.leaves(engine.state()):  # ... and after a step
+        assert leaf.devices() == {host} and leaf.committed
+    engine.close()
+
+
+# A key bias shifts every score of a query by the same amount, which softmax ignores: its true
+# gradient is zero and Adam's normalisation blows rounding noise up to a full step, so it is the one
+# parameter that cannot match to 1e-5 (in any two implementations).
+VARIANTS = {"qkv_bias": (dict(qkv_bias=True, num_kv_heads=2), ("k_bias",)),
+            "tied_embeddings": (dict(tie_embeddings=True, num_kv_heads=4), ())}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_model_variants_match_reference(variant):
+    options, skip = VARIANTS[variant]
+    cfg = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
+                      num_heads=4, **options)
+    data = batches(1, 2)
+    ref_losses, ref_params = reference_run(cfg, data, 1.0)
+    engine = make_engine(cfg, tuple(jax.devices("cpu")[:2]), 1.0)
+    losses = [float(engine.train_step(i, t)["loss"]) for i, t in data]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(engine.params(), ref_params, rtol=1e-5, skip=skip)
+    engine.close()
+
+
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_prefetch_depth_does_not_change_results(prefetch):
+    data = batches(1, 2)[:2]
+    base = make_engine(CFG, tuple(jax.devices("cpu")[:2]), 1.0, prefetch=1)
+    other = make_engine(CFG, tuple(jax.devices("cpu")[:2]), 1.0, prefetch=prefetch)
+    for inputs, targets in data:
+        a, b = base.train_step(inputs, targets), other.train_step(inputs, targets)
+        assert float(a["loss"]) == float(b["loss"])
+    assert_trees_close(base.params(), other.params(), rtol=0)
+
+
+def test_bf16_compute_trains_close_to_fp32():
+    """bf16 streaming is not exact, but must track the fp32 run (catches a dtype mix-up)."""
+    data = batches(1, 4)
+    ref_losses, _ = reference_run(CFG, data, 1.0)
+    first, last = make_stages(CFG, seed=0)
+    engine = StreamedEngine(first=first, last=last, make_block=lambda i: make_block(CFG, 0, i),
+                            num_layers=CFG.num_layers, optimizer=build_optimizer(OPT, STEPS),
+                            max_grad_norm=1.0, compute_dtype=jnp.bfloat16,
+                            compute_device=jax.devices("cpu")[0], host_device=jax.devices("cpu")[1])
+    losses = [float(engine.train_step(i, t)["loss"]) for i, t in data]
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
+    for leaf in jax.tree.leaves(engine.params()):
+        assert leaf.dtype == jnp.float32  # master weights stay fp32
+    engine.close()
+
+
+def test_compiles_nothing_after_first_step():
+    engine = make_engine(CFG, tuple(jax.devices("cpu")[:2]), 1.0)
+    data = batches(2, 2)
+    engine.train_step(*data[0])
+    engine.wait()
+    compiles = []
+
+    def on_event(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        for inputs, targets in data[1:4]:
+            float(engine.train_step(inputs, targets)["loss"])
+        engine.wait()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert compiles == []
+    engine.close()
+
+
+def test_compile_counter_sees_a_first_step():
+    """Guards the test above: the listener must see the first step's compiles."""
+    compiles = []
+
+    def on_event(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        cfg = ModelConfig(vocab_size=37, hidden_size=48, intermediate_size=40, num_layers=2,
+                          num_heads=2, num_kv_heads=1)
+        engine = make_engine(cfg, tuple(jax.devices("cpu")[:2]), 1.0)
+        rng = np.random.default_rng(0)
+        toks = rng.integers(0, 37, size=(1, 2, 9), dtype=np.int32)
+        engine.train_step(toks[..., :-1], toks[..., 1:])
+        engine.close()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert len(compiles) >= 5
