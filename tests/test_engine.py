@@ -1,5 +1,7 @@
 """The streamed engine against a plain, un-offloaded reference (whole-model value_and_grad + optax)."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -166,45 +168,42 @@ def test_bf16_compute_trains_close_to_fp32():
     engine.close()
 
 
+@contextlib.contextmanager
+def count_compiles():
+    """Collects one entry per XLA compilation inside the block."""
+    compiles = []
+
+    def on_event(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+
+
 def test_compiles_nothing_after_first_step():
     engine = make_engine(CFG, tuple(jax.devices("cpu")[:2]), 1.0)
     data = batches(2, 2)
     engine.train_step(*data[0])
     engine.wait()
-    compiles = []
-
-    def on_event(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
+    with count_compiles() as compiles:
         for inputs, targets in data[1:4]:
             float(engine.train_step(inputs, targets)["loss"])
         engine.wait()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_event)
     assert compiles == []
     engine.close()
 
 
 def test_compile_counter_sees_a_first_step():
-    """Guards the test above: the listener must see the first step's compiles."""
-    compiles = []
-
-    def on_event(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
-        cfg = ModelConfig(vocab_size=37, hidden_size=48, intermediate_size=40, num_layers=2,
-                          num_heads=2, num_kv_heads=1)
+    """Guards the test above: the counter must see the first step's compiles."""
+    cfg = ModelConfig(vocab_size=37, hidden_size=48, intermediate_size=40, num_layers=2,
+                      num_heads=2, num_kv_heads=1)
+    with count_compiles() as compiles:
         engine = make_engine(cfg, tuple(jax.devices("cpu")[:2]), 1.0)
-        rng = np.random.default_rng(0)
-        toks = rng.integers(0, 37, size=(1, 2, 9), dtype=np.int32)
+        toks = np.random.default_rng(0).integers(0, 37, size=(1, 2, 9), dtype=np.int32)
         engine.train_step(toks[..., :-1], toks[..., 1:])
         engine.close()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_event)
     assert len(compiles) >= 5
