@@ -38,7 +38,8 @@ class _Unit:
     params: Any  # fp32 master weights (pure dict) on the host device
     opt_state: Any  # optax state on the host device
     bus: Any = None  # compute-dtype copy, ready to cross to the device; None between its last
-    # use in a step and the update that recreates it (its memory then holds the gradient)
+    # use in a step and the update that recreates it, when its memory must make room for the
+    # whole model's gradients (global-norm clipping) or it lives in the accelerator's memory
     pending: Optional[concurrent.futures.Future] = None  # the host update still running
 
 
@@ -100,11 +101,17 @@ class StreamedEngine:
         self.host_device = host_device or jax.devices("cpu")[0]
         self._host = jax.sharding.SingleDeviceSharding(self.host_device)
         self._compute = jax.sharding.SingleDeviceSharding(self.compute_device)
-        # Bus copies wait in the compute device's pinned host memory where it has one: the
-        # accelerator then reads them by DMA, with no staging copy on the way.
+        # On an accelerator, bus copies wait in its pinned host memory, which it reads by DMA with
+        # no staging copy. The update cannot write there (another device's memory), so it writes
+        # into a reused host buffer (`_staging`, one per unit structure) that is then copied over.
+        # When state and compute share a device, the bus is a host buffer rewritten in place.
         kinds = {m.kind for m in self.compute_device.addressable_memories()}
-        self._bus = (jax.sharding.SingleDeviceSharding(self.compute_device, memory_kind="pinned_host")
-                     if "pinned_host" in kinds else self._host)
+        self._bus_in_place = self.compute_device == self.host_device or "pinned_host" not in kinds
+        # In place and fp32 compute: the bus copy is the master weights themselves.
+        self._bus_is_params = self._bus_in_place and self.compute_dtype == jnp.float32
+        self._bus = (self._host if self._bus_in_place else
+                     jax.sharding.SingleDeviceSharding(self.compute_device, memory_kind="pinned_host"))
+        self._staging = {}
 
         with jax.default_device(self.host_device):
             self._stages_def, stages = _param_split((first, last), "the first/last stages")
@@ -119,7 +126,10 @@ class StreamedEngine:
                                      "blocks must share one structure")
                 units.append(params)
 
-        self._update = jax.jit(self._host_update, donate_argnums=(0, 1))
+        # Donating params, optax state and the old bus copy makes the update write in place: on
+        # the CPU backend a fresh output buffer is page-faulted in at a fraction of memory speed.
+        # keep_unused: the old bus is never read, only donated; jit would otherwise prune it.
+        self._update = jax.jit(self._host_update, donate_argnums=(0, 1, 3), keep_unused=True)
         # out_shardings: optax state that does not depend on the params (counts, zeros) would
         # otherwise land uncommitted on the default device, the accelerator.
         init = jax.jit(optimizer.init, out_shardings=self._host)
@@ -127,7 +137,10 @@ class StreamedEngine:
         for params in units:
             params = jax.device_put(jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params),
                                     self._host)
-            self._units.append(_Unit(params, init(params), self._to_bus(self._cast(params))))
+            self._units.append(_Unit(params, init(params), self._make_bus(params)))
+        if not self._bus_in_place:  # made now, so the update compiles once per unit structure
+            zeros = lambda p: jnp.zeros(p.shape, self.compute_dtype, device=self.host_device)
+            self._staging = {key: jax.tree.map(zeros, self._units[key].params) for key in (0, 1)}
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-optim")
         self._build_device_fns()
         # Running totals, for benchmarks: bytes each way, seconds the host thread spent updating,
@@ -177,7 +190,11 @@ class StreamedEngine:
     def _to_bus(self, tree):
         return jax.device_put(tree, self._bus)
 
-    def _host_update(self, params, opt_state, grads, grad_norm):
+    def _make_bus(self, params):
+        return params if self._bus_is_params else self._to_bus(self._cast(params))
+
+    def _host_update(self, params, opt_state, grads, old_bus, grad_norm):
+        del old_bus  # donated: the new bus copy is written into its buffer
         if self.max_grad_norm is not None:
             # Exactly optax.clip_by_global_norm, with the norm taken over the whole model.
             clip = grad_norm >= self.max_grad_norm
@@ -186,19 +203,30 @@ class StreamedEngine:
                 grads)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, self._cast(params)
+        return params, opt_state, None if self._bus_is_params else self._cast(params)
 
-    def _apply_update(self, unit: _Unit, grads, grad_norm):
-        """Runs on the host-optimizer thread."""
+    def _apply_update(self, unit: _Unit, grads, grad_norm, staging_key):
+        """Runs on the host-optimizer thread: one jitted, in-place optax step of one unit, its
+        bus copy written in the same call. XLA:CPU spreads each large fused loop over all cores."""
         t0 = time.perf_counter()
-        unit.params, unit.opt_state, bus = self._update(unit.params, unit.opt_state, grads, grad_norm)
-        unit.bus = self._to_bus(bus)
+        if self._bus_in_place:
+            old_bus = None if self._bus_is_params else unit.bus
+        else:
+            old_bus = self._staging.pop(staging_key, None)
+        unit.bus = None
+        unit.params, unit.opt_state, bus = self._update(unit.params, unit.opt_state, grads, old_bus,
+                                                        grad_norm)
+        if self._bus_in_place:
+            unit.bus = unit.params if self._bus_is_params else bus
+        else:
+            unit.bus = self._to_bus(bus)
+            self._staging[staging_key] = bus  # reused by the next unit: this copy is waited for
         jax.block_until_ready(unit.bus)  # the future completes when the weights are usable
         self.host_update_s += time.perf_counter() - t0
 
     def _submit_update(self, u: int, grads, grad_norm):
         unit = self._units[u]
-        unit.pending = self._thread.submit(self._apply_update, unit, grads, grad_norm)
+        unit.pending = self._thread.submit(self._apply_update, unit, grads, grad_norm, min(u, 1))
 
     def _ready(self, u: int) -> _Unit:
         unit = self._units[u]
@@ -217,7 +245,10 @@ class StreamedEngine:
 
     def _send_grads(self, u: int, grads):
         self.bytes_d2h += _nbytes(grads)
-        self._units[u].bus = None  # its last use this step is dispatched; free it for the grads
+        if self.max_grad_norm is not None or not self._bus_in_place:
+            # Its last use this step is dispatched: free it for the grads of the whole model (or
+            # back to the accelerator's pinned pool). Otherwise the update rewrites it in place.
+            self._units[u].bus = None
         return jax.device_put(grads, self._host)
 
     def _streamed(self, order):
@@ -310,7 +341,7 @@ class StreamedEngine:
         for unit, src in zip(self._units, [state["stages"], *state["layers"]], strict=True):
             unit.params = jax.device_put(src["params"], self._host)
             unit.opt_state = jax.device_put(src["opt_state"], self._host)
-            unit.bus = self._to_bus(self._cast(unit.params))
+            unit.bus = self._make_bus(unit.params)
 
     def close(self):
         self.wait()

@@ -1,0 +1,157 @@
+"""The host optimizer step: in place (donated buffers really reused) and equal to plain optax."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from megatrain_jax import StreamedEngine
+
+D, V, L = 32, 11, 3
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (D, 3 * D)) * 0.1)
+        self.b = nnx.Param(jnp.zeros((3 * D,)))
+        self.out = nnx.Param(jax.random.normal(rngs.params(), (3 * D, D)) * 0.1)
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.w[...] + self.b[...]) @ self.out[...]
+
+
+class Embed(nnx.Module):
+    def __init__(self, rngs):
+        self.table = nnx.Param(jax.random.normal(rngs.params(), (V, D)))
+
+    def __call__(self, tokens):
+        return self.table[...][tokens]
+
+
+class Head(nnx.Module):
+    def __init__(self, rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (D, V)) * 0.1)
+
+    def __call__(self, x, targets):
+        return optax.softmax_cross_entropy_with_integer_labels(x @ self.w[...], targets).mean()
+
+
+# Elementwise (adamw, with a mask), per-leaf non-elementwise (trust ratio: a norm per leaf), and a
+# chain with a schedule (the step count lives in the state).
+OPTIMIZERS = {
+    "adamw_masked": lambda: optax.adamw(1e-2, weight_decay=0.1,
+                                        mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)),
+    "lamb": lambda: optax.lamb(1e-2),
+    "sgd_schedule": lambda: optax.chain(optax.scale_by_adam(), optax.scale_by_schedule(
+        optax.linear_schedule(-1e-2, -1e-3, 5))),
+}
+DEVICES = {"in_place": lambda: (jax.devices("cpu")[0],) * 2,  # compute and state share a device
+           "staged": lambda: tuple(jax.devices("cpu")[:2])}  # bus copied to the compute device
+
+
+def make_engine(tx, devices, max_grad_norm=None, compute_dtype=jnp.bfloat16):
+    compute, host = devices
+    return StreamedEngine(first=Embed(nnx.Rngs(0)), last=Head(nnx.Rngs(1)),
+                          make_block=lambda i: Block(nnx.Rngs(10 + i)), num_layers=L, optimizer=tx,
+                          max_grad_norm=max_grad_norm, compute_dtype=compute_dtype,
+                          compute_device=compute, host_device=host)
+
+
+def random_grads(tree, rng):
+    return jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), tree)
+
+
+def pointers(tree):
+    return [x.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize("devices", DEVICES)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0], ids=["noclip", "clip"])
+def test_donated_update_equals_plain_optax(name, devices, max_grad_norm):
+    """Three host steps with random gradients, bit for bit against optax.update + apply_updates
+    jitted without donation; clipping as optax.clip_by_global_norm over all units together."""
+    tx = OPTIMIZERS[name]()
+    engine = make_engine(tx, DEVICES[devices](), max_grad_norm)
+    ref = jax.tree.map(np.asarray, engine.state())  # copies: the engine's buffers get donated
+    ref_tx = tx if max_grad_norm is None else optax.chain(optax.clip_by_global_norm(max_grad_norm),
+                                                          tx)
+    ref_params = {"stages": ref["stages"]["params"], "layers": [u["params"] for u in ref["layers"]]}
+    ref_opt = ref_tx.init(ref_params)
+    ref_step = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(
+        *ref_tx.update(g, s, p)))
+    rng = np.random.default_rng(0)
+    clipped = False
+    for _ in range(3):
+        grads = random_grads(ref_params, rng)
+        norm = optax.tree.norm(grads)
+        clipped |= max_grad_norm is not None and float(norm) > max_grad_norm
+        host_norm = None if max_grad_norm is None else jax.device_put(norm, engine.host_device)
+        for u, g in enumerate([grads["stages"], *grads["layers"]]):
+            engine._send_grads(u, g)  # as the step does: drops the bus copy where it should
+            engine._submit_update(u, jax.device_put(g, engine.host_device), host_norm)
+        engine.wait()
+        ref_params, ref_opt = ref_step(ref_params, ref_opt, grads)
+    assert clipped or max_grad_norm is None  # the clipping branch must have been taken
+    got = engine.params()
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(ref_params),
+                            strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+    # The bus copy is the compute-dtype cast of the new master weights.
+    for u in engine._units:
+        for b, p in zip(jax.tree.leaves(u.bus), jax.tree.leaves(u.params), strict=True):
+            assert b.dtype == jnp.bfloat16
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(p.astype(jnp.bfloat16)))
+    engine.close()
+
+
+@pytest.mark.parametrize("devices", DEVICES)
+def test_update_reuses_buffers(devices):
+    """Donation must take effect: params, optax state and (in place) the bus copy keep their
+    buffers across an update, and XLA reports no unusable donation."""
+    engine = make_engine(optax.adamw(1e-2), DEVICES[devices]())
+    unit = engine._units[1]
+    before = pointers((unit.params, unit.opt_state))
+    bus_before = pointers(unit.bus)
+    grads = random_grads(unit.params, np.random.default_rng(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine._send_grads(1, grads)
+        engine._submit_update(1, jax.device_put(grads, engine.host_device), None)
+        engine.wait()
+    assert not [w for w in caught if "donated" in str(w.message)], [str(w.message) for w in caught]
+    # Leaves that cannot move (the step count) may be re-allocated; every large buffer must not.
+    big = [a == b for a, b, x in zip(before, pointers((unit.params, unit.opt_state)),
+                                      jax.tree.leaves((unit.params, unit.opt_state))) if x.size > 1]
+    assert big and all(big)
+    if devices == "in_place":
+        assert pointers(unit.bus) == bus_before
+    else:  # the bus copy lives on the compute device; the host-side staging buffer is reused
+        staging = pointers(engine._staging[1])
+        engine._send_grads(2, grads)
+        engine._submit_update(2, jax.device_put(grads, engine.host_device), None)
+        engine.wait()
+        assert pointers(engine._staging[1]) == staging
+    engine.close()
+
+
+def test_custom_transform_whose_state_is_the_gradient():
+    """A transform whose new state is its input gradient (no output aliases the donated state's
+    role): the in-place path must still return exactly that gradient."""
+    tx = optax.GradientTransformation(
+        init=lambda params: jax.tree.map(jnp.zeros_like, params),
+        update=lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads))
+    engine = make_engine(tx, DEVICES["in_place"](), compute_dtype=jnp.float32)
+    grads = random_grads(engine._units[2].params, np.random.default_rng(2))
+    expected = jax.tree.map(np.asarray, grads)
+    engine._send_grads(2, grads)
+    engine._submit_update(2, grads, None)
+    engine.wait()
+    for x, y in zip(jax.tree.leaves(engine.state()["layers"][1]["opt_state"]),
+                    jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), y)
+    engine.close()
