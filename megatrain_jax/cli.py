@@ -2,10 +2,12 @@
 
 import sys
 
+from megatrain_jax.checkpoint import CheckpointError
 from megatrain_jax.config import ConfigError
 from megatrain_jax.data import DataError
+from megatrain_jax.hf import HFError
 
-USER_ERRORS = (ConfigError, DataError)
+USER_ERRORS = (ConfigError, DataError, HFError, CheckpointError)
 
 
 def run_cli(fn) -> int:

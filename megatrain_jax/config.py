@@ -34,6 +34,7 @@ class OptimizerConfig:
 class DataConfig:
     path: str = "megatrain_jax/texts/devils_dictionary.txt"
     tokenizer: str = "byte"  # "byte" or a tokenizer.json path
+    eos_token: str = ""  # the document separator of a tokenizer.json; "": </s>, <|endoftext|>, ...
     text_field: str = "text"  # for .jsonl
     token_dtype: str = "uint16"  # for .bin token files
     seq_len: int = 128
@@ -129,8 +130,24 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
             raise ConfigError(f"override {item!r} is not key=value")
         _set_dotted(data, key, yaml.safe_load(value) if value else "")
     cfg = _build(Config, data, "")
+    if cfg.model.from_hf:
+        cfg = dataclasses.replace(cfg, model=_model_from_hf(cfg.model, data.get("model", {})))
     _check(cfg)
     return cfg
+
+
+def _model_from_hf(given: ModelConfig, given_keys) -> ModelConfig:
+    """The architecture comes from the HF directory's config.json; a key also set in the config
+    must agree with it (so a saved, resolved config.yaml loads again)."""
+    from megatrain_jax import hf  # lazy: hf imports the model stack
+
+    model = hf.model_config_from_hf(given.from_hf)
+    for key in given_keys:
+        if key not in ("from_hf", "init_std") and getattr(given, key) != getattr(model, key):
+            raise ConfigError(f"model.{key}={getattr(given, key)!r} conflicts with "
+                              f"{given.from_hf}/config.json ({getattr(model, key)!r}); leave it out "
+                              f"when model.from_hf is set")
+    return dataclasses.replace(model, init_std=given.init_std)
 
 
 def _check(cfg: Config):
@@ -153,6 +170,9 @@ def _check(cfg: Config):
         raise ConfigError(f"optimizer.max_grad_norm must be >= 0, got {cfg.optimizer.max_grad_norm}")
     if not cfg.run_dir:
         raise ConfigError("run_dir must not be empty")
+    if cfg.model.sliding_window and cfg.data.seq_len > cfg.model.sliding_window:
+        raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) exceeds model.sliding_window "
+                          f"({cfg.model.sliding_window}): sliding-window attention is not supported")
 
 
 def to_dict(cfg) -> dict:

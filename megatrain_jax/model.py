@@ -27,6 +27,17 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # RoPE frequency scaling as in HF: "" (none), "linear" (all frequencies / factor) or "llama3"
+    # (long wavelengths / factor, short ones kept, a smooth ramp between; Llama 3.1+).
+    rope_scaling: str = ""
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3 only
+    rope_high_freq_factor: float = 4.0  # llama3 only
+    rope_original_max_position: int = 8192  # llama3 only
+    # Mistral/Qwen2 sliding-window attention: 0 = none. Only sequences no longer than the window
+    # are supported (attention is then exactly causal), so the block refuses longer ones.
+    sliding_window: int = 0
+    from_hf: str = ""  # a local Hugging Face model directory to initialise from (megatrain_jax.hf)
 
     def __post_init__(self):
         # Errors name the config key; config.py turns them into one-line CLI errors.
@@ -40,6 +51,17 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model.num_kv_heads ({self.num_kv_heads}) must divide "
                              f"model.num_heads ({self.num_heads})")
+        if self.rope_scaling not in ROPE_SCALING_TYPES:
+            raise ValueError(f"model.rope_scaling: unsupported type {self.rope_scaling!r} "
+                             f"(supported: {', '.join(repr(t) for t in ROPE_SCALING_TYPES)})")
+        if self.rope_scaling and self.rope_scaling_factor <= 0:
+            raise ValueError(f"model.rope_scaling_factor must be > 0, got {self.rope_scaling_factor}")
+        if self.rope_scaling == "llama3" and not (
+                0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+            raise ValueError(f"model.rope_low_freq_factor ({self.rope_low_freq_factor}) must be > 0 "
+                             f"and < model.rope_high_freq_factor ({self.rope_high_freq_factor})")
+        if self.sliding_window < 0:
+            raise ValueError(f"model.sliding_window must be >= 0, got {self.sliding_window}")
 
     @property
     def head_size(self) -> int:
@@ -54,6 +76,28 @@ class ModelConfig:
         return self.num_layers * block + d + (embed if include_embeddings else 0)
 
 
+ROPE_SCALING_TYPES = ("", "linear", "llama3")
+
+
+def rope_inv_freq(cfg: ModelConfig):
+    """(H/2,) fp32 inverse frequencies, computed as HF computes them (fp32 throughout)."""
+    h = cfg.head_size
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    factor = cfg.rope_scaling_factor
+    if cfg.rope_scaling == "linear":
+        return inv_freq / factor
+    if cfg.rope_scaling == "llama3":
+        low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        old_len = cfg.rope_original_max_position
+        wavelen = 2 * jnp.pi / inv_freq
+        scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return jnp.where(medium, smoothed, scaled)
+    return inv_freq
+
+
 def rms_norm(x, scale, eps):
     # As in HF Llama: normalise in fp32, cast back, then scale in the input dtype.
     x32 = x.astype(jnp.float32)
@@ -61,10 +105,9 @@ def rms_norm(x, scale, eps):
     return scale.astype(x.dtype) * x32.astype(x.dtype)
 
 
-def apply_rope(x, theta):
+def apply_rope(x, inv_freq):
     """Rotary embedding on (B, T, N, H) with HF's half-split layout; positions are 0..T-1."""
     h = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
     angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * inv_freq[None, :]  # (T, H/2)
     angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]  # (1, T, 1, H)
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
@@ -96,6 +139,9 @@ class Block(nnx.Module):
 
     def __call__(self, x):  # (B, T, D) -> (B, T, D)
         cfg = self.cfg
+        if cfg.sliding_window and x.shape[1] > cfg.sliding_window:
+            raise ValueError(f"sequence length {x.shape[1]} exceeds model.sliding_window "
+                             f"({cfg.sliding_window}): sliding-window attention is not implemented")
         with jax.named_scope("attention"):
             y = rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
             q = jnp.einsum("btd,dnh->btnh", y, self.wq[...])
@@ -103,7 +149,8 @@ class Block(nnx.Module):
             v = jnp.einsum("btd,dkh->btkh", y, self.wv[...])
             if cfg.qkv_bias:
                 q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-            q, k = apply_rope(q, cfg.rope_theta), apply_rope(k, cfg.rope_theta)
+            inv_freq = rope_inv_freq(cfg)
+            q, k = apply_rope(q, inv_freq), apply_rope(k, inv_freq)
             # Grouped-query attention: dot_product_attention broadcasts K kv heads over N.
             attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, N, H)
             x = x + jnp.einsum("btnh,nhd->btd", attn, self.wo[...])

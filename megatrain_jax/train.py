@@ -5,6 +5,8 @@ scripts/train.py is a thin CLI over this module.
 
 import json
 import os
+import signal
+import threading
 import time
 
 import jax
@@ -12,7 +14,9 @@ import jax.numpy as jnp
 import optax
 import yaml
 
+from megatrain_jax import checkpoint
 from megatrain_jax import data as data_lib
+from megatrain_jax import hf
 from megatrain_jax.config import Config, ConfigError, to_dict
 from megatrain_jax.engine import StreamedEngine
 from megatrain_jax.model import make_block, make_stages
@@ -37,9 +41,16 @@ def build_optimizer(cfg, total_steps: int) -> optax.GradientTransformation:
 
 def build_engine(cfg: Config, **engine_kwargs) -> StreamedEngine:
     model = cfg.model
-    first, last = make_stages(model, cfg.train.seed)
+    if model.from_hf:  # the weights of a HF model, read layer by layer into host memory
+        source = hf.HFSource(model.from_hf)
+        with jax.default_device(engine_kwargs.get("host_device") or jax.devices("cpu")[0]):
+            first, last = hf.load_stages(model, source)  # straight into host memory
+        block = lambda i: hf.load_block(model, source, i)
+    else:
+        first, last = make_stages(model, cfg.train.seed)
+        block = lambda i: make_block(model, cfg.train.seed, i)
     return StreamedEngine(
-        first=first, last=last, make_block=lambda i: make_block(model, cfg.train.seed, i),
+        first=first, last=last, make_block=block,
         num_layers=model.num_layers, optimizer=build_optimizer(cfg.optimizer, cfg.train.steps),
         max_grad_norm=cfg.optimizer.max_grad_norm or None,
         compute_dtype=jnp.dtype(cfg.train.compute_dtype), prefetch=cfg.train.prefetch,
@@ -47,7 +58,7 @@ def build_engine(cfg: Config, **engine_kwargs) -> StreamedEngine:
 
 
 def load_dataset(cfg: Config) -> data_lib.PackedDataset:
-    tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer)
+    tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer, eos_token=cfg.data.eos_token or None)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
                           f"tokenizer's ({tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer})")
@@ -67,20 +78,85 @@ def prepare_run_dir(run_dir: str):
         raise ConfigError(f"run_dir {run_dir!r} is not writable")
 
 
+class _StopSignals:
+    """SIGTERM/SIGINT while training: the first asks to stop after the current step (the loop then
+    saves a checkpoint and returns); a second exits at once. Orbax commits a checkpoint by renaming
+    its directory when complete, so exiting mid-save leaves the earlier checkpoints as they were."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if self.received is not None:
+            os._exit(128 + signum)  # the shell's code for "killed by this signal"
+        self.received = signal.Signals(signum).name
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # Python's rule for handlers
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def _keep_metrics_through(path: str, step: int):
+    """Drops the records after `step` (logged after the checkpoint a run resumes from, or a torn
+    last line), so a resumed run appends each step once. Atomic: a temp file, then os.replace."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            if line.endswith("\n") and json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            pass
+    if kept != lines:
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+
+
 def train(cfg: Config, *, log=print) -> list[dict]:
-    """Trains for cfg.train.steps steps; returns the per-step metrics it logged."""
+    """Trains up to cfg.train.steps (the total) steps; returns the per-step metrics it logged.
+
+    Resumes from the latest complete checkpoint in `<run_dir>/checkpoints` (or the step
+    `checkpoint.resume_step`) when there is one. Saves every `checkpoint.every` steps, at the last
+    step, and on SIGTERM/SIGINT (then returns early)."""
     dataset = load_dataset(cfg)  # validate all inputs before anything is written
     prepare_run_dir(cfg.run_dir)
+    engine = build_engine(cfg)
+    ckpt = cfg.checkpoint
+    manager = checkpoint.make_manager(os.path.join(cfg.run_dir, "checkpoints"), keep=ckpt.keep,
+                                      async_save=ckpt.async_save,
+                                      write_bytes=checkpoint.largest_unit_bytes(engine))
+    start = 0
+    resume_step = None if ckpt.resume_step < 0 else ckpt.resume_step
+    if resume_step is not None or checkpoint.resolve_step(manager) is not None:
+        # Checked against the saved shapes and model config before anything is overwritten.
+        meta = checkpoint.restore(manager, engine, resume_step, model_config=to_dict(cfg.model))
+        dataset.restore(meta["data_state"])
+        start = meta["step"]
+
     with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
         yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
-
     log(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
-    engine = build_engine(cfg)
     log(f"model: {cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.num_layers} layers | "
         f"{dataset.tokens_per_batch} tokens/step | compute {jax.devices()[0].platform}")
+    if start:
+        log(f"resumed from checkpoint step {start} ({manager.directory})")
+    metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
+    _keep_metrics_through(metrics_path, start)
     history = []
-    with open(os.path.join(cfg.run_dir, "metrics.jsonl"), "a") as metrics_file:
-        for step in range(1, cfg.train.steps + 1):
+    with _StopSignals() as stop, open(metrics_path, "a") as metrics_file:
+        for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
             inputs, targets = dataset.next_batch()
             out = engine.train_step(inputs, targets)
@@ -94,5 +170,20 @@ def train(cfg: Config, *, log=print) -> list[dict]:
             if step % cfg.train.log_every == 0 or step == cfg.train.steps:
                 log(f"step {step:5d} | loss {loss:.4f} | grad norm {grad_norm:.3f} | "
                     f"{record['tokens_per_sec']:,.0f} tok/s | {dt * 1000:.0f} ms")
+            if (ckpt.every and step % ckpt.every == 0) or step == cfg.train.steps or stop.received:
+                if step in manager.all_steps():  # only after resume_step: never overwrite one
+                    log(f"checkpoint step {step} already exists in {manager.directory}; kept as is")
+                else:
+                    checkpoint.save(manager, step, engine, {
+                        "config": to_dict(cfg), "data_state": dataset.state(),
+                        "rng": {"seed": cfg.train.seed}})  # the home of a future dropout key
+            if stop.received:
+                log(f"{stop.received} received: stopped after step {step} with a checkpoint; "
+                    f"run the same command again to resume")
+                break
+        manager.wait_until_finished()  # inside: a second signal still exits at once
+    manager.close()
     engine.close()
+    if start >= cfg.train.steps:
+        log(f"nothing to do: checkpoint step {start} reached train.steps={cfg.train.steps}")
     return history

@@ -1,0 +1,496 @@
+"""Hugging Face interop: a local HF model directory in, a HF model directory out.
+
+Import (`model.from_hf: DIR`): `config.json` becomes a ModelConfig, and the safetensors weights are
+read one tensor at a time, cast and transposed in one pass into the fp32 host layout of
+megatrain_jax.model, one layer at a time (`load_stages`, `load_block`), so the engine never holds a
+second copy of the model. Export (`export_checkpoint`, behind scripts/export_hf.py) reads a
+checkpoint's parameters a shard at a time and writes safetensors shards, the index and config.json.
+
+Only `config.json`, `model.safetensors.index.json` and `*.safetensors` are ever read from a model
+directory: never a pickle (`pytorch_model.bin`). Every problem raises HFError with one line naming
+the directory, file, tensor or option.
+
+Layouts (HF stores Linear weights as (out, in)):
+    q_proj (N*H, D) <-> wq (D, N, H)    k_proj, v_proj (K*H, D) <-> wk, wv (D, K, H)
+    o_proj (D, N*H) <-> wo (N, H, D)    gate_proj, up_proj (F, D) <-> w_gate, w_up (D, F)
+    down_proj (D, F) <-> w_down (F, D)  lm_head (V, D) <-> w_out (D, V)    embed_tokens (V, D) as is
+"""
+
+import json
+import math
+import os
+import re
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from megatrain_jax.model import Block, ModelConfig, make_stages
+
+
+class HFError(ValueError):
+    """A Hugging Face model directory, or an export request, that cannot be used."""
+
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                 "Qwen2ForCausalLM": "qwen2"}
+CONFIG_FILE, INDEX_FILE, SINGLE_FILE = "config.json", "model.safetensors.index.json", "model.safetensors"
+FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
+EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+# Buffers some older checkpoints saved next to the weights; recomputed, so skipped.
+IGNORED_TENSOR = re.compile(r".*\.rotary_emb\.inv_freq$")
+
+
+# -----------------------------------------------------------------------------
+# config.json <-> ModelConfig
+
+
+def _read_json(path: str, what: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise HFError(f"{what}: {path} not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HFError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise HFError(f"{path}: expected a JSON object")
+    return data
+
+
+def read_hf_config(model_dir: str) -> dict:
+    if not os.path.isdir(model_dir):
+        raise HFError(f"model.from_hf: {model_dir} is not a directory")
+    return _read_json(os.path.join(model_dir, CONFIG_FILE), f"model.from_hf {model_dir}")
+
+
+def _rope_options(hf: dict, where: str) -> dict:
+    """RoPE theta and scaling from either config.json convention: transformers < 5 writes
+    `rope_theta` + `rope_scaling`, transformers >= 5 writes `rope_parameters`."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        raise HFError(f"{where}: per-layer rope parameters are not supported")
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise HFError(f"{where}: partial_rotary_factor is not supported")
+    out = {"rope_theta": theta}
+    if kind == "default":
+        return out
+    if kind not in ("linear", "llama3"):
+        raise HFError(f"{where}: rope scaling type {kind!r} is not supported "
+                      f"(supported: default, linear, llama3)")
+    try:
+        out.update(rope_scaling=kind, rope_scaling_factor=float(params["factor"]))
+        if kind == "llama3":
+            out.update(rope_low_freq_factor=float(params["low_freq_factor"]),
+                       rope_high_freq_factor=float(params["high_freq_factor"]),
+                       rope_original_max_position=int(params.get(
+                           "original_max_position_embeddings", hf["max_position_embeddings"])))
+    except KeyError as e:
+        raise HFError(f"{where}: rope scaling {kind!r} is missing {e.args[0]!r}") from None
+    return out
+
+
+def model_config_from_hf(model_dir: str) -> ModelConfig:
+    """The ModelConfig of a local HF model directory, with `from_hf=model_dir`.
+
+    Checks the weights too (every expected tensor present with the right shape, no unexpected one,
+    every shard there), reading only the safetensors headers, so a bad directory fails here,
+    before a run writes anything."""
+    hf = read_hf_config(model_dir)
+    where = os.path.join(model_dir, CONFIG_FILE)
+    archs = hf.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+        raise HFError(f"{where}: unsupported architecture {', '.join(map(str, archs)) or '(none)'} "
+                      f"(supported: {', '.join(ARCHITECTURES)})")
+    arch = archs[0]
+    if hf.get("hidden_act", "silu") != "silu":
+        raise HFError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+    for option in ("attention_bias", "mlp_bias"):  # Llama options: o_proj / MLP biases
+        if hf.get(option):
+            raise HFError(f"{where}: {option}=true is not supported")
+    sliding = 0
+    if arch == "MistralForCausalLM":
+        sliding = hf.get("sliding_window") or 0
+    elif arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
+        sliding = hf.get("sliding_window") or 0
+    try:
+        num_heads = hf["num_attention_heads"]
+        hidden = hf["hidden_size"]
+        fields = dict(vocab_size=hf["vocab_size"], hidden_size=hidden,
+                      intermediate_size=hf["intermediate_size"],
+                      num_layers=hf["num_hidden_layers"], num_heads=num_heads)
+    except KeyError as e:
+        raise HFError(f"{where}: missing {e.args[0]!r}") from None
+    head_dim = hf.get("head_dim") or 0
+    try:
+        cfg = ModelConfig(
+            **fields, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=0 if head_dim * num_heads == hidden else head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            qkv_bias=arch == "Qwen2ForCausalLM",
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            sliding_window=int(sliding), from_hf=model_dir, **_rope_options(hf, where))
+    except (ValueError, TypeError) as e:
+        raise HFError(f"{where}: {e}") from None
+    HFSource(model_dir).check(cfg)
+    return cfg
+
+
+def _architecture(cfg: ModelConfig, base: dict) -> str:
+    """The source model's architecture where it still describes cfg, else the one that does."""
+    arch = (base.get("architectures") or [None])[0]
+    fits = {"Qwen2ForCausalLM": cfg.qkv_bias, "MistralForCausalLM": not cfg.qkv_bias,
+            "LlamaForCausalLM": not cfg.qkv_bias and not cfg.sliding_window}
+    if fits.get(arch):
+        return arch
+    return ("Qwen2ForCausalLM" if cfg.qkv_bias else
+            "MistralForCausalLM" if cfg.sliding_window else "LlamaForCausalLM")
+
+
+def hf_config(cfg: ModelConfig, *, dtype: str, max_position_embeddings: int,
+              base: dict | None = None) -> dict:
+    """config.json for cfg. Keys of `base` (the source model's config.json: token ids, ...) are
+    kept, the architecture's are overwritten. RoPE is written both ways (see _rope_options)."""
+    out = {k: v for k, v in (base or {}).items() if k not in ("rope_scaling", "rope_parameters")}
+    arch = _architecture(cfg, base or {})
+    rope = {"rope_type": cfg.rope_scaling or "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling:
+        rope["factor"] = cfg.rope_scaling_factor
+    if cfg.rope_scaling == "llama3":
+        rope.update(low_freq_factor=cfg.rope_low_freq_factor,
+                    high_freq_factor=cfg.rope_high_freq_factor,
+                    original_max_position_embeddings=cfg.rope_original_max_position)
+    out.update(
+        architectures=[arch], model_type=ARCHITECTURES[arch], vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_size, hidden_act="silu",
+        rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+        rope_scaling=dict(rope) if cfg.rope_scaling else None, rope_parameters=rope,
+        tie_word_embeddings=cfg.tie_embeddings, torch_dtype=dtype, dtype=dtype,
+        max_position_embeddings=out.get("max_position_embeddings", max_position_embeddings))
+    if arch == "LlamaForCausalLM":
+        out.update(attention_bias=False, mlp_bias=False)
+    elif arch == "MistralForCausalLM":
+        out["sliding_window"] = cfg.sliding_window or None
+    else:
+        out.update(use_sliding_window=bool(cfg.sliding_window),
+                   sliding_window=cfg.sliding_window or None)
+        out.pop("layer_types", None)  # transformers derives it from use_sliding_window
+    return out
+
+
+# -----------------------------------------------------------------------------
+# the tensor map: one table, read both ways
+
+
+def stage_tensors(cfg: ModelConfig) -> list:
+    """[(HF name, HF shape, path in the stages' pure dict, transpose)] in HF file order."""
+    v, d = cfg.vocab_size, cfg.hidden_size
+    out = [("model.embed_tokens.weight", (v, d), (0, "embedding"), False),
+           ("model.norm.weight", (d,), (1, "norm"), False)]
+    if not cfg.tie_embeddings:
+        out.append(("lm_head.weight", (v, d), (1, "w_out"), True))
+    return out
+
+
+def block_tensors(cfg: ModelConfig, layer: int) -> list:
+    """[(HF name, HF shape, key in the block's pure dict, transpose)] for layer `layer`."""
+    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_size
+    n, k = cfg.num_heads, cfg.num_kv_heads
+    p = f"model.layers.{layer}."
+    out = [(p + "input_layernorm.weight", (d,), "attn_norm", False),
+           (p + "self_attn.q_proj.weight", (n * h, d), "wq", True),
+           (p + "self_attn.k_proj.weight", (k * h, d), "wk", True),
+           (p + "self_attn.v_proj.weight", (k * h, d), "wv", True),
+           (p + "self_attn.o_proj.weight", (d, n * h), "wo", True)]
+    if cfg.qkv_bias:
+        out += [(p + "self_attn.q_proj.bias", (n * h,), "q_bias", False),
+                (p + "self_attn.k_proj.bias", (k * h,), "k_bias", False),
+                (p + "self_attn.v_proj.bias", (k * h,), "v_bias", False)]
+    out += [(p + "post_attention_layernorm.weight", (d,), "mlp_norm", False),
+            (p + "mlp.gate_proj.weight", (f, d), "w_gate", True),
+            (p + "mlp.up_proj.weight", (f, d), "w_up", True),
+            (p + "mlp.down_proj.weight", (d, f), "w_down", True)]
+    return out
+
+
+def all_tensors(cfg: ModelConfig) -> list:
+    """Every HF tensor of the model, in HF order, as (name, shape, unit, key, transpose); unit 0 is
+    the stages, unit 1 + i layer i (the engine's numbering)."""
+    stages = stage_tensors(cfg)
+    out = [(name, shape, 0, key, t) for name, shape, key, t in stages[:1]]
+    for i in range(cfg.num_layers):
+        out += [(name, shape, 1 + i, key, t) for name, shape, key, t in block_tensors(cfg, i)]
+    return out + [(name, shape, 0, key, t) for name, shape, key, t in stages[1:]]
+
+
+def to_host_layout(src: np.ndarray, shape, transpose: bool):
+    """HF tensor -> fp32 array of `shape`, cast and transposed in one pass into one new buffer."""
+    out = np.empty(shape, np.float32)
+    view = out.reshape(src.shape[::-1] if transpose else src.shape)  # a view of `out`
+    np.copyto(view, src.T if transpose else src, casting="unsafe")
+    return out
+
+
+def to_hf_layout(x, hf_shape, transpose: bool, dtype) -> np.ndarray:
+    """Our array -> contiguous HF tensor of `hf_shape` in `dtype` (one cast-and-copy pass)."""
+    x = np.asarray(x)
+    x = x.reshape(hf_shape[::-1]).T if transpose else x.reshape(hf_shape)
+    return np.ascontiguousarray(x, dtype=dtype)
+
+
+# -----------------------------------------------------------------------------
+# reading weights
+
+
+class HFSource:
+    """The safetensors weights of a HF model directory: which file holds which tensor."""
+
+    def __init__(self, model_dir: str):
+        self.dir = model_dir
+        index_path = os.path.join(model_dir, INDEX_FILE)
+        if os.path.isfile(index_path):
+            weight_map = _read_json(index_path, "index").get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise HFError(f"{index_path}: no weight_map")
+            self.files = dict(weight_map)
+        elif os.path.isfile(os.path.join(model_dir, SINGLE_FILE)):
+            with self._open(SINGLE_FILE) as f:
+                self.files = {name: SINGLE_FILE for name in f.keys()}
+        else:
+            raise HFError(f"model.from_hf {model_dir}: no {SINGLE_FILE} or {INDEX_FILE} (only "
+                          f"safetensors weights are read, never pickled *.bin files)")
+        for shard in sorted(set(self.files.values())):
+            if os.path.basename(shard) != shard or not shard.endswith(".safetensors"):
+                raise HFError(f"{index_path}: bad shard name {shard!r}")
+            if not os.path.isfile(os.path.join(model_dir, shard)):
+                raise HFError(f"model.from_hf {model_dir}: shard {shard} is missing "
+                              f"(listed in {INDEX_FILE})")
+
+    def _open(self, shard: str):
+        from safetensors import safe_open
+        path = os.path.join(self.dir, shard)
+        try:
+            return safe_open(path, framework="numpy")
+        except Exception as e:  # the Rust side raises its own error types
+            raise HFError(f"{path}: not a readable safetensors file ({e})") from None
+
+    def check(self, cfg: ModelConfig):
+        """Every tensor cfg needs is present with its shape and a float dtype; nothing else is."""
+        expected = {name: shape for name, shape, *_ in all_tensors(cfg)}
+        for name in self.files:
+            if name not in expected and not IGNORED_TENSOR.match(name) and not (
+                    cfg.tie_embeddings and name == "lm_head.weight"):
+                raise HFError(f"model.from_hf {self.dir}: unexpected tensor {name} in "
+                              f"{self.files[name]} (an unsupported option?)")
+        for name in expected:
+            if name not in self.files:
+                raise HFError(f"model.from_hf {self.dir}: tensor {name} is missing")
+        by_shard = {}
+        for name in expected:
+            by_shard.setdefault(self.files[name], []).append(name)
+        for shard, names in by_shard.items():
+            with self._open(shard) as f:
+                present = set(f.keys())
+                for name in names:
+                    if name not in present:
+                        raise HFError(f"{os.path.join(self.dir, shard)}: tensor {name} is missing "
+                                      f"(the index says it is here)")
+                    view = f.get_slice(name)
+                    shape, dtype = tuple(view.get_shape()), view.get_dtype()
+                    if shape != expected[name]:
+                        raise HFError(f"{os.path.join(self.dir, shard)}: {name} has shape {shape}, "
+                                      f"config.json implies {expected[name]}")
+                    if dtype not in FLOAT_DTYPES:
+                        raise HFError(f"{os.path.join(self.dir, shard)}: {name} has dtype {dtype} "
+                                      f"(supported: {', '.join(FLOAT_DTYPES)})")
+
+    def read(self, tensors, shapes) -> dict:
+        """{key: fp32 host-layout array} for [(HF name, _, key, transpose)] and {key: our shape}.
+
+        Each tensor is read, converted and dropped before the next, and each shard is closed
+        (unmapped) after the tensors asked for, so the transient memory is about one tensor."""
+        by_shard = {}
+        for name, _, key, transpose in tensors:
+            by_shard.setdefault(self.files[name], []).append((name, key, transpose))
+        out = {}
+        for shard, items in by_shard.items():
+            with self._open(shard) as f:
+                for name, key, transpose in items:
+                    # jnp.asarray copies into an XLA buffer on the default device (the host
+                    # while the engine builds a block); the numpy buffers die right after, so the
+                    # transient is this tensor as stored plus two fp32 copies of it. (A zero-copy
+                    # device_put of the numpy buffer would save one, but would hand the engine
+                    # an externally owned buffer to donate.)
+                    out[key] = jnp.asarray(to_host_layout(f.get_tensor(name), shapes[key], transpose))
+        return out
+
+
+def _load_module(abstract, params: dict):
+    """The module `abstract` (from nnx.eval_shape) holding `params` (a pure dict)."""
+    graphdef, state = nnx.split(abstract)
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def load_stages(cfg: ModelConfig, source: HFSource):
+    """(Embed, LMHead) holding the HF weights; no random init runs (nnx.eval_shape)."""
+    abstract = nnx.eval_shape(lambda: make_stages(cfg, 0))
+    shapes = nnx.to_pure_dict(nnx.split(abstract)[1])
+    flat = source.read(stage_tensors(cfg), {path: shapes[path[0]][path[1]].shape
+                                            for _, _, path, _ in stage_tensors(cfg)})
+    params = {0: {}, 1: {}}
+    for (unit, key), value in flat.items():
+        params[unit][key] = value
+    return _load_module(abstract, params)
+
+
+def load_block(cfg: ModelConfig, source: HFSource, layer: int) -> Block:
+    """Layer `layer`'s Block holding the HF weights: a drop-in for model.make_block."""
+    abstract = nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0)))
+    shapes = {k: v.shape for k, v in nnx.to_pure_dict(nnx.split(abstract)[1]).items()}
+    return _load_module(abstract, source.read(block_tensors(cfg, layer), shapes))
+
+
+# -----------------------------------------------------------------------------
+# export
+
+
+def parse_size(text: str) -> int:
+    """"2GB", "500MB", "1.5GiB", "4096" -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
+    if not m or m.group(1).count(".") > 1:
+        raise HFError(f"--shard-size {text!r}: expected a size like 2GB, 500MB or 1048576")
+    base = 1024 if m.group(3) else 1000
+    size = int(float(m.group(1)) * base ** "_KMGT".index(m.group(2).upper() or "_"))
+    if size < 1:
+        raise HFError(f"--shard-size {text!r} must be at least one byte")
+    return size
+
+
+def _plan_shards(tensors, itemsize: int, shard_size: int) -> list:
+    """Greedy in file order: a new shard when the next tensor would overflow the current one."""
+    shards, size = [[]], 0
+    for t in tensors:
+        nbytes = math.prod(t[1]) * itemsize
+        if shards[-1] and size + nbytes > shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += nbytes
+    return shards
+
+
+def _path_key(path) -> tuple:
+    return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _state_path(unit: int, key) -> tuple:
+    """Where a parameter lives in engine.state() (the agreed checkpoint layout)."""
+    if unit == 0:
+        return ("stages", "params", str(key[0]), key[1])
+    return ("layers", str(unit - 1), "params", key)
+
+
+def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None,
+                      dtype: str = "float32", shard_size="2GB", log=print) -> str:
+    """Writes checkpoint `step` (default: the latest) of `run_dir` as a HF model directory.
+
+    Parameters only, read a shard at a time (Orbax restores just the leaves a shard needs; the
+    optimizer state is never read), so RAM holds one shard, not the model. The directory is
+    written next to `out_dir` and renamed into place when complete. Returns out_dir."""
+    import orbax.checkpoint as ocp
+    from safetensors.numpy import save_file
+
+    if dtype not in EXPORT_DTYPES:
+        raise HFError(f"--dtype {dtype!r}: expected one of {', '.join(EXPORT_DTYPES)}")
+    shard_bytes = parse_size(shard_size)
+    if os.path.exists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)):
+        raise HFError(f"--out {out_dir} exists and is not an empty directory; not overwriting it")
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(ckpt_dir):
+        raise HFError(f"--run-dir {run_dir}: no checkpoints directory {ckpt_dir}")
+    manager = ocp.CheckpointManager(
+        os.path.abspath(ckpt_dir), options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+        item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+    steps = sorted(manager.all_steps())
+    if not steps:
+        raise HFError(f"--run-dir {run_dir}: no complete checkpoint in {ckpt_dir}")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise HFError(f"--step {step}: no checkpoint at step {step} in {ckpt_dir} "
+                      f"(complete steps: {', '.join(map(str, steps))})")
+    where = f"checkpoint step {step} in {ckpt_dir}"
+    try:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        tree = manager.item_metadata(step)["state"]
+    except Exception as e:  # orbax/tensorstore raise many types for a damaged directory
+        raise HFError(f"{where} is unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+    try:
+        cfg = ModelConfig(**meta["config"]["model"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise HFError(f"{where}: no usable config.model in its meta ({e})") from None
+    tree = getattr(tree, "tree", tree)  # a TreeMetadata wraps the plain nested dict
+    saved = {_path_key(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+    tensors = all_tensors(cfg)
+    for name, shape, unit, key, _ in tensors:
+        leaf = saved.get(_state_path(unit, key))
+        if leaf is None or math.prod(leaf.shape) != math.prod(shape):
+            raise HFError(f"{where} does not match its config: {'/'.join(_state_path(unit, key))} "
+                          f"({name}) is {'absent' if leaf is None else tuple(leaf.shape)}")
+
+    base = None
+    if cfg.from_hf and os.path.isfile(os.path.join(cfg.from_hf, CONFIG_FILE)):
+        try:  # keep the source model's token ids etc.; optional, so a broken one is skipped
+            base = read_hf_config(cfg.from_hf)
+        except HFError:
+            base = None
+    max_positions = (meta.get("config", {}).get("data", {}) or {}).get("seq_len", 2048)
+    np_dtype = EXPORT_DTYPES[dtype]
+    shards = _plan_shards(tensors, np.dtype(np_dtype).itemsize, shard_bytes)
+    names = ([SINGLE_FILE] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    weight_map, total = {}, 0
+    for shard, file_name in zip(shards, names):
+        wanted = {_state_path(unit, key) for _, _, unit, key, _ in shard}
+        target = jax.tree_util.tree_map_with_path(
+            lambda p, leaf: leaf if _path_key(p) in wanted else ocp.PLACEHOLDER, tree)
+        restore_args = jax.tree.map(
+            lambda leaf: ocp.PLACEHOLDER if leaf is ocp.PLACEHOLDER
+            else ocp.RestoreArgs(restore_type=np.ndarray), target)
+        target = jax.tree.map(lambda leaf: leaf if leaf is ocp.PLACEHOLDER
+                              else jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), target)
+        state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=target, restore_args=restore_args)))["state"]
+        restored = {_path_key(p): x for p, x in jax.tree_util.tree_leaves_with_path(state)
+                    if x is not ocp.PLACEHOLDER}
+        del state
+        out = {}
+        for name, shape, unit, key, transpose in shard:
+            # pop: each fp32 leaf is freed as soon as its converted copy exists
+            out[name] = to_hf_layout(restored.pop(_state_path(unit, key)), shape, transpose, np_dtype)
+            weight_map[name] = file_name
+            total += out[name].nbytes
+        save_file(out, os.path.join(tmp, file_name), metadata={"format": "pt"})
+        del out, restored
+    if len(shards) > 1:
+        with open(os.path.join(tmp, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+        json.dump(hf_config(cfg, dtype=dtype, max_position_embeddings=max_positions, base=base),
+                  f, indent=2)
+    os.replace(tmp, out_dir)  # atomic; replaces only an empty directory
+    log(f"exported {where} to {out_dir}: {len(tensors)} tensors, {total / 1e6:,.1f} MB {dtype} "
+        f"in {len(shards)} shard{'s' * (len(shards) > 1)}")
+    return out_dir

@@ -1,0 +1,435 @@
+"""Training benchmark: the streamed engine against a fully resident step, printed as one table.
+
+    PYTHONPATH=. python3 scripts/bench.py --config configs/bench_1b.yaml [--steps 5] [key=value ...]
+    # a model bigger than the GPU: cap device memory to at most a quarter of the training state
+    PYTHONPATH=. python3 scripts/bench.py --config configs/bench_4b.yaml --device-mem-gb 10 \
+        --baselines none
+
+Runs warm-up steps, then N timed steps of the streamed engine on synthetic tokens (uniform over
+the vocabulary; the data pipeline is not what is measured), then the same model and optax chain as
+baselines: (a) resident, a plain jitted whole-model step with every array on the device, and
+(b) offload, the same step with params and optax state kept in the device's `pinned_host` memory
+kind between steps and moved by XLA inside the one jit. Writes every figure to JSON.
+
+FLOPs (useful work, per step): 6 * N * tokens, N = parameters excluding the input embedding (its
+lookup is not a matmul; the output projection is counted), plus attention 12 * L * (heads *
+head_dim) * seq per token: the full T x T score matrix, which is what XLA's attention computes
+(it masks the causal half, it does not skip it). The causal-only count (half the attention term) is
+reported beside it. The backward's recompute of each block's forward is not useful work and is not
+counted. There are no padding tokens (sequences are packed). GB = 1e9 bytes.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+GB = 1e9
+# bf16 dense tensor-core peak (no sparsity) from the datasheets, by device_kind substring.
+DATASHEET_BF16_TFLOPS = [("H200", 989.4), ("H100 PCIe", 756.0), ("H100 NVL", 835.0),
+                         ("H100", 989.4), ("GH200", 989.4), ("A100", 312.0)]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", help="YAML config file (defaults apply without one)")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.add_argument("--steps", type=int, default=3, help="timed steps")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (compilation)")
+    p.add_argument("--baselines", default="resident,offload",
+                   help="comma list of resident, offload; or none")
+    p.add_argument("--device-mem-gb", type=float, default=None,
+                   help="cap the device memory the process may use (GPU only: preallocates "
+                        "this much via XLA_PYTHON_CLIENT_MEM_FRACTION)")
+    p.add_argument("--matmul", type=int, default=0,
+                   help="square matmul size for the measured peak (0: 8192 on GPU, 512 on CPU)")
+    p.add_argument("--json", default=None, help="output file (default runs/bench/<config>.json)")
+    return p.parse_args(argv)
+
+
+def cap_device_memory(gb: float):
+    """Before JAX starts: preallocate `gb` of GPU 0, which the allocator then never grows past."""
+    from megatrain_jax.config import ConfigError
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,"
+                              "nounits", "-i", "0"], capture_output=True, text=True, timeout=60)
+        total = int(out.stdout.split()[0]) * 2 ** 20
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        raise ConfigError("--device-mem-gb needs an NVIDIA GPU (nvidia-smi did not answer)") \
+            from None
+    if gb * GB >= total:
+        raise ConfigError(f"--device-mem-gb {gb} is not below the GPU's {total / GB:.1f} GB")
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{gb * GB / total:.4f}"
+
+
+def host_rss_gb() -> dict:
+    """Current and peak resident set size of this process, from /proc/self/status."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    out[line.split(":")[0]] = int(line.split()[1]) * 1024 / GB
+    except OSError:
+        pass
+    return {"rss_gb": out.get("VmRSS"), "peak_rss_gb": out.get("VmHWM")}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from megatrain_jax.cli import run_cli
+    return run_cli(lambda: bench(args))
+
+
+def bench(args):
+    from megatrain_jax.config import ConfigError, load_config, to_dict
+    if args.steps < 1 or args.warmup < 0:
+        raise ConfigError("--steps must be >= 1 and --warmup >= 0")
+    baselines = [b for b in args.baselines.split(",") if b and b != "none"]
+    unknown = set(baselines) - {"resident", "offload"}
+    if unknown:
+        raise ConfigError(f"--baselines: unknown baseline {sorted(unknown)[0]!r}")
+    cfg = load_config(args.config, args.overrides)
+    if args.device_mem_gb is not None:
+        cap_device_memory(args.device_mem_gb)  # must precede the first use of the GPU
+
+    import jax
+    import numpy as np
+    dev = jax.devices()[0]
+    on_gpu = dev.platform != "cpu"
+    m = cfg.model
+    M, B, T = cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len
+    tokens = M * B * T
+    n_params = m.num_params(include_embeddings=False) + m.hidden_size * m.vocab_size  # + the head
+    attn = 12 * m.num_layers * m.num_heads * m.head_size * T  # per token, full T x T
+    flops = {"matmul_per_step": 6 * n_params * tokens, "attention_per_step": attn * tokens,
+             "per_step": (6 * n_params + attn) * tokens,
+             "per_step_causal_only": (6 * n_params + attn / 2) * tokens}
+    state_gb = m.num_params() * 12 / GB  # fp32 master + Adam m and v
+    print(f"{dev.device_kind} ({dev.platform}) | jax {jax.__version__} | "
+          f"{m.num_params() / 1e6:,.1f}M params ({n_params / 1e6:,.1f}M in matmuls) | "
+          f"{tokens:,} tokens/step ({M} x {B} x {T}) | training state {state_gb:.3g} GB")
+
+    matmul_n = args.matmul or (8192 if on_gpu else 512)
+    peak = measure_matmul(jax, dev, cfg.train.compute_dtype, matmul_n)
+    rng = np.random.default_rng(cfg.train.seed)
+    toks = rng.integers(0, m.vocab_size, size=(args.warmup + args.steps, M, B, T + 1),
+                        dtype=np.int32)
+    batches = [(t[..., :-1], t[..., 1:]) for t in toks]
+
+    streamed, engine, init = run_streamed(cfg, batches, args.warmup, dev, keep_init=bool(baselines))
+    print(f"streamed: {tokens / streamed['step_s']:,.0f} tokens/s, {streamed['step_s']:.3f} s/step "
+          f"(engine built in {streamed['build_s']:.0f} s)", flush=True)
+    limit = (dev.memory_stats() or {}).get("bytes_limit")
+    if limit:
+        streamed["device_mem_limit_gb"] = limit / GB
+        streamed["device_mem_limit_vs_training_state"] = limit / GB / state_gb
+    streamed.update(measure_resident_compute(jax, engine, batches[0], streamed["step_s"], on_gpu))
+    graphdefs = (engine.stages_graphdef, engine.block_graphdef)
+    engine.close()
+    del engine
+
+    results = {}
+    for name in baselines:
+        results[name] = run_baseline(name, cfg, graphdefs, init, batches, args.warmup, dev, limit)
+        print(f"{name}: " + (f"{tokens / results[name]['step_s']:,.0f} tokens/s" if "step_s" in
+                             results[name] else results[name]["skipped"]), flush=True)
+
+    record = {"kind": "train", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "command": " ".join([sys.executable, *sys.argv]), "jax": jax.__version__,
+              "python": platform.python_version(), "device_kind": dev.device_kind,
+              "platform": dev.platform, "config": to_dict(cfg), "config_file": args.config,
+              "env": {k: v for k, v in os.environ.items() if k.startswith("XLA")},
+              "steps": args.steps, "warmup": args.warmup, "tokens_per_step": tokens,
+              "params": m.num_params(), "matmul_params": n_params, "flops": flops,
+              "training_state_gb": state_gb, "matmul_peak": peak, "streamed": streamed,
+              "baselines": results}
+    add_derived(record)
+    print_table(record)
+    path = args.json or os.path.join("runs", "bench", os.path.splitext(
+        os.path.basename(args.config or "defaults"))[0] + ".json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"wrote {path}")
+
+
+# ----------------------------------------------------------------------------- measurements
+def measure_matmul(jax, dev, dtype, n, iters=10) -> dict:
+    """The device's dense matmul rate in the compute dtype, measured now (the MFU denominator)."""
+    import jax.numpy as jnp
+    a = jax.device_put(jnp.full((n, n), 1e-3, dtype), dev)
+    chain = jax.jit(lambda a: jax.lax.fori_loop(0, iters, lambda i, c: c @ a, a))
+    jax.block_until_ready(chain(a))
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(chain(a))
+        times.append(time.perf_counter() - t0)
+    sheet = next((v for k, v in DATASHEET_BF16_TFLOPS if k in dev.device_kind), None)
+    return {"n": n, "dtype": str(dtype), "tflops": 2 * n ** 3 * iters / min(times) / 1e12,
+            "datasheet_bf16_tflops": sheet}
+
+
+def run_streamed(cfg, batches, warmup, dev, keep_init):
+    import jax
+    import numpy as np
+    from megatrain_jax.train import build_engine
+    t0 = time.perf_counter()
+    engine = build_engine(cfg)
+    out = {"build_s": time.perf_counter() - t0}
+    # The baselines start from the same weights and see the same batches, so their losses must
+    # track the engine's: a check that they do the same work. (A copy: updates donate the params.)
+    init = jax.tree.map(np.array, engine.params()) if keep_init else None
+    losses = [float(engine.train_step(i, t)["loss"]) for i, t in batches[:warmup]]
+    engine.wait()
+    before = (engine.bytes_h2d, engine.bytes_d2h, engine.host_update_s, engine.host_wait_s)
+    step_times, t0 = [], time.perf_counter()
+    for inputs, targets in batches[warmup:]:
+        ts = time.perf_counter()
+        losses.append(float(engine.train_step(inputs, targets)["loss"]))  # the step's sync point
+        step_times.append(time.perf_counter() - ts)
+    engine.wait()  # the last step's host updates belong to the timed steps (exposed: counted)
+    total = time.perf_counter() - t0
+    n = len(batches) - warmup
+    h2d, d2h, upd, wait = (after - b for after, b in zip(
+        (engine.bytes_h2d, engine.bytes_d2h, engine.host_update_s, engine.host_wait_s), before))
+    out.update({"total_s": total, "step_s": total / n, "step_times_s": step_times, "losses": losses,
+                "h2d_gb_per_step": h2d / n / GB, "d2h_gb_per_step": d2h / n / GB,
+                "h2d_gb_per_s": h2d / total / GB, "d2h_gb_per_s": d2h / total / GB,
+                "host_update_s_per_step": upd / n, "host_exposed_s_per_step": wait / n,
+                "host_hidden_s_per_step": (upd - wait) / n})
+    out.update(device_memory(dev))
+    out.update(host_rss_gb())
+    return out, engine, init
+
+
+def device_memory(dev) -> dict:
+    stats = dev.memory_stats()
+    if not stats or "peak_bytes_in_use" not in stats:
+        return {"device_peak_gb": None, "device_peak_note": f"{dev.platform}: no memory_stats()"}
+    return {"device_peak_gb": stats["peak_bytes_in_use"] / GB}
+
+
+def measure_resident_compute(jax, engine, batch, step_s, on_gpu) -> dict:
+    """Device time of one step's kernels with no transfers: the engine's own jitted functions run
+    back to back on weights already on the device (one layer timed, times L, plus the stages).
+    Divided by the streamed step time it estimates the fraction of the step the device was busy.
+    (The same idea as a profiler trace's busy time, without parsing a trace.)"""
+    import jax.numpy as jnp
+    dev, L = engine.compute_device, engine.num_layers
+    cast = lambda t: jax.device_put(jax.tree.map(lambda p: p.astype(engine.compute_dtype), t), dev)
+    params = engine.params()
+    w_stages, w_layer = cast(params["stages"]), cast(params["layers"][0])
+    inputs = [jax.device_put(x, dev) for x in batch[0]]
+    targets = [jax.device_put(t, dev) for t in batch[1]]
+    scale = jnp.float32(1.0 / len(inputs))
+    xs = jax.block_until_ready([engine._embed(w_stages, x) for x in inputs])
+
+    def layer():  # forward of all micro-batches, then backward (recompute + vjp), as in a step
+        dw = engine._zeros(w_layer)
+        dys = [engine._block_fwd(w_layer, x) for x in xs]
+        for i, x in enumerate(xs):
+            dys[i], dw = engine._block_bwd(w_layer, x, dys[i], dw)
+        return dys, dw
+
+    def stages():  # embedding forward, loss head (value and grad), embedding backward
+        acc = engine._zeros(w_stages)
+        hs = [engine._embed(w_stages, x) for x in inputs]
+        dxs = []
+        for h, t in zip(hs, targets):
+            _, dx, acc = engine._head(w_stages, h, t, acc, scale)
+            dxs.append(dx)
+        for x, dx in zip(inputs, dxs):
+            acc = engine._embed_bwd(w_stages, x, dx, acc)
+        return acc
+
+    def best(fn):
+        jax.block_until_ready(fn())
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    compute = L * best(layer) + best(stages)
+    out = {"resident_compute_s_per_step": compute}
+    if on_gpu:
+        out["device_busy"] = min(1.0, compute / step_s)
+        out["device_busy_method"] = ("estimate: resident compute time of the engine's jitted "
+                                     "functions (no transfers) / streamed step time")
+    else:
+        out["device_busy"] = None
+        out["device_busy_method"] = ("n/a on CPU: the 'device' and the host optimizer thread share "
+                                     "the same cores, so device busy time is not separable")
+    return out
+
+
+# ----------------------------------------------------------------------------- baselines
+def run_baseline(name, cfg, graphdefs, params, batches, warmup, dev, limit) -> dict:
+    """(a) resident: every array on the device, plain jitted step. (b) offload: params and optax
+    state in the device's pinned_host memory kind between steps, moved by XLA inside the jit.
+    Same model modules, optax chain, compute dtype, micro-batching and remat (each block saves only
+    its input, as the streamed engine does), so the tokens and FLOPs per step are identical."""
+    import jax
+    import numpy as np
+    n = sum(np.size(p) for p in jax.tree.leaves(params))
+    act = cfg.model.num_layers * cfg.data.batch_size * cfg.data.seq_len * cfg.model.hidden_size * 2
+    need = n * 20 + act  # fp32 params, m, v, grad accumulator (16 B) + compute-dtype copy, grads
+    if limit and need > limit:
+        return {"skipped": f"does not fit: needs about {need / GB:.1f} GB on the device "
+                           f"(fp32 params + Adam + grads + activations), the device has "
+                           f"{limit / GB:.1f} GB"}
+    kinds = {mem.kind for mem in dev.addressable_memories()}
+    if name == "offload" and "pinned_host" not in kinds:
+        return {"skipped": f"{dev.platform} device has no pinned_host memory kind"}
+    try:
+        return time_baseline(name, cfg, graphdefs, params, batches, warmup, dev)
+    except Exception as e:  # an out-of-memory baseline is a result; anything else is a bug
+        msg = str(e)
+        if "RESOURCE_EXHAUSTED" not in msg and "Out of memory" not in msg:
+            raise
+        return {"skipped": f"out of device memory: {msg.splitlines()[0][:200]}"}
+
+
+def time_baseline(name, cfg, graphdefs, params, batches, warmup, dev) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from megatrain_jax.train import build_optimizer
+
+    stages_def, block_def = graphdefs
+    cdt = jnp.dtype(cfg.train.compute_dtype)
+    tx = build_optimizer(cfg.optimizer, cfg.train.steps)
+    if cfg.optimizer.max_grad_norm:
+        tx = optax.chain(optax.clip_by_global_norm(cfg.optimizer.max_grad_norm), tx)
+    on_dev = jax.sharding.SingleDeviceSharding(dev)
+    home = (jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+            if name == "offload" else on_dev)
+    # Remat: each block keeps only its input for the backward, like the streamed engine. The
+    # layers are scanned over stacked weights so the step compiles one block, not L of them.
+    block = jax.checkpoint(lambda w, x: nnx.merge(block_def, w)(x))
+
+    def micro_loss(w, inputs, targets):  # w: {"stages": tree, "layers": tree stacked over L}
+        first, last = nnx.merge(stages_def, w["stages"])
+        x, _ = jax.lax.scan(lambda x, p: (block(p, x), None), first(inputs), w["layers"])
+        return last(x, targets)
+
+    def step(params, opt_state, inputs, targets):  # inputs, targets: (M, B, T)
+        if name == "offload":
+            params, opt_state = jax.device_put((params, opt_state), on_dev)
+        w = jax.tree.map(lambda p: p.astype(cdt), params)
+        w = {"stages": w["stages"], "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *w["layers"])}
+
+        def accumulate(carry, batch):
+            loss, grads = jax.value_and_grad(micro_loss)(w, *batch)
+            return (carry[0] + loss, jax.tree.map(lambda a, g: a + g.astype(jnp.float32),
+                                                  carry[1], grads)), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), w)
+        (loss, grads), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros), (inputs, targets))
+        num_micro = inputs.shape[0]
+        grads = jax.tree.map(lambda g: g / num_micro, grads)
+        grads = {"stages": grads["stages"], "layers": [  # back to the optimizer's per-layer tree
+            jax.tree.map(lambda g: g[i], grads["layers"]) for i in range(len(params["layers"]))]}
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        if name == "offload":
+            params, opt_state = jax.device_put((params, opt_state), home)
+        return params, opt_state, loss / num_micro
+
+    params = jax.device_put(params, on_dev, may_alias=False)  # the step donates it: a copy
+    opt_state = jax.jit(tx.init)(params)
+    params, opt_state = jax.device_put((params, opt_state), home)
+    jitted = jax.jit(step, donate_argnums=(0, 1), out_shardings=(home, home, on_dev))
+    losses = []
+    for inputs, targets in batches[:warmup]:
+        params, opt_state, loss = jitted(params, opt_state, inputs, targets)
+        losses.append(float(loss))
+    step_times, t0 = [], time.perf_counter()
+    for inputs, targets in batches[warmup:]:
+        ts = time.perf_counter()
+        params, opt_state, loss = jitted(params, opt_state, inputs, targets)
+        losses.append(float(loss))
+        step_times.append(time.perf_counter() - ts)
+    total = time.perf_counter() - t0
+    out = {"step_s": total / len(step_times), "step_times_s": step_times, "losses": losses}
+    out.update(device_memory(dev))
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+def add_derived(r):
+    tokens, flops, peak = r["tokens_per_step"], r["flops"], r["matmul_peak"]
+    for run in [r["streamed"], *r["baselines"].values()]:
+        if "step_s" not in run:
+            continue
+        run["tokens_per_s"] = tokens / run["step_s"]
+        run["model_tflops"] = flops["per_step"] / run["step_s"] / 1e12
+        run["mfu_vs_measured"] = run["model_tflops"] / peak["tflops"]
+        run["mfu_causal_only_vs_measured"] = (flops["per_step_causal_only"] / run["step_s"]
+                                              / 1e12 / peak["tflops"])
+        sheet = peak["datasheet_bf16_tflops"]
+        run["mfu_vs_datasheet"] = (run["model_tflops"] / sheet
+                                   if sheet and r["config"]["train"]["compute_dtype"] == "bfloat16"
+                                   else None)
+    for name, run in r["baselines"].items():
+        if "tokens_per_s" in run:
+            ratio = r["streamed"]["tokens_per_s"] / run["tokens_per_s"]
+            r["streamed"][f"throughput_vs_{name}"] = ratio
+            ref = r["streamed"]["losses"]
+            run["loss_max_rel_diff_vs_streamed"] = max(
+                abs(a - b) / abs(b) for a, b in zip(run["losses"], ref, strict=True))
+
+
+def print_table(r):
+    s, peak = r["streamed"], r["matmul_peak"]
+    f = lambda v, spec=".2f": "n/a" if v is None else format(v, spec)
+    rows = [
+        ("tokens/s", f(s["tokens_per_s"], ",.0f"), f"{r['tokens_per_step']:,} tokens/step, "
+         f"{s['step_s'] * 1e3:.0f} ms/step over {r['steps']} steps"),
+        ("model TFLOP/s", f(s["model_tflops"], ".3g"),
+         "6*N*tokens + full-T^2 attention; no recompute"),
+        ("MFU vs measured matmul", f(s["mfu_vs_measured"], ".1%"),
+         f"{peak['n']}^3 {peak['dtype']} matmul: {peak['tflops']:.3g} TFLOP/s this run"),
+        ("MFU vs measured (causal-only)", f(s["mfu_causal_only_vs_measured"], ".1%"),
+         "attention counted as half (the causal part)"),
+        ("MFU vs datasheet", f(s["mfu_vs_datasheet"], ".1%"),
+         f"bf16 peak {peak['datasheet_bf16_tflops']} TFLOP/s" if s["mfu_vs_datasheet"] is not None
+         else "no datasheet peak for this device/dtype"),
+        ("H2D GB/s (achieved)", f(s["h2d_gb_per_s"], ".3g"), f"{s['h2d_gb_per_step']:.3g} GB/step"),
+        ("D2H GB/s (achieved)", f(s["d2h_gb_per_s"], ".3g"), f"{s['d2h_gb_per_step']:.3g} GB/step"),
+        ("device busy", f(s["device_busy"], ".1%"), s["device_busy_method"]),
+        ("host update s/step", f(s["host_update_s_per_step"], ".3f"), "optax on the host thread"),
+        ("  hidden", f(s["host_hidden_s_per_step"], ".3f"), "overlapped with device work"),
+        ("  exposed", f(s["host_exposed_s_per_step"], ".3f"), "the step waited for it"),
+        ("device peak GB", f(s["device_peak_gb"]), s.get("device_peak_note", "peak_bytes_in_use")
+         + (f"; cap {s['device_mem_limit_gb']:.1f} GB = "
+            f"{s['device_mem_limit_vs_training_state']:.0%}"
+            f" of the {r['training_state_gb']:.1f} GB training state"
+            if s.get("device_mem_limit_gb") else "")),
+        ("host RSS GB", f(s["rss_gb"]), f"peak {f(s['peak_rss_gb'])} GB (VmHWM)"),
+    ]
+    for name, b in r["baselines"].items():
+        if "skipped" in b:
+            rows.append((f"vs {name}", "n/a", f"skipped: {b['skipped']}"))
+        else:
+            rows.append((f"vs {name}", f(s[f"throughput_vs_{name}"], ".2f") + "x",
+                         f"{name}: {b['tokens_per_s']:,.0f} tokens/s, MFU "
+                         f"{b['mfu_vs_measured']:.1%}, device peak {f(b['device_peak_gb'])} GB, "
+                         f"losses within {b['loss_max_rel_diff_vs_streamed']:.1e} of streamed"))
+    print(f"\nstreamed engine, {r['device_kind']} ({r['platform']}), losses "
+          + " ".join(f"{x:.4f}" for x in s["losses"]))
+    for name, value, note in rows:
+        print(f"  {name:<30} {value:>10}   {note}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""CPU smoke tests of the benchmark scripts: each runs end to end, prints its table and writes
+well-formed JSON whose figures are consistent. (The figures themselves are GPU work:
+docs/benchmarks.md.)"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(script, *args):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), *args],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+
+
+def positive(x):
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_bench_one_step_table_and_json(tmp_path):
+    out = tmp_path / "bench.json"
+    # warmup_steps=0: the learning rate is non-zero from step 1, so the baselines' losses can only
+    # match the engine's if they really apply the same updates.
+    proc = run("bench.py", "--config", "configs/tiny.yaml", "--steps", "1", "--warmup", "1",
+               "--json", str(out), "model.num_layers=2", "data.seq_len=32", "data.batch_size=2",
+               "data.micro_batches=2", "optimizer.warmup_steps=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for label in ("tokens/s", "model TFLOP/s", "MFU vs measured matmul", "H2D GB/s", "D2H GB/s",
+                  "device busy", "host update", "exposed", "device peak GB", "host RSS GB",
+                  "vs resident", "vs offload"):
+        assert label in proc.stdout, label
+    r = json.loads(out.read_text())
+    s = r["streamed"]
+    assert r["tokens_per_step"] == 2 * 2 * 32 and r["platform"] == "cpu" and r["jax"]
+    assert r["config"]["model"]["num_layers"] == 2 and "--steps" in r["command"]
+    for key in ("tokens_per_s", "model_tflops", "mfu_vs_measured", "h2d_gb_per_s", "d2h_gb_per_s",
+                "host_update_s_per_step", "rss_gb", "resident_compute_s_per_step"):
+        assert positive(s[key]), key
+    assert s["device_busy"] is None and "CPU" in s["device_busy_method"]
+    assert 0 <= s["host_exposed_s_per_step"] <= s["host_update_s_per_step"]
+    assert math.isclose(s["tokens_per_s"], r["tokens_per_step"] / s["step_s"])
+    # Every block weight crosses the bus twice per step (forward, backward), fp32 in tiny.yaml.
+    assert s["h2d_gb_per_step"] * 1e9 >= 2 * 4 * (r["params"] - 2 * 257 * 128)
+    assert len(s["losses"]) == 2
+    for name in ("resident", "offload"):
+        b = r["baselines"][name]
+        assert positive(b["tokens_per_s"]), name
+        assert math.isclose(s[f"throughput_vs_{name}"], s["tokens_per_s"] / b["tokens_per_s"])
+        assert b["loss_max_rel_diff_vs_streamed"] < 1e-4, name  # same model, same updates (fp32)
+
+
+def test_bench_rejects_bad_arguments(tmp_path):
+    proc = run("bench.py", "--config", "configs/tiny.yaml", "--baselines", "fsdp",
+               "--json", str(tmp_path / "x.json"))
+    assert proc.returncode == 2 and "fsdp" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run("bench.py", "--config", "configs/tiny.yaml", "model.hidden_sise=3")
+    assert proc.returncode == 2 and "model.hidden_sise" in proc.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_bench_transfer_tiny_buffer(tmp_path):
+    out = tmp_path / "transfer.json"
+    proc = run("bench_transfer.py", "--mb", "4", "--repeats", "2", "--pinned-probe-gb", "0.01",
+               "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "pinned_host -> device" in proc.stdout and "overlap" in proc.stdout
+    r = json.loads(out.read_text())
+    assert r["buffer_bytes"] == 4_000_000 and r["platform"] == "cpu"
+    paths = {p["path"]: p for p in r["paths"]}
+    for name in ("numpy -> device", "pinned_host -> device", "device -> pinned_host",
+                 "device -> cpu backend", "cpu backend -> pinned_host"):
+        assert positive(paths[name]["gb_per_s"]), name
+        assert math.isclose(paths[name]["gb_per_s"], 4e6 / paths[name]["seconds"] / 1e9)
+    for o in r["overlap"]["paths"].values():
+        assert 0 <= o["overlap"] <= 1 and positive(o["gb_per_s_during_matmul"])
+    assert r["small_d2h"]["small_d2h_ms"] > 0
+    probe = r["pinned_pool_probe"]
+    assert probe["default"]["allocated_gb"] >= 0.01 and probe["default"]["error"] is None
+    assert probe["raised"]["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == 16

@@ -1,0 +1,339 @@
+"""Checkpoints: bit-exact resume (stop, SIGTERM, SIGKILL between saves), torn async saves never used,
+restore into host memory, clear errors for another model or a damaged checkpoint, library API."""
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+from megatrain_jax import StreamedEngine, checkpoint
+from megatrain_jax.cli import run_cli
+from megatrain_jax.config import load_config
+from megatrain_jax.train import build_engine, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 6
+FAST = ["model.num_layers=2", "data.seq_len=32", "data.batch_size=2", "train.compute_dtype=float32",
+        f"train.steps={STEPS}", "train.log_every=1", "checkpoint.every=2", "checkpoint.keep=10"]
+
+
+def make_cfg(run_dir, *extra):
+    return load_config(os.path.join(ROOT, "configs/tiny.yaml"), [*FAST, f"run_dir={run_dir}", *extra])
+
+
+def losses(run_dir):
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return [(r["step"], r["loss"]) for r in records]
+
+
+def saved_state(run_dir, step=None):
+    """The state saved as checkpoint `step` (default: the latest), as numpy arrays."""
+    manager = checkpoint.make_manager(os.path.join(run_dir, "checkpoints"))
+    step = checkpoint.resolve_step(manager, step)
+    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+    manager.close()
+    return jax.tree.map(np.asarray, state)
+
+
+def assert_states_equal(a, b):
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b) and len(leaves_a) > 10
+    for x, y in zip(leaves_a, leaves_b):
+        assert x.dtype == y.dtype and np.array_equal(x, y)
+
+
+CACHE_OPTIONS = {"jax_compilation_cache_dir": None, "jax_persistent_cache_min_compile_time_secs": 0,
+                 "jax_persistent_cache_min_entry_size_bytes": 0}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_once(tmp_path_factory):
+    """Every run here compiles the same programs: a persistent cache (this module's only, then put
+    back) compiles them once for all the engines and processes, which keeps the file fast."""
+    from jax.experimental.compilation_cache import compilation_cache
+    options = dict(CACHE_OPTIONS, jax_compilation_cache_dir=str(tmp_path_factory.mktemp("jax_cache")))
+    previous = {k: getattr(jax.config, k) for k in options}
+    for k, v in options.items():
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()
+    yield {k.upper(): str(v) for k, v in options.items()}  # the same, for subprocesses
+    for k, v in previous.items():
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """STEPS uninterrupted steps, an asynchronous checkpoint every 2."""
+    run_dir = str(tmp_path_factory.mktemp("reference"))
+    train(make_cfg(run_dir), log=lambda *_: None)
+    return {"run_dir": run_dir, "losses": losses(run_dir), "final": saved_state(run_dir)}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM])
+def test_signal_mid_run_then_resume_is_bit_exact(tmp_path, reference, sig):
+    run_dir = str(tmp_path / "run")
+
+    def log(line):  # the signal arrives while step 3 is being logged, as from another process
+        if line.startswith("step     3 |"):
+            os.kill(os.getpid(), sig)
+
+    previous = signal.getsignal(sig)
+    history = train(make_cfg(run_dir), log=log)
+    assert [r["step"] for r in history] == [1, 2, 3]  # stopped after the step it was in
+    assert signal.getsignal(sig) is previous  # the handler was put back
+    assert checkpoint.make_manager(os.path.join(run_dir, "checkpoints")).all_steps() == [2, 3]
+
+    lines = []
+    history = train(make_cfg(run_dir), log=lines.append)
+    assert "resumed from checkpoint step 3" in "\n".join(lines)
+    assert [r["step"] for r in history] == [4, 5, 6]
+    assert losses(run_dir) == reference["losses"]  # every step once, identical floats
+    assert_states_equal(saved_state(run_dir), reference["final"])
+
+    lines = []  # train.steps is the total: a finished run re-run does nothing
+    assert train(make_cfg(run_dir), log=lines.append) == []
+    assert "nothing to do" in lines[-1] and losses(run_dir) == reference["losses"]
+
+
+# Runs scripts/train.py with one Orbax or data function replaced, to stop the process at a known
+# point (it writes `marker` there and blocks) so the test can SIGKILL it there, not by timing.
+RUNNER = r"""
+import asyncio, os, runpy, sys, time
+mode, marker, arg, *argv = sys.argv[1:]
+def reached():
+    open(marker, "w").close()
+    time.sleep(3600)
+if mode == "block_commit":  # the checkpoint of step `arg` is written but never committed
+    from orbax.checkpoint._src.path import atomicity
+    finalize = atomicity.AtomicRenameTemporaryPath.finalize
+    async def blocked(self, *a, **k):
+        if self._final_path.name == arg:
+            await asyncio.to_thread(reached)
+        return await finalize(self, *a, **k)
+    atomicity.AtomicRenameTemporaryPath.finalize = blocked
+elif mode == "block_batch":  # "N:S": stops before step N takes its batch, once step S is saved
+    from megatrain_jax import data
+    next_batch, calls = data.PackedDataset.next_batch, []
+    step, saved = arg.split(":")
+    run_dir = [a for a in argv if a.startswith("run_dir=")][0][len("run_dir="):]
+    def blocked(self):
+        calls.append(1)
+        if len(calls) == int(step):
+            while not os.path.isdir(os.path.join(run_dir, "checkpoints", saved)):
+                time.sleep(0.01)
+            reached()
+        return next_batch(self)
+    data.PackedDataset.next_batch = blocked
+sys.argv = ["train.py", *argv]
+runpy.run_path(os.path.join(os.getcwd(), "scripts", "train.py"), run_name="__main__")
+"""
+
+
+def kill_at(tmp_path, mode, arg, run_dir, env):
+    marker = tmp_path / "marker"
+    proc = subprocess.Popen([sys.executable, "-c", RUNNER, mode, str(marker), str(arg),
+                             "--config", "configs/tiny.yaml", *FAST, f"run_dir={run_dir}"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env})
+    deadline = time.time() + 120
+    while not marker.exists():
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.time() < deadline
+        time.sleep(0.05)
+    proc.kill()  # SIGKILL
+    assert proc.wait() == -signal.SIGKILL
+
+
+def test_sigkill_between_saves_resumes_from_last_save(tmp_path, reference, compile_once):
+    run_dir = tmp_path / "run"
+    kill_at(tmp_path, "block_batch", "6:4", run_dir, compile_once)  # 5 steps logged, checkpoints 2 and 4
+    assert [s for s, _ in losses(run_dir)] == [1, 2, 3, 4, 5]
+    lines = []
+    train(make_cfg(run_dir), log=lines.append)
+    assert "resumed from checkpoint step 4" in "\n".join(lines)
+    assert losses(run_dir) == reference["losses"]  # step 5 (after the checkpoint) not duplicated
+    assert_states_equal(saved_state(run_dir), reference["final"])
+
+
+def test_sigkill_during_async_save_never_uses_the_torn_checkpoint(tmp_path, reference, compile_once):
+    run_dir = tmp_path / "run"
+    kill_at(tmp_path, "block_commit", 4, run_dir, compile_once)  # step 4's files written, not committed
+    ckpt_dir = run_dir / "checkpoints"
+    torn = [p for p in os.listdir(ckpt_dir) if p.startswith("4") and p != "4"]
+    assert torn and not (ckpt_dir / "4").exists()  # the save really was cut in the middle
+    lines = []
+    train(make_cfg(run_dir), log=lines.append)
+    assert "resumed from checkpoint step 2" in "\n".join(lines)
+    assert losses(run_dir) == reference["losses"]
+    assert_states_equal(saved_state(run_dir), reference["final"])
+    assert_states_equal(saved_state(run_dir, 4), saved_state(reference["run_dir"], 4))
+
+
+def _delay_writes(monkeypatch, seconds):
+    """Holds back every array write of a save, so training runs while the save is in flight."""
+    from orbax.checkpoint._src.serialization import serialization
+    write = serialization.async_serialize_from_host
+
+    async def delayed(*args, **kwargs):
+        await asyncio.sleep(seconds)
+        return await write(*args, **kwargs)
+    monkeypatch.setattr(serialization, "async_serialize_from_host", delayed)
+
+
+def test_async_save_is_the_state_of_its_step_while_training_goes_on(tmp_path, monkeypatch):
+    # The host update donates (reuses in place) the params and optax state buffers: a save that
+    # wrote the live buffers after the next steps' updates would hold a torn, later state.
+    cfg = make_cfg(tmp_path / "run")
+    engine = build_engine(cfg)
+    batch = np.random.default_rng(0).integers(0, 257, size=(1, 2, 33))
+    step = lambda: engine.train_step(batch[..., :-1], batch[..., 1:])["loss"].block_until_ready()
+    step()
+    snapshot = jax.tree.map(np.array, engine.state())  # copies
+    _delay_writes(monkeypatch, 2.0)
+    manager = checkpoint.make_manager(tmp_path / "ckpt", async_save=True)
+    checkpoint.save(manager, 1, engine)
+    for _ in range(3):
+        step()
+    engine.wait()
+    assert manager.is_saving_in_progress()  # the updates above ran before anything was written
+    live = jax.tree.map(np.asarray, engine.state())
+    assert not np.array_equal(jax.tree.leaves(live)[-1], jax.tree.leaves(snapshot)[-1])
+    manager.wait_until_finished()
+    monkeypatch.undo()
+    fresh = build_engine(cfg)
+    checkpoint.restore(manager, fresh, 1)
+    assert_states_equal(jax.tree.map(np.asarray, fresh.state()), snapshot)
+    engine.close(), fresh.close(), manager.close()
+
+
+def _files(directory):
+    return {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns
+            for d, _, fs in os.walk(directory) for f in fs}
+
+
+@pytest.fixture
+def finished_run(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference["run_dir"], run_dir)
+    return run_dir
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.intermediate_size=256", "config.model.intermediate_size is 384 in the checkpoint, 256 now"),
+    ("model.num_layers=3", "config.model.num_layers is 2 in the checkpoint, 3 now"),
+])
+def test_other_model_is_one_line_exit_2_nothing_overwritten(finished_run, capsys, override, message):
+    before = _files(finished_run)
+    rc = run_cli(lambda: train(make_cfg(finished_run, override, "train.steps=8")))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert err[0].startswith("error: checkpoint step 6 in ") and message in err[0]
+    assert _files(finished_run) == before
+
+
+def test_shape_mismatch_names_the_first_parameter_and_both_shapes(finished_run):
+    # No config to compare (a library user): the saved shapes are checked against the engine's.
+    engine = build_engine(make_cfg(finished_run, "model.intermediate_size=256"))
+    manager = checkpoint.make_manager(finished_run / "checkpoints")
+    before = jax.tree.map(np.array, engine.state())
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.restore(manager, engine)
+    assert "layers/0/params/w_down has shape (384, 128) float32 in the checkpoint, " \
+           "shape (256, 128) float32 in the model" in str(e.value)
+    assert_states_equal(jax.tree.map(np.asarray, engine.state()), before)  # nothing loaded
+
+
+def test_corrupted_latest_checkpoint_names_step_and_resume_step_recovers(finished_run, capsys,
+                                                                         reference):
+    for d, _, fs in os.walk(finished_run / "checkpoints" / "6" / "state"):
+        for f in fs:  # truncated files, as a full disk or a dying node leaves them
+            with open(os.path.join(d, f), "r+b") as fh:
+                fh.truncate(os.path.getsize(os.path.join(d, f)) // 3)
+    rc = run_cli(lambda: train(make_cfg(finished_run)))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert "checkpoint step 6 in " in err[0] and "is unreadable" in err[0]
+    assert "checkpoint.resume_step=4" in err[0]
+
+    lines = []
+    train(make_cfg(finished_run, "checkpoint.resume_step=4"), log=lines.append)
+    assert "resumed from checkpoint step 4" in "\n".join(lines)
+    assert "checkpoint step 6 already exists" in "\n".join(lines)  # not overwritten
+    assert losses(finished_run) == reference["losses"]
+
+
+# ----------------------------------------------------------------------------- library API
+D, V = 16, 40
+
+
+class MLPBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.w1 = nnx.Param(jax.random.normal(rngs.params(), (D, 2 * D)) * 0.1)
+        self.w2 = nnx.Param(jax.random.normal(rngs.params(), (2 * D, D)) * 0.1)
+
+    def __call__(self, x):
+        return x + jax.nn.gelu(x @ self.w1[...]) @ self.w2[...]
+
+
+class Embed(nnx.Module):
+    def __init__(self, rngs):
+        self.table = nnx.Param(jax.random.normal(rngs.params(), (V, D)) * 0.1)
+
+    def __call__(self, tokens):
+        return self.table[...][tokens]
+
+
+class Head(nnx.Module):
+    def __init__(self, rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (D, V)) * 0.1)
+
+    def __call__(self, x, targets):
+        return optax.softmax_cross_entropy_with_integer_labels(x @ self.w[...], targets).mean()
+
+
+def custom_engine(seed):
+    compute, host = jax.devices()  # conftest: two CPU devices; the first plays the accelerator
+    return StreamedEngine(first=Embed(nnx.Rngs(seed)), last=Head(nnx.Rngs(seed + 1)),
+                          make_block=lambda i: MLPBlock(nnx.Rngs(seed + 10 + i)), num_layers=3,
+                          optimizer=optax.adam(1e-2), max_grad_norm=1.0, compute_dtype=jnp.float32,
+                          compute_device=compute, host_device=host)
+
+
+def test_library_save_restore_round_trips_a_custom_block_into_host_memory(tmp_path, monkeypatch):
+    tokens = np.random.default_rng(0).integers(0, V, size=(2, 4, 9))
+    step = lambda e: float(e.train_step(tokens[..., :-1], tokens[..., 1:])["loss"])
+    engine = custom_engine(0)
+    for _ in range(2):
+        step(engine)
+    manager = checkpoint.make_manager(tmp_path / "ckpt", keep=2)
+    checkpoint.save(manager, 2, engine, {"note": "mine"})
+    manager.close()
+    expected = jax.tree.map(np.array, engine.state())
+
+    restored = custom_engine(7)  # other initial weights
+    loaded = []
+    load_state = restored.load_state
+    monkeypatch.setattr(restored, "load_state", lambda s: (loaded.append(s), load_state(s)))
+    manager = checkpoint.make_manager(tmp_path / "ckpt")
+    meta = checkpoint.restore(manager, restored)
+    assert meta == {"note": "mine", "step": 2}
+    host = restored.host_device
+    for x in jax.tree.leaves(loaded[0]):  # what Orbax read: already in host memory
+        assert x.devices() == {host}
+        assert x.sharding.memory_kind == host.default_memory().kind
+    assert_states_equal(jax.tree.map(np.asarray, restored.state()), expected)
+    assert step(restored) == step(engine)  # and it trains on identically
+    engine.close(), restored.close(), manager.close()

@@ -1,0 +1,396 @@
+"""Hugging Face interop against transformers itself: import (logits, loss, every gradient, one
+AdamW step), export -> from_pretrained round trip, sharded checkpoints, and bad directories."""
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from megatrain_jax import hf  # noqa: E402
+from megatrain_jax.cli import run_cli  # noqa: E402
+from megatrain_jax.config import Config, DataConfig, load_config, to_dict  # noqa: E402
+from megatrain_jax.engine import StreamedEngine  # noqa: E402
+from megatrain_jax.train import decay_mask  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+V = 101
+COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)  # GQA: 4 q, 2 kv
+ARCHS = {  # each exercises a different option
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        tie_word_embeddings=True, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16})),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(
+        rope_theta=20000.0, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6)),  # qkv bias
+}
+
+
+def make_hf_model(arch: str, seed: int = 0):
+    config_cls, model_cls, options = ARCHS[arch]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**COMMON, **options)
+    model = getattr(transformers, model_cls)(config).float()
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():  # norms init to 1 and biases to 0: make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """{arch: (model, saved dir)}; qwen2 is saved in several shards."""
+    out = {}
+    for arch in ARCHS:
+        model = make_hf_model(arch)
+        path = str(tmp_path_factory.mktemp(arch))
+        model.save_pretrained(path, max_shard_size="40KB" if arch == "qwen2" else "50MB")
+        out[arch] = (model, path)
+    return out
+
+
+def import_model(path):
+    """(cfg, stages graphdef, {"stages": ..., "layers": [...]}) read with megatrain_jax.hf."""
+    cfg = hf.model_config_from_hf(path)
+    source = hf.HFSource(path)
+    stages_def, stages = nnx.split(hf.load_stages(cfg, source))
+    blocks = [nnx.split(hf.load_block(cfg, source, i)) for i in range(cfg.num_layers)]
+    params = {"stages": nnx.to_pure_dict(stages), "layers": [nnx.to_pure_dict(b[1]) for b in blocks]}
+    return cfg, stages_def, blocks[0][0], params
+
+
+def as_hf(cfg, params) -> dict:
+    """Our params (or gradients) as {HF name: fp32 array}."""
+    units = [params["stages"], *params["layers"]]
+    out = {}
+    for name, shape, unit, key, transpose in hf.all_tensors(cfg):
+        x = units[unit][key[0]][key[1]] if unit == 0 else units[unit][key]
+        out[name] = hf.to_hf_layout(x, shape, transpose, np.float32)
+    return out
+
+
+def assert_close(ours: dict, ref: dict, rtol: float):
+    """Same names; every tensor within rtol relative error in L2 norm."""
+    assert sorted(ours) == sorted(ref)
+    for name in ref:
+        x, y = np.asarray(ours[name], np.float64), np.asarray(ref[name], np.float64)
+        assert x.shape == y.shape, name
+        err = np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30)
+        assert err <= rtol, f"{name}: relative error {err:.2e} > {rtol:.0e}"
+
+
+def torch_params(model) -> dict:
+    return {n: p.detach().numpy() for n, p in model.named_parameters()}  # tied: embed only
+
+
+def batch(seed=1, b=2, t=12):
+    toks = np.random.default_rng(seed).integers(0, V, size=(b, t + 1), dtype=np.int32)
+    return toks[:, :-1], toks[:, 1:]
+
+
+def torch_loss(model, inputs, targets):
+    logits = model(torch.tensor(inputs, dtype=torch.long)).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V),
+                                             torch.tensor(targets, dtype=torch.long).reshape(-1))
+    return logits, loss
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_import_matches_transformers_logits_loss_and_grads(hf_dirs, arch):
+    model, path = hf_dirs[arch]
+    cfg, stages_def, block_def, params = import_model(path)
+    assert cfg.tie_embeddings == (arch == "llama") and cfg.qkv_bias == (arch == "qwen2")
+    assert cfg.rope_scaling == {"llama": "llama3", "mistral": "linear", "qwen2": ""}[arch]
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps) == (4, 2, 1e-5)
+    inputs, targets = batch()
+
+    def forward(params, inputs):
+        first, last = nnx.merge(stages_def, params["stages"])
+        x = first(inputs)
+        for p in params["layers"]:
+            x = nnx.merge(block_def, p)(x)
+        return last, x
+
+    def loss_fn(params):
+        last, x = forward(params, inputs)
+        return last(x, targets)
+
+    last, x = forward(params, inputs)
+    logits = np.asarray(last.logits(x))
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+
+    model.zero_grad()
+    ref_logits, ref_loss = torch_loss(model, inputs, targets)
+    ref_loss.backward()
+    assert_close({"logits": logits}, {"logits": ref_logits.detach().numpy()}, 1e-4)
+    np.testing.assert_allclose(float(loss), ref_loss.item(), rtol=1e-5)
+    # every parameter transformers has (tied: one embedding, whose gradient sums both uses)
+    ref_grads = {n: p.grad.numpy() for n, p in model.named_parameters()}
+    assert_close(as_hf(cfg, grads), ref_grads, 1e-4)
+
+
+def test_sharded_checkpoint_has_several_shards(hf_dirs):
+    """Guards the sharded import above: qwen2 really is saved in several shards."""
+    path = hf_dirs["qwen2"][1]
+    index = json.load(open(os.path.join(path, hf.INDEX_FILE)))
+    assert len(set(index["weight_map"].values())) >= 3
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # tied embeddings; qkv biases
+def test_one_streamed_adamw_step_equals_torch_adamw(hf_dirs, arch):
+    _, path = hf_dirs[arch]
+    model = make_hf_model(arch)  # a fresh copy: this test changes its weights
+    lr, betas, eps, wd = 1e-3, (0.9, 0.95), 1e-8, 0.1
+    cfg = hf.model_config_from_hf(path)
+    source = hf.HFSource(path)
+    first, last = hf.load_stages(cfg, source)
+    engine = StreamedEngine(
+        first=first, last=last, make_block=lambda i: hf.load_block(cfg, source, i),
+        num_layers=cfg.num_layers, compute_dtype=jnp.float32, max_grad_norm=None,
+        optimizer=optax.adamw(lr, b1=betas[0], b2=betas[1], eps=eps, weight_decay=wd,
+                              mask=decay_mask),
+        compute_device=jax.devices("cpu")[0], host_device=jax.devices("cpu")[1])
+    inputs, targets = batch(seed=2)
+    engine.train_step(inputs[None], targets[None])
+    ours = as_hf(cfg, engine.params())
+    engine.close()
+
+    # torch: the same decay rule as decay_mask (matrices decay; norms and biases do not)
+    named = list(model.named_parameters())
+    opt = torch.optim.AdamW(
+        [{"params": [p for n, p in named if p.ndim >= 2], "weight_decay": wd},
+         {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0}],
+        lr=lr, betas=betas, eps=eps)
+    before = {n: p.copy() for n, p in torch_params(model).items()}
+    _, loss = torch_loss(model, inputs, targets)
+    loss.backward()
+    opt.step()
+    after = torch_params(model)
+    # k_proj.bias is the one exception, at 1e-4: a key bias shifts all of a query's scores alike
+    # except for what RoPE rotates, so along slowly rotating dimensions its true gradient is ~0
+    # (|g| ~ 1e-10 here, below Adam's eps), and Adam's g / (|g| + eps) turns fp32 rounding noise
+    # into visible update differences, in any two implementations.
+    assert_close({n: x for n, x in ours.items() if "k_proj.bias" not in n},
+                 {n: x for n, x in after.items() if "k_proj.bias" not in n}, 1e-5)
+    assert_close({n: x for n, x in ours.items() if "k_proj.bias" in n},
+                 {n: x for n, x in after.items() if "k_proj.bias" in n}, 1e-4)
+    for name in after:  # the step moved every tensor (else the comparison proves little)
+        assert not np.allclose(after[name], before[name]), name
+
+
+def save_checkpoint(run_dir, cfg, state, step):
+    """A checkpoint in the agreed layout (see the common brief)."""
+    manager = ocp.CheckpointManager(os.path.join(run_dir, "checkpoints"),
+                                    item_names=("state", "meta"))
+    meta = {"step": step, "config": to_dict(Config(model=cfg, data=DataConfig(seq_len=64))),
+            "data_state": {"epoch": 0, "index": 0}}
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                               meta=ocp.args.JsonSave(meta)))
+    manager.wait_until_finished()
+    manager.close()
+
+
+@pytest.fixture(scope="module")
+def run_dir(hf_dirs, tmp_path_factory):
+    """A run directory whose checkpoint (step 3) holds the imported qwen2 model, perturbed so the
+    export cannot pass by copying the source files, plus an older step 1."""
+    cfg, _, _, params = import_model(hf_dirs["qwen2"][1])
+    params = jax.tree.map(lambda p: p + 0.01 * jnp.sin(jnp.arange(p.size).reshape(p.shape)),
+                          params)
+    units = [params["stages"], *params["layers"]]
+    state = {"stages": {"params": units[0], "opt_state": optax.adam(1e-3).init(units[0])},
+             "layers": [{"params": u, "opt_state": optax.adam(1e-3).init(u)} for u in units[1:]]}
+    path = str(tmp_path_factory.mktemp("run"))
+    save_checkpoint(path, cfg, jax.tree.map(jnp.zeros_like, state), 1)
+    save_checkpoint(path, cfg, state, 3)
+    return path, cfg, as_hf(cfg, params)
+
+
+def export(*args):
+    from importlib import util
+    spec = util.spec_from_file_location("export_hf", os.path.join(ROOT, "scripts", "export_hf.py"))
+    module = util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(list(args))
+
+
+def test_export_from_pretrained_round_trip_is_exact(run_dir, tmp_path):
+    path, cfg, expected = run_dir
+    out = str(tmp_path / "exported")
+    assert export("--run-dir", path, "--out", out, "--shard-size", "30KB") == 0
+    files = os.listdir(out)
+    assert hf.INDEX_FILE in files and sum(f.endswith(".safetensors") for f in files) >= 3
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    loaded = torch_params(model)
+    assert sorted(loaded) == sorted(expected)
+    for name in expected:  # identical, not close: fp32 in, fp32 out
+        np.testing.assert_array_equal(loaded[name], expected[name], err_msg=name)
+    # and our own importer reads the export back to the same config and weights
+    cfg2, _, _, params2 = import_model(out)
+    assert dataclasses.replace(cfg2, from_hf="") == dataclasses.replace(cfg, from_hf="")
+    assert_close(as_hf(cfg2, params2), expected, 0.0)
+
+
+def test_export_older_step_in_one_bf16_file(run_dir, tmp_path):
+    path, _, _ = run_dir
+    out = str(tmp_path / "bf16")
+    assert export("--run-dir", path, "--out", out, "--step", "1", "--dtype", "bfloat16") == 0
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]  # one shard: no index
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    for name, p in model.named_parameters():  # step 1 holds zeros
+        assert p.dtype == torch.bfloat16 and not p.float().any(), name
+    assert json.load(open(os.path.join(out, "config.json")))["torch_dtype"] == "bfloat16"
+
+
+def test_export_tied_model_bf16(hf_dirs, tmp_path):
+    """Tied embeddings export without lm_head and come back tied; bf16 rounds like torch does."""
+    cfg, _, _, params = import_model(hf_dirs["llama"][1])
+    units = [params["stages"], *params["layers"]]
+    state = {"stages": {"params": units[0], "opt_state": {}},
+             "layers": [{"params": u, "opt_state": {}} for u in units[1:]]}
+    save_checkpoint(str(tmp_path / "run"), cfg, state, 5)
+    out = str(tmp_path / "out")
+    assert export("--run-dir", str(tmp_path / "run"), "--out", out, "--dtype", "bfloat16") == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    for name, p in model.named_parameters():
+        want = torch.tensor(as_hf(cfg, params)[name]).bfloat16()
+        assert torch.equal(p.detach(), want), name
+
+
+def test_export_bad_requests_exit_2(run_dir, tmp_path, capsys):
+    path, _, _ = run_dir
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("user data")
+    cases = [(["--run-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "o1")], "no checkpoints"),
+             (["--run-dir", path, "--out", str(tmp_path / "o2"), "--step", "2"], "--step 2"),
+             (["--run-dir", path, "--out", str(tmp_path / "full")], "not overwriting"),
+             (["--run-dir", path, "--out", str(tmp_path / "o3"), "--shard-size", "big"],
+              "--shard-size")]
+    for args, message in cases:
+        assert export(*args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert (tmp_path / "full" / "keep.txt").read_text() == "user data"
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+# -----------------------------------------------------------------------------
+# bad directories
+
+
+def _break(path, how):
+    if how == "missing config.json":
+        os.remove(os.path.join(path, "config.json"))
+    elif how == "missing shard":
+        index = json.load(open(os.path.join(path, hf.INDEX_FILE)))
+        os.remove(os.path.join(path, sorted(set(index["weight_map"].values()))[1]))
+    elif how in ("shape mismatch", "unsupported architecture", "unsupported rope"):
+        config = json.load(open(os.path.join(path, "config.json")))
+        if how == "shape mismatch":
+            config["intermediate_size"] = 128
+        elif how == "unsupported architecture":
+            config["architectures"] = ["GPT2LMHeadModel"]
+        else:
+            config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
+        json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    elif how == "pickle only":
+        index = json.load(open(os.path.join(path, hf.INDEX_FILE)))
+        for f in set(index["weight_map"].values()):
+            os.remove(os.path.join(path, f))
+        os.remove(os.path.join(path, hf.INDEX_FILE))
+        open(os.path.join(path, "pytorch_model.bin"), "wb").write(b"not to be unpickled")
+
+
+BAD_DIRS = {"missing config.json": re.escape("config.json not found"),
+            "missing shard": re.escape("is missing (listed in model.safetensors.index.json)"),
+            "shape mismatch": r"model\.layers\.0\.mlp\.\w+_proj\.weight has shape \((96, 64|64, 96)\), "
+                              r"config\.json implies \((128, 64|64, 128)\)",
+            "unsupported architecture": re.escape("unsupported architecture GPT2LMHeadModel"),
+            "unsupported rope": re.escape("rope scaling type 'yarn' is not supported"),
+            "pickle only": re.escape("never pickled")}
+
+
+@pytest.mark.parametrize("how", BAD_DIRS)
+def test_bad_directory_is_one_line_exit_2(hf_dirs, tmp_path, capsys, how):
+    import shutil
+    path = str(tmp_path / "model")
+    shutil.copytree(hf_dirs["qwen2"][1], path)
+    _break(path, how)
+    assert run_cli(lambda: load_config(None, [f"model.from_hf={path}"])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
+    assert re.search(BAD_DIRS[how], err[0]) and path in err[0], err[0]
+
+
+def test_train_cli_bad_directory_exit_2(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+                           f"model.from_hf={tmp_path}/absent", f"run_dir={tmp_path}/run"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == f"error: model.from_hf: {tmp_path}/absent is not a directory"
+    assert not (tmp_path / "run").exists()
+
+
+def test_config_keys_must_agree_with_the_hf_directory(hf_dirs):
+    path = hf_dirs["llama"][1]
+    cfg = load_config(None, [f"model.from_hf={path}", "model.hidden_size=64"])  # agrees: fine
+    assert cfg.model.hidden_size == 64 and cfg.model.tie_embeddings
+    with pytest.raises(Exception, match=r"model.num_layers=4 conflicts with .*config.json \(2\)"):
+        load_config(None, [f"model.from_hf={path}", "model.num_layers=4"])
+
+
+def test_finetune_from_hf_on_jsonl_starts_at_the_hf_models_loss(hf_dirs, tmp_path):
+    """The README workflow: model.from_hf + a JSONL corpus + a tokenizer.json through train();
+    the first step's loss is transformers' loss on the same batch (the weights were imported)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from megatrain_jax.train import load_dataset, train
+
+    words = [f"w{i}" for i in range(90)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["</s>", "<unk>", *words])},
+                                     unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    rng = np.random.default_rng(0)
+    with open(tmp_path / "train.jsonl", "w") as f:
+        for _ in range(40):
+            f.write(json.dumps({"text": " ".join(rng.choice(words, size=rng.integers(5, 30)))}) + "\n")
+    model, path = hf_dirs["mistral"]
+    cfg = load_config(None, [f"model.from_hf={path}", f"data.path={tmp_path}/train.jsonl",
+                             f"data.tokenizer={tmp_path}/tokenizer.json", "data.eos_token=</s>",
+                             "data.seq_len=16", "data.batch_size=2", "train.steps=2",
+                             "train.compute_dtype=float32", f"run_dir={tmp_path}/run"])
+    history = train(cfg, log=lambda *a: None)
+    inputs, targets = load_dataset(cfg).next_batch()  # the batch train() took first
+    with torch.no_grad():
+        _, ref_loss = torch_loss(model, inputs[0], targets[0])
+    np.testing.assert_allclose(history[0]["loss"], ref_loss.item(), rtol=1e-5)
+    # ... and the run's final checkpoint exports to a model transformers loads, trained
+    out = str(tmp_path / "hf")
+    assert export("--run-dir", str(tmp_path / "run"), "--out", out) == 0
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(tuned).__name__ == "MistralForCausalLM" and tuned.config.sliding_window == 4096
+    before, after = torch_params(model), torch_params(tuned)
+    assert sorted(before) == sorted(after)
+    assert all(np.isfinite(after[n]).all() for n in after)
+    assert any(not np.allclose(before[n], after[n]) for n in after)  # the steps moved it
