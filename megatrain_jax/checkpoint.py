@@ -41,6 +41,9 @@ def make_manager(directory, *, keep: int | None = None, async_save: bool = True,
                      ocp.StandardCheckpointHandler(save_concurrent_gb=write_bytes / 1e9))
     registry.add("state", ocp.args.StandardSave, state_handler)
     registry.add("state", ocp.args.StandardRestore, state_handler)
+    # PyTreeRestore reads the same files and, unlike StandardRestore, restores a subtree
+    # (ocp.PLACEHOLDER leaves are skipped): `restore` reads one unit at a time.
+    registry.add("state", ocp.args.PyTreeRestore, ocp.PyTreeCheckpointHandler())
     registry.add("meta", ocp.args.JsonSave, ocp.JsonCheckpointHandler())
     registry.add("meta", ocp.args.JsonRestore, ocp.JsonCheckpointHandler())
     return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
@@ -153,15 +156,28 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None,
             raise CheckpointError(f"{where} does not match this model: {path} has "
                                   f"{show(a)} in the checkpoint, {show(b)} in the model")
 
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                            current)
-    del current
-    try:
-        state = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract)))["state"]
-    except Exception as e:
-        raise _unreadable(manager, step, e) from None
-    engine.load_state(state)
+    # One unit at a time, each straight into host memory (the targets carry the engine's host
+    # sharding): the restore needs one unit's state on top of the engine's, not a second model.
+    skip = lambda tree: jax.tree.map(lambda _: ocp.PLACEHOLDER, tree)
+    units = [("stages", current["stages"])] + list(enumerate(current["layers"]))
+    for which, unit in units:
+        target = {"stages": skip(current["stages"]),
+                  "layers": [skip(layer) for layer in current["layers"]]}
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                unit)
+        if which == "stages":
+            target["stages"] = abstract
+        else:
+            target["layers"][which] = abstract
+        restore_args = jax.tree.map(
+            lambda x: ocp.PLACEHOLDER if x is ocp.PLACEHOLDER else ocp.ArrayRestoreArgs(
+                sharding=x.sharding, global_shape=x.shape, dtype=x.dtype), target)
+        try:
+            state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item=target, restore_args=restore_args)))["state"]
+        except Exception as e:
+            raise _unreadable(manager, step, e) from None
+        engine.load_unit(which, state["stages"] if which == "stages" else state["layers"][which])
     return meta
 
 

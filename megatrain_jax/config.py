@@ -47,6 +47,7 @@ class TrainConfig:
     steps: int = 100  # total optimizer steps of the run
     seed: int = 0
     compute_dtype: str = "bfloat16"  # dtype of streamed weights and device compute
+    grad_dtype: str = "float32"  # gradients to and on the host; bfloat16 saves 2 B/param, inexact
     prefetch: int = 1  # layers in flight ahead of the computing one
     log_every: int = 1
 
@@ -164,6 +165,8 @@ def _check(cfg: Config):
     if cfg.train.compute_dtype not in ("bfloat16", "float32"):
         raise ConfigError(f"train.compute_dtype must be bfloat16 or float32, "
                           f"got {cfg.train.compute_dtype!r}")
+    if cfg.train.grad_dtype not in ("bfloat16", "float32"):
+        raise ConfigError(f"train.grad_dtype must be bfloat16 or float32, got {cfg.train.grad_dtype!r}")
     if cfg.optimizer.learning_rate <= 0:
         raise ConfigError(f"optimizer.learning_rate must be > 0, got {cfg.optimizer.learning_rate}")
     if cfg.optimizer.max_grad_norm < 0:

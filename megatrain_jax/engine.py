@@ -79,6 +79,10 @@ class StreamedEngine:
         `max_grad_norm`, which clips exactly as `clip_by_global_norm` over the whole model.
       max_grad_norm: clip gradients to this global L2 norm (None: no clipping).
       compute_dtype: dtype of the bus copy and of device compute (bf16 default; fp32 is exact).
+      grad_dtype: dtype in which each unit's gradient (accumulated in fp32 on the device) crosses
+        to the host and waits there for its update, which upcasts it. fp32 (default) is exact;
+        bf16 halves the gradient's bytes each way and, with clipping, the host memory that every
+        unit's gradient occupies until the global norm is known (the norm is taken in fp32).
       prefetch: how many layers' weights are in flight ahead of the one computing.
       compute_device / host_device: where blocks run / where state lives and the optimizer runs.
         Defaults: the default device, and the first CPU device.
@@ -87,7 +91,7 @@ class StreamedEngine:
     def __init__(self, *, first: nnx.Module, last: nnx.Module, make_block: Callable[[int], nnx.Module],
                  num_layers: int, optimizer: optax.GradientTransformation,
                  max_grad_norm: Optional[float] = None, compute_dtype=jnp.bfloat16, prefetch: int = 1,
-                 compute_device=None, host_device=None):
+                 compute_device=None, host_device=None, grad_dtype=jnp.float32):
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         if prefetch < 0:
@@ -95,6 +99,9 @@ class StreamedEngine:
         self.num_layers = num_layers
         self.prefetch = prefetch
         self.compute_dtype = jnp.dtype(compute_dtype)
+        self.grad_dtype = jnp.dtype(grad_dtype)
+        if not jnp.issubdtype(self.grad_dtype, jnp.floating):
+            raise ValueError(f"grad_dtype must be a floating dtype, got {self.grad_dtype}")
         self.max_grad_norm = max_grad_norm
         self.optimizer = optimizer
         self.compute_device = compute_device or jax.devices()[0]
@@ -181,6 +188,7 @@ class StreamedEngine:
         self._block_fwd = jax.jit(block_fwd)
         self._block_bwd = jax.jit(block_bwd, donate_argnums=(2, 3))
         self._zeros = jax.jit(lambda w: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), w))
+        self._cast_grads = jax.jit(lambda g: jax.tree.map(lambda x: x.astype(self.grad_dtype), g))
         self._sum_squares = jax.jit(_sum_squares)
 
     # ----------------------------------------------------------------- host side
@@ -195,6 +203,7 @@ class StreamedEngine:
 
     def _host_update(self, params, opt_state, grads, old_bus, grad_norm):
         del old_bus  # donated: the new bus copy is written into its buffer
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)  # no-op in fp32
         if self.max_grad_norm is not None:
             # Exactly optax.clip_by_global_norm, with the norm taken over the whole model.
             clip = grad_norm >= self.max_grad_norm
@@ -244,6 +253,8 @@ class StreamedEngine:
         return jax.device_put(bus, self._compute)
 
     def _send_grads(self, u: int, grads):
+        if self.grad_dtype != jnp.float32:  # cast on the device: fewer bytes cross and wait
+            grads = self._cast_grads(grads)
         self.bytes_d2h += _nbytes(grads)
         if self.max_grad_norm is not None or not self._bus_in_place:
             # Its last use this step is dispatched: free it for the grads of the whole model (or
@@ -336,12 +347,21 @@ class StreamedEngine:
         return {"stages": unit(self._units[0]), "layers": [unit(u) for u in self._units[1:]]}
 
     def load_state(self, state: dict):
-        """Replaces the training state with `state` (same structure as `state()`)."""
-        self.wait()
-        for unit, src in zip(self._units, [state["stages"], *state["layers"]], strict=True):
-            unit.params = jax.device_put(src["params"], self._host)
-            unit.opt_state = jax.device_put(src["opt_state"], self._host)
-            unit.bus = self._make_bus(unit.params)
+        """Replaces the training state with `state` (same structure as `state()`).
+
+        The engine takes the arrays over: later steps update them in place (donation), so do
+        not keep using them."""
+        self.load_unit("stages", state["stages"])
+        for i, layer in enumerate(state["layers"]):
+            self.load_unit(i, layer)
+
+    def load_unit(self, which, unit_state: dict):
+        """Replaces one unit's state, `{"params", "opt_state"}`: which is "stages" or a layer
+        index. Restoring unit by unit keeps the extra host memory to one unit's state."""
+        unit = self._ready(0 if which == "stages" else 1 + which)
+        unit.params = jax.device_put(unit_state["params"], self._host)
+        unit.opt_state = jax.device_put(unit_state["opt_state"], self._host)
+        unit.bus = self._make_bus(unit.params)
 
     def close(self):
         self.wait()

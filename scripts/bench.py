@@ -68,16 +68,12 @@ def cap_device_memory(gb: float):
 
 
 def host_rss_gb() -> dict:
-    """Current and peak resident set size of this process, from /proc/self/status."""
-    out = {}
+    """Current and peak resident set size of this process (None where /proc is missing)."""
+    from megatrain_jax import hostmem
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(("VmRSS:", "VmHWM:")):
-                    out[line.split(":")[0]] = int(line.split()[1]) * 1024 / GB
+        return {"rss_gb": hostmem.rss_bytes() / GB, "peak_rss_gb": hostmem.peak_rss_bytes() / GB}
     except OSError:
-        pass
-    return {"rss_gb": out.get("VmRSS"), "peak_rss_gb": out.get("VmHWM")}
+        return {"rss_gb": None, "peak_rss_gb": None}
 
 
 def main(argv=None) -> int:

@@ -28,18 +28,10 @@ import time
 MODES = ("sync", "async idle", "async + training", "training only")
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
 def child(args):
     import jax
 
-    from megatrain_jax import checkpoint
+    from megatrain_jax import checkpoint, hostmem
     from megatrain_jax.config import load_config
     from megatrain_jax.train import build_engine, load_dataset
 
@@ -59,9 +51,8 @@ def child(args):
         limit = (checkpoint.largest_unit_bytes(engine) if args.limit_mb is None else
                  int(args.limit_mb * 2**20) or None)
         manager = checkpoint.make_manager(d, async_save=args.mode != "sync", write_bytes=limit)
-        rss0 = _status("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
+        rss0 = hostmem.rss_bytes()
+        hostmem.reset_peak()
         t0 = time.perf_counter()
         if args.mode != "training only":
             checkpoint.save(manager, 1, engine)
@@ -72,7 +63,7 @@ def child(args):
             engine.wait()
         manager.wait_until_finished()
         t_total = time.perf_counter() - t0
-        peak = _status("VmHWM")
+        peak = hostmem.peak_rss_bytes()
         manager.close()
     print(json.dumps({"mode": args.mode, "state_mb": state_bytes / 2**20, "layer_mb": layer_bytes / 2**20,
                       "rss_before_mb": rss0 / 2**20,

@@ -26,14 +26,6 @@ import time
 MODES = ("params only", "engine (HF)", "engine (random)")
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
 def write_model(path, layers, hidden, vocab, shard_bytes):
     """A random LlamaForCausalLM directory, tensor by tensor, in bf16 shards."""
     import ml_dtypes
@@ -87,7 +79,7 @@ def write_model(path, layers, hidden, vocab, shard_bytes):
 def child(args):
     import jax
 
-    from megatrain_jax import hf
+    from megatrain_jax import hf, hostmem
     from megatrain_jax.config import load_config
     from megatrain_jax.train import build_engine
 
@@ -96,9 +88,8 @@ def child(args):
     if args.mode == "engine (random)":
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, from_hf=""))
     nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    before = _status("VmRSS")
+    hostmem.reset_peak()
+    before = hostmem.rss_bytes()
     t0 = time.perf_counter()
     if args.mode == "params only":
         source = hf.HFSource(cfg.model.from_hf)
@@ -110,9 +101,9 @@ def child(args):
         engine = build_engine(cfg)
         state = nbytes(engine.state()) + nbytes([u.bus for u in engine._units])
     seconds = time.perf_counter() - t0
-    result = {"mode": args.mode, "extra": _status("VmHWM") - before,
-              "held": _status("VmRSS") - before, "state": state, "seconds": seconds,
-              "rss_file_after": _status("RssFile")}
+    result = {"mode": args.mode, "extra": hostmem.peak_rss_bytes() - before,
+              "held": hostmem.rss_bytes() - before, "state": state, "seconds": seconds,
+              "rss_file_after": hostmem.status_bytes("RssFile")}
     print(json.dumps(result))
 
 

@@ -17,6 +17,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
+from toy_model import Embed, Head
 
 from megatrain_jax import StreamedEngine, checkpoint
 from megatrain_jax.cli import run_cli
@@ -288,25 +289,10 @@ class MLPBlock(nnx.Module):
         return x + jax.nn.gelu(x @ self.w1[...]) @ self.w2[...]
 
 
-class Embed(nnx.Module):
-    def __init__(self, rngs):
-        self.table = nnx.Param(jax.random.normal(rngs.params(), (V, D)) * 0.1)
-
-    def __call__(self, tokens):
-        return self.table[...][tokens]
-
-
-class Head(nnx.Module):
-    def __init__(self, rngs):
-        self.w = nnx.Param(jax.random.normal(rngs.params(), (D, V)) * 0.1)
-
-    def __call__(self, x, targets):
-        return optax.softmax_cross_entropy_with_integer_labels(x @ self.w[...], targets).mean()
-
-
 def custom_engine(seed):
     compute, host = jax.devices()  # conftest: two CPU devices; the first plays the accelerator
-    return StreamedEngine(first=Embed(nnx.Rngs(seed)), last=Head(nnx.Rngs(seed + 1)),
+    return StreamedEngine(first=Embed(V, D, nnx.Rngs(seed), scale=0.1),
+                          last=Head(D, V, nnx.Rngs(seed + 1)),
                           make_block=lambda i: MLPBlock(nnx.Rngs(seed + 10 + i)), num_layers=3,
                           optimizer=optax.adam(1e-2), max_grad_norm=1.0, compute_dtype=jnp.float32,
                           compute_device=compute, host_device=host)
@@ -325,13 +311,14 @@ def test_library_save_restore_round_trips_a_custom_block_into_host_memory(tmp_pa
 
     restored = custom_engine(7)  # other initial weights
     loaded = []
-    load_state = restored.load_state
-    monkeypatch.setattr(restored, "load_state", lambda s: (loaded.append(s), load_state(s)))
+    load_unit = restored.load_unit
+    monkeypatch.setattr(restored, "load_unit", lambda w, s: (loaded.append(s), load_unit(w, s)))
     manager = checkpoint.make_manager(tmp_path / "ckpt")
     meta = checkpoint.restore(manager, restored)
     assert meta == {"note": "mine", "step": 2}
     host = restored.host_device
-    for x in jax.tree.leaves(loaded[0]):  # what Orbax read: already in host memory
+    assert len(loaded) == 1 + 3  # unit by unit: the stages, then each layer
+    for x in jax.tree.leaves(loaded):  # what Orbax read: already in host memory
         assert x.devices() == {host}
         assert x.sharding.memory_kind == host.default_memory().kind
     assert_states_equal(jax.tree.map(np.asarray, restored.state()), expected)

@@ -6,8 +6,8 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
+from toy_model import Embed, Head, capture_grads
 
 from megatrain_jax import StreamedEngine
 
@@ -26,33 +26,15 @@ class GatedBlock(nnx.Module):
         return x + jnp.tanh(a) * jax.nn.sigmoid(b) @ self.w_out[...]
 
 
-class Embed(nnx.Module):
-    def __init__(self, rngs):
-        self.table = nnx.Param(jax.random.normal(rngs.params(), (V, D)))
-
-    def __call__(self, tokens):
-        return self.table[...][tokens]
-
-
-class Head(nnx.Module):
-    def __init__(self, rngs):
-        self.w = nnx.Param(jax.random.normal(rngs.params(), (D, V)) * 0.2)
-
-    def __call__(self, x, targets):
-        return optax.softmax_cross_entropy_with_integer_labels(x @ self.w[...], targets).mean()
-
-
-def capture_grads() -> optax.GradientTransformation:
-    """An optax transform that leaves the params alone and keeps the last gradient as its state."""
-    return optax.GradientTransformation(
-        init=lambda params: jax.tree.map(jnp.zeros_like, params),
-        update=lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads))
+def stages():
+    return Embed(V, D, nnx.Rngs(0)), Head(D, V, nnx.Rngs(1), scale=0.2)
 
 
 def test_custom_block_gradients_equal_jax_grad():
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, V, size=(2, 3, 9))  # 2 micro-batches
-    engine = StreamedEngine(first=Embed(nnx.Rngs(0)), last=Head(nnx.Rngs(1)),
+    first, last = stages()
+    engine = StreamedEngine(first=first, last=last,
                             make_block=lambda i: GatedBlock(nnx.Rngs(10 + i)), num_layers=L,
                             optimizer=capture_grads(), compute_dtype=jnp.float32,
                             compute_device=jax.devices("cpu")[0], host_device=jax.devices("cpu")[1])
@@ -60,7 +42,7 @@ def test_custom_block_gradients_equal_jax_grad():
     state = engine.state()
 
     # The equivalent plain model: the same modules, one batch, jax.grad.
-    embed, head = Embed(nnx.Rngs(0)), Head(nnx.Rngs(1))
+    embed, head = stages()
     blocks = [GatedBlock(nnx.Rngs(10 + i)) for i in range(L)]
 
     graphdef, params = nnx.split((embed, head, blocks))
