@@ -16,6 +16,7 @@ mid-save leaves no step that `all_steps()` / `latest_step()` report. Used from y
 """
 
 import json
+import os
 
 import jax
 import numpy as np
@@ -46,7 +47,9 @@ def make_manager(directory, *, keep: int | None = None, async_save: bool = True,
     registry.add("state", ocp.args.PyTreeRestore, ocp.PyTreeCheckpointHandler())
     registry.add("meta", ocp.args.JsonSave, ocp.JsonCheckpointHandler())
     registry.add("meta", ocp.args.JsonRestore, ocp.JsonCheckpointHandler())
-    return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
+    # Orbax (tensorstore) needs an absolute path; run_dir is often relative.
+    return ocp.CheckpointManager(os.path.abspath(directory), options=options,
+                                 handler_registry=registry)
 
 
 def save(manager: ocp.CheckpointManager, step: int, engine, meta: dict | None = None):

@@ -18,10 +18,13 @@ def run(*args, cwd=ROOT):
 
 
 def test_tiny_config_trains_and_writes_metrics(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = run("--config", "configs/tiny.yaml", *FAST, "data.micro_batches=2",
-               f"run_dir={run_dir}")
+    # A relative run_dir, as in the README's command, from another working directory.
+    run_dir = tmp_path / "runs" / "tiny"
+    proc = run("--config", os.path.join(ROOT, "configs", "tiny.yaml"), *FAST, "data.micro_batches=2",
+               f"data.path={ROOT}/megatrain_jax/texts/devils_dictionary.txt", "run_dir=runs/tiny",
+               cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
+    assert (run_dir / "checkpoints" / "3").is_dir()  # the final checkpoint, committed
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
