@@ -490,6 +490,12 @@ def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None,
     with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
         json.dump(hf_config(cfg, dtype=dtype, max_position_embeddings=max_positions, base=base),
                   f, indent=2)
+    # mkdtemp makes the directory private (0700); give the result the usual permissions.
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(tmp):
+        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+    os.chmod(tmp, 0o777 & ~umask)
     os.replace(tmp, out_dir)  # atomic; replaces only an empty directory
     log(f"exported {where} to {out_dir}: {len(tensors)} tensors, {total / 1e6:,.1f} MB {dtype} "
         f"in {len(shards)} shard{'s' * (len(shards) > 1)}")
