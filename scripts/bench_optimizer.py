@@ -29,6 +29,8 @@ parser.add_argument("--clip", action="store_true",
 parser.add_argument("--accelerator-path", action="store_true",
                     help="state on a second CPU device, so the engine takes the path it takes with a "
                          "GPU: the update writes a reused staging buffer, copied to pinned host memory")
+parser.add_argument("--grad-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the engine's gradient store (train.grad_dtype)")
 parser.add_argument("--json", default="", help="also write the results here")
 args = parser.parse_args()
 if args.cores:  # before jax starts: XLA:CPU sizes its thread pool from the affinity mask
@@ -86,26 +88,31 @@ def main():
     engine = StreamedEngine(first=first, last=last, make_block=lambda i: make_block(cfg, 0, i),
                             num_layers=cfg.num_layers, optimizer=build_optimizer(OptimizerConfig(), 1000),
                             max_grad_norm=1.0 if args.clip else None, compute_dtype=jnp.bfloat16,
-                            compute_device=compute, host_device=host)
+                            compute_device=compute, host_device=host,
+                            grad_dtype=jnp.dtype(args.grad_dtype))
     del first, last
     units = engine._units
     sizes = [sum(x.size for x in jax.tree.leaves(u.params)) for u in units]
     n_params = sum(sizes)
-    # Gradients on the host, made once: the update reads them and does not donate them.
-    grads = [jax.jit(lambda p: jax.tree.map(lambda x: jnp.full_like(x, 1e-3), p))(u.params)
-             for u in units]
+    fill = jax.jit(lambda p: jax.tree.map(lambda x: jnp.full_like(x, 1e-3), p))
     norm = jax.device_put(jnp.float32(0.5), host)  # below max_grad_norm: clipping is a no-op
+    send = {}
+
+    def send_grads():  # untimed: as the step does, each unit's gradient handed to the host (cast
+        # to grad_dtype, the bus copy dropped where the step drops it); fresh each time, since the
+        # update may take a gradient's buffer over (donation)
+        for u in range(len(units)):
+            send[u] = engine._send_grads(u, fill(units[u].params))
+        jax.block_until_ready(send)
 
     def update():  # the engine's own path: every unit's update on its host thread, then wait
-        if args.clip:  # as the step does: bus copies dropped to make room for all gradients
-            for u in range(len(units)):
-                engine._send_grads(u, grads[u])
         for u in range(len(units)):
-            engine._submit_update(u, grads[u], norm if args.clip else None)
+            engine._submit_update(u, send.pop(u), norm if args.clip else None)
         engine.wait()
 
     pool = concurrent.futures.ThreadPoolExecutor(THREADS)
     copies = {1: make_copy(sizes, 1, pool), THREADS: make_copy(sizes, THREADS, pool)}
+    send_grads()
     update()  # compile
     for c in copies.values():
         c()
@@ -113,6 +120,7 @@ def main():
     runs = {"update": [], "copy_1": [], f"copy_{THREADS}": []}
     faults = []
     for _ in range(args.reps):
+        send_grads()
         t, f = timed(update)
         runs["update"].append(t)
         faults.append(f)
@@ -127,7 +135,8 @@ def main():
     copy_gb_s = {k: 8 * n_params / med[k] / 1e9 for k in runs if k.startswith("copy")}
     ratio = update_gb_s / max(copy_gb_s.values())
     print(f"model: {n_params / 1e6:.1f}M params, {len(units) - 1} layers of {sizes[1] / 1e6:.1f}M | "
-          f"AdamW (optax), bf16 bus copy, clipping {'on' if args.clip else 'off'}, "
+          f"AdamW (optax), bf16 bus copy, {args.grad_dtype} gradients, "
+          f"clipping {'on' if args.clip else 'off'}, "
           f"{'accelerator path (staging + pinned copy)' if args.accelerator_path else 'bus in place'} | "
           f"{THREADS} threads (XLA:CPU intra-op pool; 1 dispatch thread) | median of {args.reps}")
     print(f"{'measurement':40s} {'time ms':>9s} {'GB/s':>7s} {'Mparams/s':>10s} {'page faults':>12s}")
@@ -144,6 +153,7 @@ def main():
                        "update_gb_s": update_gb_s, "mparams_per_s": n_params / med["update"] / 1e6,
                        "copy_gb_s": copy_gb_s, "update_page_faults": faults, "threads": THREADS,
                        "clip": args.clip, "accelerator_path": args.accelerator_path,
+                       "grad_dtype": args.grad_dtype,
                        "optimizer_vs_copy_bandwidth": ratio,
                        "jax": jax.__version__}, f, indent=1)
     print(f"optimizer_vs_copy_bandwidth: {ratio:.3f}")
