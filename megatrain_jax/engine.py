@@ -137,6 +137,12 @@ class StreamedEngine:
         # the CPU backend a fresh output buffer is page-faulted in at a fraction of memory speed.
         # keep_unused: the old bus is never read, only donated; jit would otherwise prune it.
         self._update = jax.jit(self._host_update, donate_argnums=(0, 1, 3), keep_unused=True)
+        # Clipped inside the update, the gradient becomes an intermediate that both Adam moments
+        # read, and XLA:CPU gives it a fresh temporary buffer (~3 B/param, page-faulted each step;
+        # `memory_analysis()`). An fp32 gradient is therefore clipped first, in place, by its own
+        # pass; a bf16 one is upcast, so it has no fp32 buffer to clip in and is clipped inside.
+        self._clip_first = max_grad_norm is not None and self.grad_dtype == jnp.float32
+        self._clip_in_place = jax.jit(self._clip, donate_argnums=(0,))
         # out_shardings: optax state that does not depend on the params (counts, zeros) would
         # otherwise land uncommitted on the default device, the accelerator.
         init = jax.jit(optimizer.init, out_shardings=self._host)
@@ -201,15 +207,17 @@ class StreamedEngine:
     def _make_bus(self, params):
         return params if self._bus_is_params else self._to_bus(self._cast(params))
 
+    def _clip(self, grads, grad_norm):
+        """Exactly optax.clip_by_global_norm, with the norm taken over the whole model."""
+        clip = grad_norm >= self.max_grad_norm
+        return jax.tree.map(
+            lambda g: jnp.where(clip, (g / grad_norm.astype(g.dtype)) * self.max_grad_norm, g), grads)
+
     def _host_update(self, params, opt_state, grads, old_bus, grad_norm):
         del old_bus  # donated: the new bus copy is written into its buffer
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)  # no-op in fp32
-        if self.max_grad_norm is not None:
-            # Exactly optax.clip_by_global_norm, with the norm taken over the whole model.
-            clip = grad_norm >= self.max_grad_norm
-            grads = jax.tree.map(
-                lambda g: jnp.where(clip, (g / grad_norm.astype(g.dtype)) * self.max_grad_norm, g),
-                grads)
+        if grad_norm is not None:  # clipped here only when it could not be done in place before
+            grads = self._clip(grads, grad_norm)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, None if self._bus_is_params else self._cast(params)
@@ -223,6 +231,10 @@ class StreamedEngine:
         else:
             old_bus = self._staging.pop(staging_key, None)
         unit.bus = None
+        if self.max_grad_norm is None:
+            grad_norm = None
+        elif self._clip_first:
+            grads, grad_norm = self._clip_in_place(grads, grad_norm), None
         unit.params, unit.opt_state, bus = self._update(unit.params, unit.opt_state, grads, old_bus,
                                                         grad_norm)
         if self._bus_in_place:
