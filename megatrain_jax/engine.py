@@ -196,6 +196,9 @@ class StreamedEngine:
         self._zeros = jax.jit(lambda w: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), w))
         self._cast_grads = jax.jit(lambda g: jax.tree.map(lambda x: x.astype(self.grad_dtype), g))
         self._sum_squares = jax.jit(_sum_squares)
+        # One dispatch each for what would otherwise be L (or M) eager adds per step.
+        self._global_norm = jax.jit(lambda sq_norms: jnp.sqrt(sum(sq_norms)))
+        self._mean = jax.jit(lambda xs: sum(xs) / len(xs))
 
     # ----------------------------------------------------------------- host side
     def _cast(self, params):
@@ -231,9 +234,7 @@ class StreamedEngine:
         else:
             old_bus = self._staging.pop(staging_key, None)
         unit.bus = None
-        if self.max_grad_norm is None:
-            grad_norm = None
-        elif self._clip_first:
+        if self._clip_first:
             grads, grad_norm = self._clip_in_place(grads, grad_norm), None
         unit.params, unit.opt_state, bus = self._update(unit.params, unit.opt_state, grads, old_bus,
                                                         grad_norm)
@@ -324,12 +325,13 @@ class StreamedEngine:
             d_stages = self._embed_bwd(w_stages, x, dx, d_stages)
         sq_norms.append(self._sum_squares(d_stages))
         host_grads[0] = self._send_grads(0, d_stages)
-        grad_norm = jnp.sqrt(sum(sq_norms))
-        host_norm = jax.device_put(grad_norm, self._host)
+        grad_norm = self._global_norm(sq_norms)
+        # Only clipping reads the norm on the host; without it the host update takes no norm.
+        host_norm = None if self.max_grad_norm is None else jax.device_put(grad_norm, self._host)
         # Units in the order the next forward needs them: stages, then layers 0..L-1.
         for u in sorted(host_grads):
             self._submit_update(u, host_grads.pop(u), host_norm)
-        return {"loss": sum(losses) / num_micro, "grad_norm": grad_norm}
+        return {"loss": self._mean(losses), "grad_norm": grad_norm}
 
     # ----------------------------------------------------------------- reading state
     def wait(self):
