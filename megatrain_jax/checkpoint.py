@@ -69,7 +69,7 @@ def save(manager: ocp.CheckpointManager, step: int, engine, meta: dict | None = 
                                          meta=ocp.args.JsonSave({**(meta or {}), "step": step})))
 
 
-def _path_str(path) -> str:
+def path_str(path) -> str:
     """Orbax's metadata spells namedtuple fields as dict keys; name both alike: a/b/0/mu/wq."""
     parts = []
     for key in path:
@@ -83,7 +83,7 @@ def _path_str(path) -> str:
 
 
 def _shapes(tree) -> dict:
-    return {_path_str(p): (tuple(x.shape), np.dtype(x.dtype))
+    return {path_str(p): (tuple(x.shape), np.dtype(x.dtype))
             for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
@@ -121,6 +121,15 @@ def resolve_step(manager: ocp.CheckpointManager, step: int | None = None) -> int
     return step
 
 
+def read_meta(manager: ocp.CheckpointManager, step: int) -> tuple:
+    """(meta, metadata of the saved state tree) of checkpoint `step`; reads no array."""
+    try:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        return meta, manager.item_metadata(step)["state"]
+    except Exception as e:  # orbax/tensorstore raise many types for a damaged directory
+        raise _unreadable(manager, step, e) from None
+
+
 def restore(manager: ocp.CheckpointManager, engine, step: int | None = None,
             model_config: dict | None = None, config_key: str = "config.model") -> dict:
     """Loads checkpoint `step` (default: the latest complete one) into the engine; returns its meta.
@@ -133,11 +142,8 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None,
     step = resolve_step(manager, step)
     if step is None:
         raise CheckpointError(f"no complete checkpoint in {manager.directory}")
-    try:
-        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        saved_shapes = _shapes(manager.item_metadata(step)["state"])
-    except Exception as e:  # orbax/tensorstore raise many types for a damaged directory
-        raise _unreadable(manager, step, e) from None
+    meta, tree_metadata = read_meta(manager, step)
+    saved_shapes = _shapes(tree_metadata)
 
     where = f"checkpoint step {step} in {manager.directory}"
     if model_config is not None:

@@ -144,7 +144,7 @@ def _model_from_hf(given: ModelConfig, given_keys) -> ModelConfig:
 
     model = hf.model_config_from_hf(given.from_hf)
     for key in given_keys:
-        if key not in ("from_hf", "init_std") and getattr(given, key) != getattr(model, key):
+        if key != "init_std" and getattr(given, key) != getattr(model, key):
             raise ConfigError(f"model.{key}={getattr(given, key)!r} conflicts with "
                               f"{given.from_hf}/config.json ({getattr(model, key)!r}); leave it out "
                               f"when model.from_hf is set")

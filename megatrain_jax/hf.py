@@ -156,8 +156,9 @@ def hf_config(cfg: ModelConfig, *, dtype: str, max_position_embeddings: int,
               base: dict | None = None) -> dict:
     """config.json for cfg. Keys of `base` (the source model's config.json: token ids, ...) are
     kept, the architecture's are overwritten. RoPE is written both ways (see _rope_options)."""
-    out = {k: v for k, v in (base or {}).items() if k not in ("rope_scaling", "rope_parameters")}
-    arch = _architecture(cfg, base or {})
+    base = base or {}
+    out = {k: v for k, v in base.items() if k not in ("rope_scaling", "rope_parameters")}
+    arch = _architecture(cfg, base)
     rope = {"rope_type": cfg.rope_scaling or "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling:
         rope["factor"] = cfg.rope_scaling_factor
@@ -171,7 +172,7 @@ def hf_config(cfg: ModelConfig, *, dtype: str, max_position_embeddings: int,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_size, hidden_act="silu",
         rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-        rope_scaling=dict(rope) if cfg.rope_scaling else None, rope_parameters=rope,
+        rope_scaling=rope if cfg.rope_scaling else None, rope_parameters=rope,
         tie_word_embeddings=cfg.tie_embeddings, torch_dtype=dtype, dtype=dtype,
         max_position_embeddings=out.get("max_position_embeddings", max_position_embeddings))
     if arch == "LlamaForCausalLM":
@@ -343,8 +344,8 @@ def load_stages(cfg: ModelConfig, source: HFSource):
     """(Embed, LMHead) holding the HF weights; no random init runs (nnx.eval_shape)."""
     abstract = nnx.eval_shape(lambda: make_stages(cfg, 0))
     shapes = nnx.to_pure_dict(nnx.split(abstract)[1])
-    flat = source.read(stage_tensors(cfg), {path: shapes[path[0]][path[1]].shape
-                                            for _, _, path, _ in stage_tensors(cfg)})
+    tensors = stage_tensors(cfg)
+    flat = source.read(tensors, {path: shapes[path[0]][path[1]].shape for _, _, path, _ in tensors})
     params = {0: {}, 1: {}}
     for (unit, key), value in flat.items():
         params[unit][key] = value
@@ -387,15 +388,12 @@ def _plan_shards(tensors, itemsize: int, shard_size: int) -> list:
     return shards
 
 
-def _path_key(path) -> tuple:
-    return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
-def _state_path(unit: int, key) -> tuple:
-    """Where a parameter lives in engine.state() (the agreed checkpoint layout)."""
+def _state_path(unit: int, key) -> str:
+    """Where a parameter lives in engine.state() (the agreed checkpoint layout), spelled like
+    checkpoint.path_str."""
     if unit == 0:
-        return ("stages", "params", str(key[0]), key[1])
-    return ("layers", str(unit - 1), "params", key)
+        return f"stages/params/{key[0]}/{key[1]}"
+    return f"layers/{unit - 1}/params/{key}"
 
 
 def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None,
@@ -408,82 +406,77 @@ def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None,
     import orbax.checkpoint as ocp
     from safetensors.numpy import save_file
 
+    from megatrain_jax import checkpoint
+
     if dtype not in EXPORT_DTYPES:
         raise HFError(f"--dtype {dtype!r}: expected one of {', '.join(EXPORT_DTYPES)}")
     shard_bytes = parse_size(shard_size)
     if os.path.exists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)):
         raise HFError(f"--out {out_dir} exists and is not an empty directory; not overwriting it")
     ckpt_dir = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(ckpt_dir):
+    if not os.path.isdir(ckpt_dir):  # checked first: make_manager would create it
         raise HFError(f"--run-dir {run_dir}: no checkpoints directory {ckpt_dir}")
-    manager = ocp.CheckpointManager(
-        os.path.abspath(ckpt_dir), options=ocp.CheckpointManagerOptions(read_only=True, create=False),
-        item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
-    steps = sorted(manager.all_steps())
-    if not steps:
-        raise HFError(f"--run-dir {run_dir}: no complete checkpoint in {ckpt_dir}")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
-        raise HFError(f"--step {step}: no checkpoint at step {step} in {ckpt_dir} "
-                      f"(complete steps: {', '.join(map(str, steps))})")
-    where = f"checkpoint step {step} in {ckpt_dir}"
+    manager = checkpoint.make_manager(ckpt_dir, async_save=False)
     try:
-        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        tree = manager.item_metadata(step)["state"]
-    except Exception as e:  # orbax/tensorstore raise many types for a damaged directory
-        raise HFError(f"{where} is unreadable ({type(e).__name__}: {str(e)[:200]})") from None
-    try:
-        cfg = ModelConfig(**meta["config"]["model"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise HFError(f"{where}: no usable config.model in its meta ({e})") from None
-    tree = getattr(tree, "tree", tree)  # a TreeMetadata wraps the plain nested dict
-    saved = {_path_key(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
-    tensors = all_tensors(cfg)
-    for name, shape, unit, key, _ in tensors:
-        leaf = saved.get(_state_path(unit, key))
-        if leaf is None or math.prod(leaf.shape) != math.prod(shape):
-            raise HFError(f"{where} does not match its config: {'/'.join(_state_path(unit, key))} "
-                          f"({name}) is {'absent' if leaf is None else tuple(leaf.shape)}")
+        step = checkpoint.resolve_step(manager, step)
+        if step is None:
+            raise HFError(f"--run-dir {run_dir}: no complete checkpoint in {ckpt_dir}")
+        where = f"checkpoint step {step} in {ckpt_dir}"
+        meta, tree = checkpoint.read_meta(manager, step)
+        try:
+            cfg = ModelConfig(**meta["config"]["model"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise HFError(f"{where}: no usable config.model in its meta ({e})") from None
+        tree = getattr(tree, "tree", tree)  # a TreeMetadata wraps the plain nested dict
+        saved = {checkpoint.path_str(p): leaf
+                 for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+        tensors = all_tensors(cfg)
+        for name, shape, unit, key, _ in tensors:
+            leaf = saved.get(_state_path(unit, key))
+            if leaf is None or math.prod(leaf.shape) != math.prod(shape):
+                raise HFError(f"{where} does not match its config: {_state_path(unit, key)} "
+                              f"({name}) is {'absent' if leaf is None else tuple(leaf.shape)}")
 
-    base = None
-    if cfg.from_hf and os.path.isfile(os.path.join(cfg.from_hf, CONFIG_FILE)):
-        try:  # keep the source model's token ids etc.; optional, so a broken one is skipped
-            base = read_hf_config(cfg.from_hf)
+        try:  # keep the source model's token ids etc.; optional: a missing or bad one is skipped
+            base = read_hf_config(cfg.from_hf) if cfg.from_hf else None
         except HFError:
             base = None
-    max_positions = (meta.get("config", {}).get("data", {}) or {}).get("seq_len", 2048)
-    np_dtype = EXPORT_DTYPES[dtype]
-    shards = _plan_shards(tensors, np.dtype(np_dtype).itemsize, shard_bytes)
-    names = ([SINGLE_FILE] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+        max_positions = meta.get("config", {}).get("data", {}).get("seq_len", 2048)
+        np_dtype = EXPORT_DTYPES[dtype]
+        shards = _plan_shards(tensors, np.dtype(np_dtype).itemsize, shard_bytes)
+        names = ([SINGLE_FILE] if len(shards) == 1 else
+                 [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                  for i in range(len(shards))])
 
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
-    weight_map, total = {}, 0
-    for shard, file_name in zip(shards, names):
-        wanted = {_state_path(unit, key) for _, _, unit, key, _ in shard}
-        target = jax.tree_util.tree_map_with_path(
-            lambda p, leaf: leaf if _path_key(p) in wanted else ocp.PLACEHOLDER, tree)
-        restore_args = jax.tree.map(
-            lambda leaf: ocp.PLACEHOLDER if leaf is ocp.PLACEHOLDER
-            else ocp.RestoreArgs(restore_type=np.ndarray), target)
-        target = jax.tree.map(lambda leaf: leaf if leaf is ocp.PLACEHOLDER
-                              else jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), target)
-        state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=target, restore_args=restore_args)))["state"]
-        restored = {_path_key(p): x for p, x in jax.tree_util.tree_leaves_with_path(state)
-                    if x is not ocp.PLACEHOLDER}
-        del state
-        out = {}
-        for name, shape, unit, key, transpose in shard:
-            # pop: each fp32 leaf is freed as soon as its converted copy exists
-            out[name] = to_hf_layout(restored.pop(_state_path(unit, key)), shape, transpose, np_dtype)
-            weight_map[name] = file_name
-            total += out[name].nbytes
-        save_file(out, os.path.join(tmp, file_name), metadata={"format": "pt"})
-        del out, restored
+        parent = os.path.dirname(os.path.abspath(out_dir))
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+        weight_map, total = {}, 0
+        for shard, file_name in zip(shards, names):
+            wanted = {_state_path(unit, key) for _, _, unit, key, _ in shard}
+            target = jax.tree_util.tree_map_with_path(
+                lambda p, leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+                if checkpoint.path_str(p) in wanted else ocp.PLACEHOLDER, tree)
+            restore_args = jax.tree.map(
+                lambda leaf: ocp.PLACEHOLDER if leaf is ocp.PLACEHOLDER
+                else ocp.RestoreArgs(restore_type=np.ndarray), target)
+            state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item=target, restore_args=restore_args)))["state"]
+            restored = {checkpoint.path_str(p): x
+                        for p, x in jax.tree_util.tree_leaves_with_path(state)
+                        if x is not ocp.PLACEHOLDER}
+            del state
+            out = {}
+            for name, shape, unit, key, transpose in shard:
+                # pop: each fp32 leaf is freed as soon as its converted copy exists
+                out[name] = to_hf_layout(restored.pop(_state_path(unit, key)), shape, transpose,
+                                         np_dtype)
+                weight_map[name] = file_name
+                total += out[name].nbytes
+            save_file(out, os.path.join(tmp, file_name), metadata={"format": "pt"})
+            del out, restored
+    finally:
+        manager.close()
     if len(shards) > 1:
         with open(os.path.join(tmp, INDEX_FILE), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

@@ -32,48 +32,28 @@ def write_model(path, layers, hidden, vocab, shard_bytes):
     import numpy as np
     from safetensors.numpy import save_file
 
-    heads, kv, inter = hidden // 64, max(hidden // 256, 1), int(hidden * 2.75) // 64 * 64
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
-              "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
-              "num_attention_heads": heads, "num_key_value_heads": kv, "rms_norm_eps": 1e-5,
-              "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
-    shapes = [("model.embed_tokens.weight", (vocab, hidden))]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes += [(p + "input_layernorm.weight", (hidden,)),
-                   (p + "self_attn.q_proj.weight", (hidden, hidden)),
-                   (p + "self_attn.k_proj.weight", (kv * 64, hidden)),
-                   (p + "self_attn.v_proj.weight", (kv * 64, hidden)),
-                   (p + "self_attn.o_proj.weight", (hidden, hidden)),
-                   (p + "post_attention_layernorm.weight", (hidden,)),
-                   (p + "mlp.gate_proj.weight", (inter, hidden)),
-                   (p + "mlp.up_proj.weight", (inter, hidden)),
-                   (p + "mlp.down_proj.weight", (hidden, inter))]
-    shapes += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+    from megatrain_jax import hf
+    from megatrain_jax.model import ModelConfig
+
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=hidden,
+                      intermediate_size=int(hidden * 2.75) // 64 * 64, num_layers=layers,
+                      num_heads=hidden // 64, num_kv_heads=max(hidden // 256, 1), head_dim=64)
+    tensors = hf.all_tensors(cfg)
+    shards = hf._plan_shards(tensors, 2, shard_bytes)  # bf16: 2 bytes a value
     rng = np.random.default_rng(0)
-    shards, current, size = [], {}, 0
-    for name, shape in shapes:
-        n = int(np.prod(shape))
-        if current and size + 2 * n > shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = shape
-        size += 2 * n
-    shards.append(current)
-    weight_map, largest = {}, 0
+    weight_map = {}
     for k, shard in enumerate(shards):
         file_name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: (rng.standard_normal(shape, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
-                   for name, shape in shard.items()}
-        save_file(tensors, os.path.join(path, file_name), metadata={"format": "pt"})
-        weight_map.update({name: file_name for name in shard})
-        largest = max([largest] + [int(np.prod(s)) for s in shard.values()])
-        del tensors
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        out = {name: (rng.standard_normal(shape, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+               for name, shape, *_ in shard}
+        save_file(out, os.path.join(path, file_name), metadata={"format": "pt"})
+        weight_map.update({name: file_name for name in out})
+        del out
+    with open(os.path.join(path, hf.INDEX_FILE), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    return largest
+    with open(os.path.join(path, hf.CONFIG_FILE), "w") as f:
+        json.dump(hf.hf_config(cfg, dtype="bfloat16", max_position_embeddings=2048), f)
+    return max(int(np.prod(shape)) for _, shape, *_ in tensors)
 
 
 def child(args):

@@ -282,7 +282,8 @@ def test_export_bad_requests_exit_2(run_dir, tmp_path, capsys):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("user data")
     cases = [(["--run-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "o1")], "no checkpoints"),
-             (["--run-dir", path, "--out", str(tmp_path / "o2"), "--step", "2"], "--step 2"),
+             (["--run-dir", path, "--out", str(tmp_path / "o2"), "--step", "2"],
+              "no checkpoint at step 2"),
              (["--run-dir", path, "--out", str(tmp_path / "full")], "not overwriting"),
              (["--run-dir", path, "--out", str(tmp_path / "o3"), "--shard-size", "big"],
               "--shard-size")]
