@@ -31,7 +31,7 @@ import time
 GB = 1e9
 # bf16 dense tensor-core peak (no sparsity) from the datasheets, by device_kind substring.
 DATASHEET_BF16_TFLOPS = [("H200", 989.4), ("H100 PCIe", 756.0), ("H100 NVL", 835.0),
-                         ("H100", 989.4), ("GH200", 989.4), ("A100", 312.0)]
+                         ("H100", 989.4), ("A100", 312.0)]  # first match wins: GH200 is "H200"
 
 
 def parse_args(argv):
@@ -39,7 +39,8 @@ def parse_args(argv):
     p.add_argument("--config", help="YAML config file (defaults apply without one)")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.add_argument("--steps", type=int, default=3, help="timed steps")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (compilation)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed steps first (compilation; at least 1)")
     p.add_argument("--baselines", default="resident,offload",
                    help="comma list of resident, offload; or none")
     p.add_argument("--device-mem-gb", type=float, default=None,
@@ -84,8 +85,9 @@ def main(argv=None) -> int:
 
 def bench(args):
     from megatrain_jax.config import ConfigError, load_config, to_dict
-    if args.steps < 1 or args.warmup < 0:
-        raise ConfigError("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 1:
+        raise ConfigError("--steps and --warmup must be >= 1 (the warm-up steps compile: with "
+                          "none, compile time would be timed)")
     baselines = [b for b in args.baselines.split(",") if b and b != "none"]
     unknown = set(baselines) - {"resident", "offload"}
     if unknown:
@@ -111,8 +113,6 @@ def bench(args):
           f"{m.num_params() / 1e6:,.1f}M params ({n_params / 1e6:,.1f}M in matmuls) | "
           f"{tokens:,} tokens/step ({M} x {B} x {T}) | training state {state_gb:.3g} GB")
 
-    matmul_n = args.matmul or (8192 if on_gpu else 512)
-    peak = measure_matmul(jax, dev, cfg.train.compute_dtype, matmul_n)
     rng = np.random.default_rng(cfg.train.seed)
     toks = rng.integers(0, m.vocab_size, size=(args.warmup + args.steps, M, B, T + 1),
                         dtype=np.int32)
@@ -129,6 +129,10 @@ def bench(args):
     graphdefs = (engine.stages_graphdef, engine.block_graphdef)
     engine.close()
     del engine
+    # After the streamed run: peak_bytes_in_use is a process-wide peak that cannot be reset, so
+    # the streamed figure above is the engine's own; the baselines' figures are peaks so far.
+    matmul_n = args.matmul or (8192 if on_gpu else 512)
+    peak = measure_matmul(jax, dev, cfg.train.compute_dtype, matmul_n)
 
     results = {}
     for name in baselines:
@@ -156,19 +160,26 @@ def bench(args):
 
 
 # ----------------------------------------------------------------------------- measurements
+def best(fn, reps) -> float:
+    """Seconds of fn() to completion: run once untimed (compilation), then the min of reps runs."""
+    import jax
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def measure_matmul(jax, dev, dtype, n, iters=10) -> dict:
     """The device's dense matmul rate in the compute dtype, measured now (the MFU denominator)."""
     import jax.numpy as jnp
     a = jax.device_put(jnp.full((n, n), 1e-3, dtype), dev)
     chain = jax.jit(lambda a: jax.lax.fori_loop(0, iters, lambda i, c: c @ a, a))
-    jax.block_until_ready(chain(a))
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        jax.block_until_ready(chain(a))
-        times.append(time.perf_counter() - t0)
+    seconds = best(lambda: chain(a), 5)
     sheet = next((v for k, v in DATASHEET_BF16_TFLOPS if k in dev.device_kind), None)
-    return {"n": n, "dtype": str(dtype), "tflops": 2 * n ** 3 * iters / min(times) / 1e12,
+    return {"n": n, "dtype": str(dtype), "tflops": 2 * n ** 3 * iters / seconds / 1e12,
             "datasheet_bf16_tflops": sheet}
 
 
@@ -182,7 +193,8 @@ def run_streamed(cfg, batches, warmup, dev, keep_init):
     # The baselines start from the same weights and see the same batches, so their losses must
     # track the engine's: a check that they do the same work. (A copy: updates donate the params.)
     init = jax.tree.map(np.array, engine.params()) if keep_init else None
-    losses = [float(engine.train_step(i, t)["loss"]) for i, t in batches[:warmup]]
+    losses = [float(engine.train_step(inputs, targets)["loss"])
+              for inputs, targets in batches[:warmup]]
     engine.wait()
     before = (engine.bytes_h2d, engine.bytes_d2h, engine.host_update_s, engine.host_wait_s)
     step_times, t0 = [], time.perf_counter()
@@ -205,11 +217,12 @@ def run_streamed(cfg, batches, warmup, dev, keep_init):
     return out, engine, init
 
 
-def device_memory(dev) -> dict:
+def device_memory(dev, key="device_peak_gb") -> dict:
+    """peak_bytes_in_use: the process's peak so far (it cannot be reset), under `key`."""
     stats = dev.memory_stats()
     if not stats or "peak_bytes_in_use" not in stats:
-        return {"device_peak_gb": None, "device_peak_note": f"{dev.platform}: no memory_stats()"}
-    return {"device_peak_gb": stats["peak_bytes_in_use"] / GB}
+        return {key: None, "device_peak_note": f"{dev.platform}: no memory_stats()"}
+    return {key: stats["peak_bytes_in_use"] / GB}
 
 
 def measure_resident_compute(jax, engine, batch, step_s, on_gpu) -> dict:
@@ -245,16 +258,7 @@ def measure_resident_compute(jax, engine, batch, step_s, on_gpu) -> dict:
             acc = engine._embed_bwd(w_stages, x, dx, acc)
         return acc
 
-    def best(fn):
-        jax.block_until_ready(fn())
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    compute = L * best(layer) + best(stages)
+    compute = L * best(layer, 3) + best(stages, 3)
     out = {"resident_compute_s_per_step": compute}
     if on_gpu:
         out["device_busy"] = min(1.0, compute / step_s)
@@ -273,9 +277,7 @@ def run_baseline(name, cfg, graphdefs, params, batches, warmup, dev, limit) -> d
     state in the device's pinned_host memory kind between steps, moved by XLA inside the jit.
     Same model modules, optax chain, compute dtype, micro-batching and remat (each block saves only
     its input, as the streamed engine does), so the tokens and FLOPs per step are identical."""
-    import jax
-    import numpy as np
-    n = sum(np.size(p) for p in jax.tree.leaves(params))
+    n = cfg.model.num_params()  # the same count as the leaves of `params` (tied or not)
     act = cfg.model.num_layers * cfg.data.batch_size * cfg.data.seq_len * cfg.model.hidden_size * 2
     need = n * 20 + act  # fp32 params, m, v, grad accumulator (16 B) + compute-dtype copy, grads
     if limit and need > limit:
@@ -355,9 +357,11 @@ def time_baseline(name, cfg, graphdefs, params, batches, warmup, dev) -> dict:
         params, opt_state, loss = jitted(params, opt_state, inputs, targets)
         losses.append(float(loss))
         step_times.append(time.perf_counter() - ts)
+    jax.block_until_ready((params, opt_state))  # the last step's outputs belong to the timed steps
     total = time.perf_counter() - t0
     out = {"step_s": total / len(step_times), "step_times_s": step_times, "losses": losses}
-    out.update(device_memory(dev))
+    # Not this baseline's own peak: the process's so far (streamed run and matmul included).
+    out.update(device_memory(dev, "process_device_peak_so_far_gb"))
     return out
 
 
@@ -406,7 +410,8 @@ def print_table(r):
         ("host update s/step", f(s["host_update_s_per_step"], ".3f"), "optax on the host thread"),
         ("  hidden", f(s["host_hidden_s_per_step"], ".3f"), "overlapped with device work"),
         ("  exposed", f(s["host_exposed_s_per_step"], ".3f"), "the step waited for it"),
-        ("device peak GB", f(s["device_peak_gb"]), s.get("device_peak_note", "peak_bytes_in_use")
+        ("device peak GB", f(s["device_peak_gb"]),
+         s.get("device_peak_note", "peak_bytes_in_use (the streamed run comes first)")
          + (f"; cap {s['device_mem_limit_gb']:.1f} GB = "
             f"{s['device_mem_limit_vs_training_state']:.0%}"
             f" of the {r['training_state_gb']:.1f} GB training state"
@@ -419,7 +424,8 @@ def print_table(r):
         else:
             rows.append((f"vs {name}", f(s[f"throughput_vs_{name}"], ".2f") + "x",
                          f"{name}: {b['tokens_per_s']:,.0f} tokens/s, MFU "
-                         f"{b['mfu_vs_measured']:.1%}, device peak {f(b['device_peak_gb'])} GB, "
+                         f"{b['mfu_vs_measured']:.1%}, process device peak so far "
+                         f"{f(b['process_device_peak_so_far_gb'])} GB, "
                          f"losses within {b['loss_max_rel_diff_vs_streamed']:.1e} of streamed"))
     print(f"\nstreamed engine, {r['device_kind']} ({r['platform']}), losses "
           + " ".join(f"{x:.4f}" for x in s["losses"]))

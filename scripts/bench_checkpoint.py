@@ -44,8 +44,10 @@ def child(args):
     for _ in range(2):
         step()
     engine.wait()
-    state_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.state()))
-    layer_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.state()["layers"][0]))
+    state = engine.state()
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    layer_bytes = sum(x.nbytes for x in jax.tree.leaves(state["layers"][0]))
+    del state
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         # As train.py does: Orbax writes at most one unit's state at a time (0: no limit).
         limit = (checkpoint.largest_unit_bytes(engine) if args.limit_mb is None else
@@ -69,12 +71,7 @@ def child(args):
                       "rss_before_mb": rss0 / 2**20,
                       "write_limit_mb": None if limit is None else limit / 2**20,
                       "extra_peak_mb": (peak - rss0) / 2**20,
-                      "save_returns_s": t_return, "total_s": t_total}))
-
-
-def jax_version():
-    import jax
-    return jax.__version__
+                      "save_returns_s": t_return, "total_s": t_total, "jax": jax.__version__}))
 
 
 def main():
@@ -111,7 +108,7 @@ def main():
               f"{r['total_s']:>14.2f} s")
     with open(args.out, "w") as f:
         json.dump({"layers": args.layers, "hidden": args.hidden, "train_steps": args.train_steps,
-                   "jax": jax_version(),
+                   "jax": rows[0]["jax"],
                    "rows": rows}, f, indent=1)
 
 

@@ -31,6 +31,13 @@ import sys
 import time
 
 
+def model_config(hidden: int, layers: int):
+    """The Llama-shaped model of both runs: `layers` layers of width `hidden`."""
+    from megatrain_jax.model import ModelConfig
+    return ModelConfig(vocab_size=257, hidden_size=hidden, intermediate_size=int(2.75 * hidden),
+                       num_layers=layers, num_heads=hidden // 128, num_kv_heads=hidden // 128)
+
+
 def child(args):
     from megatrain_jax import hostmem
 
@@ -44,13 +51,11 @@ def child(args):
 
     from megatrain_jax.config import OptimizerConfig
     from megatrain_jax.engine import StreamedEngine
-    from megatrain_jax.model import ModelConfig, make_block, make_stages
+    from megatrain_jax.model import make_block, make_stages
     from megatrain_jax.train import build_optimizer
 
     compute, host = jax.devices("cpu")[:2]
-    cfg = ModelConfig(vocab_size=257, hidden_size=args.hidden,
-                      intermediate_size=int(2.75 * args.hidden), num_layers=args.layers,
-                      num_heads=args.hidden // 128, num_kv_heads=args.hidden // 128)
+    cfg = model_config(args.hidden, args.layers)
     jnp.zeros(1, device=compute).block_until_ready()  # the backend is up before the baseline
     base = hostmem.rss_bytes()
 
@@ -142,9 +147,7 @@ def main():
     if args.child:
         return child(args)
 
-    from megatrain_jax.model import ModelConfig
-    one = ModelConfig(vocab_size=257, hidden_size=args.hidden, intermediate_size=int(2.75 * args.hidden),
-                      num_layers=1, num_heads=args.hidden // 128, num_kv_heads=args.hidden // 128)
+    one = model_config(args.hidden, 1)
     layers = max(args.small_layers + 1, round(args.params * 1e6 / one.num_params(include_embeddings=False)))
     small, large = run_child(args, args.small_layers), run_child(args, layers)
     clip, g = not args.no_clip, 2 if args.grad_dtype == "bfloat16" else 4

@@ -6,11 +6,11 @@
 Builds a StreamedEngine holding a Llama-shaped model of about --params million parameters (state on
 the CPU, compute on the same CPU device, so the bus copy is rewritten in place), then times the
 engine's own host update path (`_submit_update` for every unit, then `wait`) with random gradients
-already on the host. Effective bandwidth counts the bytes one update must touch: read param, grad,
-m, v, write param, m, v (28 B) plus the compute-dtype bus copy written in the same call. The copy
-bandwidth is numpy `copyto` between existing buffers of the same sizes (read + write), single-
-threaded and split over all cores; the ratio uses the faster of the two. Last line:
-`optimizer_vs_copy_bandwidth: R`.
+already on the host. Effective bandwidth counts the bytes one update must touch: read param, m, v,
+write param, m, v (24 B), read the gradient (4 B, 2 with --grad-dtype bfloat16) plus the
+compute-dtype bus copy written in the same call. The copy bandwidth is numpy `copyto` between
+existing buffers of the same sizes (read + write), single-threaded and split over all cores (once
+when that is one core); the ratio uses the fastest. Last line: `optimizer_vs_copy_bandwidth: R`.
 """
 
 import argparse
@@ -111,26 +111,27 @@ def main():
         engine.wait()
 
     pool = concurrent.futures.ThreadPoolExecutor(THREADS)
-    copies = {1: make_copy(sizes, 1, pool), THREADS: make_copy(sizes, THREADS, pool)}
+    copies = {k: make_copy(sizes, k, pool) for k in sorted({1, THREADS})}  # one with --cores 1
     send_grads()
     update()  # compile
     for c in copies.values():
         c()
-    # Interleaved, so a neighbour's load on this shared machine hits all three alike.
-    runs = {"update": [], "copy_1": [], f"copy_{THREADS}": []}
+    # Interleaved, so a neighbour's load on this shared machine hits every run alike.
+    runs = {"update": [], **{f"copy_{k}": [] for k in copies}}
     faults = []
     for _ in range(args.reps):
         send_grads()
         t, f = timed(update)
         runs["update"].append(t)
         faults.append(f)
-        runs["copy_1"].append(timed(copies[1])[0])
-        runs[f"copy_{THREADS}"].append(timed(copies[THREADS])[0])
+        for k, copy in copies.items():
+            runs[f"copy_{k}"].append(timed(copy)[0])
     pool.shutdown()
     engine.close()
 
     med = {k: float(np.median(v)) for k, v in runs.items()}
-    bytes_per_param = 28 + jnp.dtype(engine.compute_dtype).itemsize
+    # read param, grad, m, v and write param, m, v: 24 B of fp32 + the gradient + the bus copy
+    bytes_per_param = 24 + engine.grad_dtype.itemsize + engine.compute_dtype.itemsize
     update_gb_s = bytes_per_param * n_params / med["update"] / 1e9
     copy_gb_s = {k: 8 * n_params / med[k] / 1e9 for k in runs if k.startswith("copy")}
     ratio = update_gb_s / max(copy_gb_s.values())

@@ -161,33 +161,33 @@ def main(argv=None):
     x_pin = jax.device_put(host_np, pinned) if pinned else None
     fresh_dev = lambda: x_dev + 0  # np.asarray caches its result on the array: give it a new one
 
-    # name -> (direction, engine role, fn, setup)
+    # name -> (direction, engine role, fn[, setup])
     paths = {
-        "numpy -> device": ("h2d", "", lambda _: jax.device_put(host_np, on_dev), None),
-        "cpu backend -> device": ("h2d", "", lambda _: jax.device_put(x_cpu, on_dev), None),
+        "numpy -> device": ("h2d", "", lambda _: jax.device_put(host_np, on_dev)),
+        "cpu backend -> device": ("h2d", "", lambda _: jax.device_put(x_cpu, on_dev)),
         "pinned_host -> device": ("h2d", "engine H2D (_fetch)",
-                                  lambda _: jax.device_put(x_pin, on_dev), None),
-        "device -> pinned_host": ("d2h", "", lambda _: jax.device_put(x_dev, pinned), None),
+                                  lambda _: jax.device_put(x_pin, on_dev)),
+        "device -> pinned_host": ("d2h", "", lambda _: jax.device_put(x_dev, pinned)),
         "device -> cpu backend": ("d2h", "engine D2H (_send_grads)",
-                                  lambda _: jax.device_put(x_dev, on_cpu), None),
+                                  lambda _: jax.device_put(x_dev, on_cpu)),
         "device -> pinned_host -> cpu backend": (
-            "d2h", "", lambda _: jax.device_put(jax.device_put(x_dev, pinned), on_cpu), None),
+            "d2h", "", lambda _: jax.device_put(jax.device_put(x_dev, pinned), on_cpu)),
         "device -> numpy (np.asarray)": ("d2h", "", lambda x: np.asarray(x), fresh_dev),
         "cpu backend -> pinned_host": ("host", "engine bus refresh (_to_bus)",
-                                       lambda _: jax.device_put(x_cpu, pinned), None),
-        "pinned_host -> cpu backend": ("host", "", lambda _: jax.device_put(x_pin, on_cpu), None),
-        "numpy -> pinned_host": ("host", "", lambda _: jax.device_put(host_np, pinned), None),
+                                       lambda _: jax.device_put(x_cpu, pinned)),
+        "pinned_host -> cpu backend": ("host", "", lambda _: jax.device_put(x_pin, on_cpu)),
+        "numpy -> pinned_host": ("host", "", lambda _: jax.device_put(host_np, pinned)),
     }
     dst_np = np.empty_like(host_np)
     rows = [{"path": "host memcpy (np.copyto, existing buffer)", "direction": "host",
              "engine": "reference", "seconds": timed(lambda _: np.copyto(dst_np, host_np))}]
-    for name, (direction, role, fn, setup) in paths.items():
+    for name, (direction, role, fn, *setup) in paths.items():
         row = {"path": name, "direction": direction, "engine": role}
         if pinned is None and "pinned" in name:
             row["skipped"] = f"{dev.platform} device has no pinned_host memory kind"
         else:
             try:
-                row["seconds"] = timed(fn, setup or (lambda: None))
+                row["seconds"] = timed(fn, *setup)
             except Exception as e:  # an unsupported path is a result, not a crash
                 row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         rows.append(row)
@@ -202,7 +202,7 @@ def main(argv=None):
             if ref.get(row["direction"]):
                 row["ratio_to_torch"] = ref[row["direction"]] / row["seconds"]
 
-    overlap = measure_overlap(jax, jnp, dev, x_dev, x_pin, pinned, on_dev, on_cpu, nbytes,
+    overlap = measure_overlap(jax, jnp, x_dev, x_pin, pinned, on_dev, on_cpu, nbytes,
                               args.matmul or (8192 if on_gpu else 256), timed)
     latency = measure_small_d2h(jax, jnp, on_dev, on_cpu, timed)
     probe_gb = args.pinned_probe_gb if args.pinned_probe_gb >= 0 else (72 if on_gpu else 0)
@@ -224,7 +224,7 @@ def main(argv=None):
     print(f"wrote {args.json}")
 
 
-def measure_overlap(jax, jnp, dev, x_dev, x_pin, pinned, on_dev, on_cpu, nbytes, n, timed):
+def measure_overlap(jax, jnp, x_dev, x_pin, pinned, on_dev, on_cpu, nbytes, n, timed):
     """Copies while a bf16 matmul chain runs: does the copy finish in its own time (overlap)?"""
     a = jax.device_put(jnp.full((n, n), 1e-3, jnp.bfloat16), on_dev)
 

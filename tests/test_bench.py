@@ -1,6 +1,6 @@
-"""CPU smoke tests of the benchmark scripts: each runs end to end, prints its table and writes
-well-formed JSON whose figures are consistent. (The figures themselves are GPU work:
-docs/benchmarks.md.)"""
+"""CPU smoke tests of scripts/bench.py, bench_transfer.py and bench_optimizer.py: each runs end to
+end and prints its table; bench.py and bench_transfer.py write well-formed JSON whose figures are
+consistent. (The figures themselves are GPU work: docs/benchmarks.md.)"""
 
 import json
 import math
@@ -44,7 +44,10 @@ def test_bench_one_step_table_and_json(tmp_path):
     assert 0 <= s["host_exposed_s_per_step"] <= s["host_update_s_per_step"]
     assert math.isclose(s["tokens_per_s"], r["tokens_per_step"] / s["step_s"])
     # Every block weight crosses the bus twice per step (forward, backward), fp32 in tiny.yaml.
-    assert s["h2d_gb_per_step"] * 1e9 >= 2 * 4 * (r["params"] - 2 * 257 * 128)
+    model = r["config"]["model"]
+    embed_and_head = 2 * model["vocab_size"] * model["hidden_size"]  # untied in tiny.yaml
+    assert not model["tie_embeddings"]
+    assert s["h2d_gb_per_step"] * 1e9 >= 2 * 4 * (r["params"] - embed_and_head)
     assert len(s["losses"]) == 2
     for name in ("resident", "offload"):
         b = r["baselines"][name]
@@ -59,6 +62,9 @@ def test_bench_rejects_bad_arguments(tmp_path):
     assert proc.returncode == 2 and "fsdp" in proc.stderr and "Traceback" not in proc.stderr
     proc = run("bench.py", "--config", "configs/tiny.yaml", "model.hidden_sise=3")
     assert proc.returncode == 2 and "model.hidden_sise" in proc.stderr
+    proc = run("bench.py", "--config", "configs/tiny.yaml", "--warmup", "0",
+               "--json", str(tmp_path / "x.json"))  # compile time would be timed
+    assert proc.returncode == 2 and "--warmup" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "x.json").exists()
 
 
@@ -81,3 +87,10 @@ def test_bench_transfer_tiny_buffer(tmp_path):
     probe = r["pinned_pool_probe"]
     assert probe["default"]["allocated_gb"] >= 0.01 and probe["default"]["error"] is None
     assert probe["raised"]["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == 16
+
+
+def test_bench_optimizer_tiny():
+    proc = run("bench_optimizer.py", "--params", "1", "--hidden", "256", "--reps", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    key, value = proc.stdout.strip().splitlines()[-1].split(": ")
+    assert key == "optimizer_vs_copy_bandwidth" and positive(float(value))
