@@ -82,14 +82,19 @@ def load_tokenizer(name: str, eos_token: str | None = None):
 # loading a corpus into one token stream
 
 TOKEN_DTYPES = ("uint16", "uint32")
+SCAN_CHUNK = 1 << 24  # tokens per chunk of the id scan: 32-128 MB, however large the file
+SNIFF_PAIRS = 1 << 16  # uint16 pairs per sample of the uint32-read-as-uint16 check
 
 
 def _read_text(path: str) -> str:
+    with open(path, "rb") as f:
+        raw = f.read()
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not valid UTF-8 text (byte {e.start})") from None
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{line}: not valid UTF-8 text (byte {e.start}); "
+                        f"data.path must be UTF-8 text, .jsonl, .bin or .npy") from None
 
 
 def _pack(docs, eos_id: int) -> np.ndarray:
@@ -101,8 +106,12 @@ def _pack(docs, eos_id: int) -> np.ndarray:
 
 
 def _jsonl_docs(path: str, tokenizer, text_field: str):
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # bytes, so that invalid UTF-8 is reported with its line
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start} of the line)") from None
             if not line.strip():
                 continue
             try:
@@ -110,13 +119,107 @@ def _jsonl_docs(path: str, tokenizer, text_field: str):
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
             if not isinstance(obj, dict) or text_field not in obj:
-                raise DataError(f"{path}:{lineno}: missing field {text_field!r}")
+                raise DataError(f"{path}:{lineno}: missing field {text_field!r} (data.text_field)")
             if not isinstance(obj[text_field], str):
                 raise DataError(f"{path}:{lineno}: field {text_field!r} is not a string")
             yield tokenizer.encode(obj[text_field])
 
 
-def load_tokens(path: str, tokenizer, *, text_field: str = "text", token_dtype=None) -> np.ndarray:
+def check_token_ids(tokens, vocab_size: int, path: str, vocab_key: str = "model.vocab_size"):
+    """Raises DataError at the first id < 0 or >= vocab_size, naming its offset (token index).
+
+    One pass over the stream in chunks of SCAN_CHUNK tokens, so a memory-mapped corpus is read
+    once and never loaded whole. Ids that are signed are viewed as unsigned of the same width: a
+    negative id becomes huge, so one max per chunk finds both kinds of bad id.
+    """
+    dtype = np.dtype(tokens.dtype)
+    if dtype.kind == "u" and vocab_size > np.iinfo(dtype).max:
+        return  # every id the dtype can hold is in range (uint16 with a vocabulary >= 65536)
+    # viewed as unsigned, negative ids are >= 2**(bits - 1), so that bound also catches them
+    bound = vocab_size if dtype.kind == "u" else min(vocab_size, np.iinfo(dtype).max + 1)
+    unsigned = np.dtype(f"u{dtype.itemsize}")
+    for start in range(0, len(tokens), SCAN_CHUNK):
+        chunk = np.asarray(tokens[start:start + SCAN_CHUNK]).view(unsigned)
+        if chunk.max() < bound:
+            continue
+        offset = start + int(np.argmax(chunk >= bound))
+        bad = int(tokens[offset])
+        if bad < 0:
+            raise DataError(f"{path}: token id {bad} at offset {offset} is negative")
+        hint = ""
+        # uint16 ids read as uint32 pair up into ids mostly beyond any vocabulary, though each
+        # half is in range; a uint32 file with a few bad ids has most ids in range
+        if (dtype == np.uint32 and np.count_nonzero(chunk >= vocab_size) > len(chunk) // 2
+                and chunk.view(np.uint16).max() < vocab_size):
+            hint = "; if the file holds uint16 ids, set data.token_dtype=uint16"
+        raise DataError(f"{path}: token id {bad} at offset {offset} >= {vocab_key} ({vocab_size}){hint}")
+
+
+def _looks_like_uint32(tokens: np.ndarray, vocab_size: int | None) -> tuple | None:
+    """(pairs sampled, largest high half) if a uint16 view of a file looks like uint32 ids, else None.
+
+    Little-endian uint32 ids below 2**16 * k read as uint16 alternate (id, high half), where the
+    high half is <= (vocab_size - 1) >> 16: 0 for any vocabulary up to 65536. The test asks for
+    that at *every* odd position of three samples (start, middle, end; up to 3 x 65536 pairs) and
+    for at least half of the even ones to be non-zero. Real uint16 token streams are not like that:
+    it would take one id (0, or 0/1 for a larger vocabulary) at every second position.
+    """
+    n_pairs = len(tokens) // 2
+    if len(tokens) % 2 or n_pairs < 64:  # a uint32 file has an even count; too few to judge
+        return None
+    high_max = max(vocab_size - 1, 0) >> 16 if vocab_size else 0
+    if n_pairs <= 3 * SNIFF_PAIRS:
+        windows = [(0, n_pairs)]  # the whole file
+    else:
+        windows = [(first, first + SNIFF_PAIRS)
+                   for first in (0, n_pairs // 2 - SNIFF_PAIRS // 2, n_pairs - SNIFF_PAIRS)]
+    sampled = nonzero_low = 0
+    for first, stop in windows:
+        pairs = np.asarray(tokens[2 * first:2 * stop]).reshape(-1, 2)
+        if pairs[:, 1].max() > high_max:
+            return None
+        sampled += len(pairs)
+        nonzero_low += np.count_nonzero(pairs[:, 0])
+    return (sampled, high_max) if nonzero_low >= sampled / 2 else None
+
+
+def _load_bin(path: str, token_dtype, vocab_size: int | None) -> np.memmap:
+    if str(token_dtype) not in TOKEN_DTYPES:
+        raise DataError(f"{path}: data.token_dtype must be one of {TOKEN_DTYPES} "
+                        f"for .bin files, got {token_dtype!r}")
+    itemsize = np.dtype(token_dtype).itemsize
+    size = os.path.getsize(path)
+    if size % itemsize:
+        hint = ("; if the file holds uint16 ids, set data.token_dtype=uint16"
+                if itemsize == 4 and size % 2 == 0 else "")
+        raise DataError(f"{path}: size {size} bytes is not a multiple of {itemsize} "
+                        f"(data.token_dtype={token_dtype}): truncated, or the wrong dtype{hint}")
+    tokens = np.memmap(path, dtype=token_dtype, mode="r")
+    if token_dtype == "uint16":
+        found = _looks_like_uint32(tokens, vocab_size)
+        if found:
+            sampled, high_max = found
+            high = "0" if high_max == 0 else f"<= {high_max}"
+            raise DataError(f"{path}: looks like uint32 token ids read as uint16 (in {sampled:,} "
+                            f"sampled pairs every second uint16 is {high}, the high half of a "
+                            f"uint32 id); set data.token_dtype=uint32")
+    return tokens
+
+
+def _load_npy(path: str) -> np.ndarray:
+    try:
+        tokens = np.load(path, mmap_mode="r")  # allow_pickle=False: never unpickles
+    except (ValueError, EOFError, OSError) as e:  # truncated, not a .npy file, an object array
+        raise DataError(f"{path}: cannot load .npy ({str(e).splitlines()[0]}); data.path must be a "
+                        f"1-D integer array saved with np.save") from None
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+        raise DataError(f"{path}: expected a 1-D integer array of token ids, got shape "
+                        f"{tokens.shape} dtype {tokens.dtype}; data.path must be a 1-D integer .npy")
+    return tokens
+
+
+def load_tokens(path: str, tokenizer, *, vocab_size: int | None = None, text_field: str = "text",
+                token_dtype=None) -> np.ndarray:
     """Load a corpus as a 1-D integer token stream, each document followed by EOS.
 
     .jsonl: one JSON object per line, `obj[text_field]` is a document.
@@ -124,39 +227,65 @@ def load_tokens(path: str, tokenizer, *, text_field: str = "text", token_dtype=N
     .npy:   a 1-D integer array, memory-mapped.
     other:  UTF-8 text, the whole file is one document.
 
-    Pre-tokenized files are returned memory-mapped and are not scanned for ids >= vocab_size
-    (that would read the whole corpus); text and JSONL streams are checked, since they are in RAM.
+    Every id must be in [0, vocab_size) (the model's `model.vocab_size`; None: the tokenizer's, and
+    no upper check for pre-tokenized files without a tokenizer). Pre-tokenized files are checked in
+    one chunked pass over the memory map (`check_token_ids`), so the first bad id is refused with
+    its offset before training; they are returned memory-mapped.
     """
-    if not os.path.isfile(path):
-        raise DataError(f"data file not found: {path}")
+    if os.path.isdir(path):
+        raise DataError(f"data.path {path} is a directory, not a data file")
+    try:
+        with open(path, "rb"):  # one place for missing and unreadable files, for every format
+            pass
+    except FileNotFoundError:
+        raise DataError(f"data file not found: {path}") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read data file ({e.strerror})") from None
+    if os.path.getsize(path) == 0:
+        raise DataError(f"{path}: empty file (0 bytes); data.path must name a corpus")
+    vocab_key = "model.vocab_size"
+    if vocab_size is None and tokenizer is not None:
+        vocab_size, vocab_key = tokenizer.vocab_size, "the tokenizer's vocab_size"
     ext = os.path.splitext(path)[1].lower()
 
     if ext == ".bin":
-        if str(token_dtype) not in TOKEN_DTYPES:
-            raise DataError(f"{path}: data.token_dtype must be one of {TOKEN_DTYPES} "
-                            f"for .bin files, got {token_dtype!r}")
-        try:
-            return np.memmap(path, dtype=token_dtype, mode="r")
-        except ValueError as e:  # empty file, or size not a multiple of the dtype
-            raise DataError(f"{path}: cannot map as {token_dtype}: {e}") from None
-
-    if ext == ".npy":
-        try:
-            tokens = np.load(path, mmap_mode="r")
-        except ValueError as e:
-            raise DataError(f"{path}: cannot load .npy: {e}") from None
-        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-            raise DataError(f"{path}: expected a 1-D integer array, "
-                            f"got shape {tokens.shape} dtype {tokens.dtype}")
-        return tokens
-
-    if ext == ".jsonl":
+        tokens = _load_bin(path, token_dtype, vocab_size)
+    elif ext == ".npy":
+        tokens = _load_npy(path)
+    elif ext == ".jsonl":
         tokens = _pack(_jsonl_docs(path, tokenizer, text_field), tokenizer.eos_id)
+        if not tokens.size:
+            raise DataError(f"{path}: no documents (every line is blank)")
     else:
         tokens = _pack([tokenizer.encode(_read_text(path))], tokenizer.eos_id)
-    if tokens.size and tokens.max() >= tokenizer.vocab_size:
-        raise DataError(f"{path}: token id {int(tokens.max())} >= vocab_size {tokenizer.vocab_size}")
+    if not tokens.size:
+        raise DataError(f"{path}: no tokens (an empty array); data.path must name a corpus")
+    if vocab_size is not None:
+        check_token_ids(tokens, vocab_size, path, vocab_key)
     return tokens
+
+
+# -----------------------------------------------------------------------------
+# document masks for packed windows
+
+
+def document_context(inputs, eos_id: int) -> dict:
+    """{"segment_ids": int32, "positions": int32}, each shaped like inputs (..., T).
+
+    Windows of a packed stream hold several documents, each ended by EOS. segment_ids[t] counts
+    the EOS tokens strictly before t (an EOS belongs to the document it ends), so attention is
+    allowed where segment ids are equal; positions[t] is t's index within its document, for RoPE,
+    counted from the window's start for the document the window begins in the middle of.
+    """
+    inputs = np.asarray(inputs)
+    is_eos = inputs == eos_id  # (..., T)
+    t = np.arange(inputs.shape[-1], dtype=np.int32)
+    ends_before = np.zeros(is_eos.shape, dtype=bool)  # token t is the first of its segment
+    ends_before[..., 1:] = is_eos[..., :-1]
+    ends_before[..., :1] = True
+    segment_ids = np.cumsum(ends_before, axis=-1, dtype=np.int32) - 1
+    first = np.maximum.accumulate(np.where(ends_before, t, 0), axis=-1)  # first token of t's segment
+    return {"segment_ids": segment_ids, "positions": (t - first).astype(np.int32)}
 
 
 # -----------------------------------------------------------------------------
@@ -183,10 +312,13 @@ class PackedDataset:
         self.num_windows = (len(tokens) - 1) // self.seq_len
         self.windows_per_batch = self.batch_size * self.num_micro_batches
         if self.num_windows < self.windows_per_batch:
+            need = self.windows_per_batch * self.seq_len + 1  # +1: the last window's last target
             raise DataError(
-                f"data too small: {len(tokens)} tokens make {self.num_windows} windows of "
-                f"seq_len={self.seq_len}, need seq_len x batch = {self.windows_per_batch} "
-                f"(batch_size={self.batch_size} x num_micro_batches={self.num_micro_batches})")
+                f"data too small: {len(tokens):,} tokens make {self.num_windows} windows of "
+                f"data.seq_len={self.seq_len} tokens, but one step takes data.batch_size x "
+                f"data.micro_batches = {self.batch_size} x {self.num_micro_batches} = "
+                f"{self.windows_per_batch} windows ({need:,} tokens); use more data or lower "
+                f"data.seq_len, data.batch_size or data.micro_batches")
         self.restore({"epoch": 0, "index": 0})
 
     @property

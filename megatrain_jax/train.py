@@ -65,8 +65,8 @@ def load_dataset(cfg: Config) -> data_lib.PackedDataset:
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
                           f"tokenizer's ({tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer})")
-    tokens = data_lib.load_tokens(cfg.data.path, tokenizer, text_field=cfg.data.text_field,
-                                  token_dtype=cfg.data.token_dtype)
+    tokens = data_lib.load_tokens(cfg.data.path, tokenizer, vocab_size=cfg.model.vocab_size,
+                                  text_field=cfg.data.text_field, token_dtype=cfg.data.token_dtype)
     return data_lib.PackedDataset(tokens, seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size,
                                   seed=cfg.train.seed, num_micro_batches=cfg.data.micro_batches)
 
