@@ -11,20 +11,37 @@ mid-save leaves no step that `all_steps()` / `latest_step()` report. Used from y
 
     manager = checkpoint.make_manager("/ckpt", keep=3)
     checkpoint.save(manager, step, engine, {"my_key": 1})   # asynchronous by default
+    checkpoint.wait(manager)                                # SaveError if the write failed
     meta = checkpoint.restore(manager, engine)              # latest step; meta["step"]
-    manager.close()                                         # waits for a save in flight
+    manager.close()
+
+A save refuses a state holding NaN or inf, and a failed write raises SaveError naming the step and
+the OS error; either way the checkpoints committed before are untouched. (After a failed
+asynchronous save Orbax leaves non-daemon threads waiting for up to its async timeout, which
+delays the interpreter's exit: scripts exit with os._exit after reporting it, see cli.py.)
 """
 
 import json
 import os
+import tempfile
+import weakref
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, unreadable, or of another model."""
+
+
+class SaveError(RuntimeError):
+    """A checkpoint that could not be written (an I/O failure, or a state that is not finite).
+    The checkpoints already committed are untouched."""
+
+
+_in_flight = weakref.WeakKeyDictionary()  # manager -> step of its last asynchronous save
 
 
 def make_manager(directory, *, keep: int | None = None, async_save: bool = True,
@@ -52,8 +69,65 @@ def make_manager(directory, *, keep: int | None = None, async_save: bool = True,
                                  handler_registry=registry)
 
 
+def error_line(e: BaseException) -> str:
+    """One line for an exception from Orbax/tensorstore; a wrapper that only points at
+    tensorstore's spec dump gives way to its cause (the storage error itself)."""
+    while ("See full TensorStore details" in str(e) or not str(e).strip()) and (
+            e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
+    text = (str(e).split("See full TensorStore details")[0].strip().splitlines() or [""])[0]
+    if len(text) > 300:  # tensorstore puts the OS error ("File too large") last: keep both ends
+        text = f"{text[:120]} ... {text[-160:]}"
+    return f"{type(e).__name__}: {text}".rstrip(": ")
+
+
+def _completed(manager) -> str:
+    try:
+        manager.reload()
+        steps = manager.all_steps()
+    except Exception:  # the directory itself may be what failed
+        steps = []
+    return (f"completed checkpoints: {', '.join(map(str, sorted(steps)))} (a run resumes from the "
+            f"latest)" if steps else "no completed checkpoint")
+
+
+def wait(manager: ocp.CheckpointManager):
+    """Waits for an asynchronous save to be committed; its failure raises SaveError (one line)."""
+    try:
+        manager.wait_until_finished()
+    except Exception as e:
+        step = _in_flight.pop(manager, None)
+        which = "an asynchronous save" if step is None else f"saving checkpoint step {step}"
+        raise SaveError(f"{which} to {manager.directory} failed ({error_line(e)}); "
+                        f"{_completed(manager)}") from None
+    _in_flight.pop(manager, None)
+
+
+@jax.jit
+def _all_finite(tree):
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+             if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
+
+
+def first_non_finite(state: dict) -> str | None:
+    """The first part of an engine state ("stages/params", "layers/3/opt_state", ...) holding a
+    NaN or an infinity, or None. One jitted reduction per part, run where the state lives (the
+    host), so it reads the state once and copies nothing."""
+    units = [("stages", state["stages"])]
+    units += [(f"layers/{i}", unit) for i, unit in enumerate(state["layers"])]
+    for name, unit in units:
+        for part in ("params", "opt_state"):
+            if not bool(_all_finite(unit[part])):
+                return f"{name}/{part}"
+    return None
+
+
 def save(manager: ocp.CheckpointManager, step: int, engine, meta: dict | None = None):
     """Writes the engine's state as checkpoint `step`; `meta` must be JSON-able.
+
+    Refuses (SaveError) a state that is not finite, so a checkpoint never holds NaN; an I/O failure
+    raises SaveError too, at this call or, for an asynchronous save, at the next `save` or `wait`.
 
     With an asynchronous manager this returns once Orbax holds the state and the files are written
     in the background while training goes on. The checkpoint is still the state as of `step`: on the
@@ -64,9 +138,30 @@ def save(manager: ocp.CheckpointManager, step: int, engine, meta: dict | None = 
     docs/benchmarks.md). A synchronous manager copies nothing and keeps nothing extra.
     """
     state = engine.state()  # waits for pending host updates: the state is exactly as of `step`
-    manager.save(step, force=True,  # the caller decides when to save, not Orbax's interval policy
-                 args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                         meta=ocp.args.JsonSave({**(meta or {}), "step": step})))
+    bad = first_non_finite(state)
+    if bad is not None:
+        raise SaveError(f"refusing to save checkpoint step {step}: {bad} is not finite (NaN or "
+                        f"inf); the checkpoints in {manager.directory} are kept as they were")
+    wait(manager)  # an earlier asynchronous save's failure is reported as such
+    args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                              meta=ocp.args.JsonSave({**(meta or {}), "step": step}))
+    try:  # force: the caller decides when to save, not Orbax's interval policy
+        manager.save(step, force=True, args=args)
+    except Exception as e:
+        raise SaveError(f"saving checkpoint step {step} to {manager.directory} failed "
+                        f"({error_line(e)}); {_completed(manager)}") from None
+    _in_flight[manager] = step
+
+
+def check_writable(directory):
+    """Raises CheckpointError if no file can be created in `directory` (tried for real: a
+    permission check alone is wrong for root and for read-only mounts)."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise CheckpointError(f"checkpoint directory {directory} is not writable "
+                              f"({e.strerror or e})") from None
 
 
 def path_str(path) -> str:
@@ -100,13 +195,17 @@ def _first_difference(saved: dict, current: dict, prefix: str = ""):
     return None
 
 
-def _unreadable(manager, step: int, e: Exception) -> CheckpointError:
-    older = [s for s in manager.all_steps() if s < step]
-    hint = (f"resume from an older one with checkpoint.resume_step={older[-1]} (complete steps: "
-            f"{', '.join(map(str, older))})" if older else "no older checkpoint to resume from")
-    first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-    return CheckpointError(f"checkpoint step {step} in {manager.directory} is unreadable "
-                           f"({type(e).__name__}: {first_line}); {hint}")
+def unreadable(manager, step: int, e: Exception | str, *,
+               older: str = "move it out of {directory} and run again to resume from step {step}"
+               ) -> CheckpointError:
+    """The CheckpointError for a damaged checkpoint `step`: the cause in one line, and what to do
+    with the newest older step (`older`, formatted with its step and the directory)."""
+    steps = [s for s in manager.all_steps() if s < step]
+    hint = (older.format(step=steps[-1], directory=manager.directory) +
+            f" (complete steps before it: {', '.join(map(str, steps))})" if steps else
+            "no older checkpoint")
+    return CheckpointError(f"checkpoint step {step} in {manager.directory} is unreadable or "
+                           f"damaged ({e if isinstance(e, str) else error_line(e)}); {hint}")
 
 
 def resolve_step(manager: ocp.CheckpointManager, step: int | None = None) -> int | None:
@@ -121,13 +220,19 @@ def resolve_step(manager: ocp.CheckpointManager, step: int | None = None) -> int
     return step
 
 
-def read_meta(manager: ocp.CheckpointManager, step: int) -> tuple:
-    """(meta, metadata of the saved state tree) of checkpoint `step`; reads no array."""
+def read_meta(manager: ocp.CheckpointManager, step: int, **hint) -> tuple:
+    """(meta, metadata of the saved state tree) of checkpoint `step`; reads no array. A damaged
+    one raises `unreadable(manager, step, ..., **hint)`."""
     try:
         meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        return meta, manager.item_metadata(step)["state"]
+        tree = manager.item_metadata(step)["state"]
     except Exception as e:  # orbax/tensorstore raise many types for a damaged directory
-        raise _unreadable(manager, step, e) from None
+        raise unreadable(manager, step, e, **hint) from None
+    if not isinstance(meta, dict) or "step" not in meta:
+        raise unreadable(manager, step, "its meta item is missing or not a checkpoint's", **hint)
+    if tree is None or not jax.tree.leaves(tree):  # e.g. state/_METADATA deleted
+        raise unreadable(manager, step, "the metadata of its saved state is missing", **hint)
+    return meta, tree
 
 
 def restore(manager: ocp.CheckpointManager, engine, step: int | None = None,
@@ -185,7 +290,7 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None,
             state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
                 item=target, restore_args=restore_args)))["state"]
         except Exception as e:
-            raise _unreadable(manager, step, e) from None
+            raise unreadable(manager, step, e) from None
         engine.load_unit(which, state["stages"] if which == "stages" else state["layers"][which])
     return meta
 

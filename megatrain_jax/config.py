@@ -7,6 +7,10 @@ message that names the key.
 """
 
 import dataclasses
+import json
+import math
+import os
+import re
 import typing
 
 import yaml
@@ -57,7 +61,10 @@ class CheckpointConfig:
     every: int = 0  # steps between checkpoints; 0: only at the end and on a signal
     keep: int = 3
     async_save: bool = dataclasses.field(default=True, metadata={"yaml": "async"})
-    resume_step: int = -1  # -1: resume from the latest complete checkpoint
+    resume_step: int = -1  # -1: the latest complete checkpoint; N: step N, which must be the latest
+    # Keys of RESUME_KEYS that may differ from the checkpoint a run resumes from, e.g. [train.steps]
+    # to extend a finished run; every allowed change is logged.
+    allow_changes: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +82,17 @@ def _yaml_name(f: dataclasses.Field) -> str:
 
 
 def _coerce(key: str, value, typ):
+    if typing.get_origin(typ) is tuple:  # tuple[str, ...]: a YAML list (or one string)
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+            raise ConfigError(f"{key}: expected a list of strings like [a.b, c.d], got {value!r}")
+        return tuple(items)
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         raise ConfigError(f"{key}: expected {typ.__name__}, got {type(value).__name__} {value!r}")
+    if typ is float and not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {value}")
     return value
 
 
@@ -114,22 +128,90 @@ def _set_dotted(tree: dict, dotted: str, value):
     tree[leaf] = value
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML with 1.2 floats and no duplicate keys. PyYAML implements YAML 1.1, whose floats need a
+    dot and a signed exponent (1.0e+30), so `2e-5` or `1e30` would load as strings."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [r for r in resolvers if r[0] != "tag:yaml.org,2002:float"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"""^(?:
+    [-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+    |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
+
+
+def _duplicate_key(node, prefix=""):
+    """(dotted key, line) of the first key given twice in one mapping of a composed YAML node."""
+    if isinstance(node, yaml.MappingNode):
+        seen = set()
+        for key_node, value_node in node.value:
+            key = f"{prefix}{key_node.value}"
+            if key in seen:
+                return key, key_node.start_mark.line + 1
+            seen.add(key)
+            found = _duplicate_key(value_node, key + ".")
+            if found:
+                return found
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found = _duplicate_key(item, f"{prefix}{i}.")
+            if found:
+                return found
+    return None
+
+
+def _load_yaml(stream, where: str):
+    """One YAML document with _Loader; a key given twice raises ConfigError naming it."""
+    loader = _Loader(stream)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        duplicate = _duplicate_key(node)
+        if duplicate:
+            raise ConfigError(f"{where}: duplicate key {duplicate[0]} (line {duplicate[1]}); "
+                              f"give each key once")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Reads a YAML config (or the defaults) and applies `key=value` overrides."""
     data = {}
     if path is not None:
+        if os.path.isdir(path):
+            raise ConfigError(f"--config {path} is a directory, not a YAML file")
         try:
-            with open(path) as f:
-                data = yaml.safe_load(f) or {}
+            with open(path, encoding="utf-8") as f:
+                data = _load_yaml(f, path)
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path} is not readable ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: not a text (UTF-8) YAML file") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of config sections (model:, data:, "
+                              f"...), got a {type(data).__name__}")
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not key=value")
-        _set_dotted(data, key, yaml.safe_load(value) if value else "")
+        try:
+            parsed = _load_yaml(value, f"override {key}") if value else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {key}: not a valid YAML value "
+                              f"({str(e).splitlines()[0]})") from None
+        _set_dotted(data, key, parsed)
     cfg = _build(Config, data, "")
     if cfg.model.from_hf:
         cfg = dataclasses.replace(cfg, model=_model_from_hf(cfg.model, data.get("model", {})))
@@ -171,6 +253,26 @@ def _check(cfg: Config):
         raise ConfigError(f"optimizer.learning_rate must be > 0, got {cfg.optimizer.learning_rate}")
     if cfg.optimizer.max_grad_norm < 0:
         raise ConfigError(f"optimizer.max_grad_norm must be >= 0, got {cfg.optimizer.max_grad_norm}")
+    opt = cfg.optimizer
+    for key, value, ok, rule in [
+            ("warmup_steps", opt.warmup_steps, opt.warmup_steps >= 0, ">= 0"),
+            ("b1", opt.b1, 0 <= opt.b1 < 1, "in [0, 1)"),
+            ("b2", opt.b2, 0 <= opt.b2 < 1, "in [0, 1)"),
+            ("eps", opt.eps, opt.eps >= 0, ">= 0"),
+            ("weight_decay", opt.weight_decay, opt.weight_decay >= 0, ">= 0"),
+            ("min_lr_ratio", opt.min_lr_ratio, 0 <= opt.min_lr_ratio <= 1, "in [0, 1]")]:
+        if not ok:
+            raise ConfigError(f"optimizer.{key} must be {rule}, got {value}")
+    if cfg.checkpoint.resume_step < -1:
+        raise ConfigError(f"checkpoint.resume_step must be a step >= 0 or -1 (the latest), "
+                          f"got {cfg.checkpoint.resume_step}")
+    under = lambda key, keys: any(k == key or k.startswith(key + ".") for k in keys)
+    for key in cfg.checkpoint.allow_changes:  # a key or a section, e.g. train.steps, optimizer
+        if not under(key, _flatten(to_dict(cfg))):
+            raise ConfigError(f"checkpoint.allow_changes: unknown config key {key}")
+        if not under(key, resume_keys(cfg)):
+            raise ConfigError(f"checkpoint.allow_changes: {key} is never compared on resume (it "
+                              f"may change freely); compared: {', '.join(RESUME_KEYS)}")
     if not cfg.run_dir:
         raise ConfigError("run_dir must not be empty")
     if cfg.model.sliding_window and cfg.data.seq_len > cfg.model.sliding_window:
@@ -178,10 +280,53 @@ def _check(cfg: Config):
                           f"({cfg.model.sliding_window}): sliding-window attention is not supported")
 
 
+# What a resumed run must share with the checkpoint it resumes from: the keys that fix the model,
+# the token stream (file, tokenization, batch shape, shuffling seed), the optimizer and the schedule
+# (train.steps sets its length). A section name covers every key under it. A key listed here that
+# this version does not have is skipped. Everything else (dtypes, prefetch and other execution
+# options, logging, checkpoint cadence, run_dir) may change between a run and its resume.
+RESUME_KEYS = ("model", "optimizer", "data.path", "data.text_field", "data.tokenizer",
+               "data.eos_token", "data.token_dtype", "data.seq_len", "data.batch_size",
+               "data.micro_batches", "data.document_mask", "train.seed", "train.steps")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def resume_keys(cfg: Config) -> list:
+    """The dotted keys of cfg that RESUME_KEYS names, in config order."""
+    return [k for k in _flatten(to_dict(cfg))
+            if any(k == r or k.startswith(r + ".") for r in RESUME_KEYS)]
+
+
+def resume_changes(saved: dict, cfg: Config) -> list:
+    """[(dotted key, saved value, current value)] for every RESUME_KEYS key whose value differs
+    between `saved` (a checkpoint's config, as to_dict wrote it) and cfg. A key the saved config
+    lacks (written before the key existed) counts as its default."""
+    current = json.loads(json.dumps(to_dict(cfg)))  # tuples as lists, as the checkpoint has them
+    defaults = json.loads(json.dumps(to_dict(Config())))
+    saved_flat, current_flat, default_flat = (_flatten(t) for t in (saved, current, defaults))
+    changes = []
+    for key in resume_keys(cfg):
+        old = saved_flat.get(key, default_flat.get(key))
+        if old != current_flat[key]:
+            changes.append((key, old, current_flat[key]))
+    return changes
+
+
 def to_dict(cfg) -> dict:
     """The config as plain YAML-able data, with the same keys `load_config` reads."""
     out = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        out[_yaml_name(f)] = to_dict(value) if dataclasses.is_dataclass(value) else value
+        if dataclasses.is_dataclass(value):
+            value = to_dict(value)
+        out[_yaml_name(f)] = list(value) if isinstance(value, tuple) else value
     return out

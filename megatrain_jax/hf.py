@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import shutil
 import tempfile
 
 import jax
@@ -40,6 +41,7 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
 CONFIG_FILE, INDEX_FILE, SINGLE_FILE = "config.json", "model.safetensors.index.json", "model.safetensors"
 FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+EXPORT_OLDER = "export an older one with --step {step}"  # the hint for a damaged checkpoint
 # Buffers some older checkpoints saved next to the weights; recomputed, so skipped.
 IGNORED_TENSOR = re.compile(r".*\.rotary_emb\.inv_freq$")
 
@@ -95,6 +97,37 @@ def _rope_options(hf: dict, where: str) -> dict:
     return out
 
 
+# The config.json fields read, by type; None (JSON null) is allowed where HF writes it for "unset".
+_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window",
+               "max_position_embeddings", "original_max_position_embeddings")
+_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+                 "partial_rotary_factor")
+_BOOL_FIELDS = ("tie_word_embeddings", "use_sliding_window", "attention_bias", "mlp_bias")
+
+
+def _check_types(hf: dict, where: str):
+    """Each field read from config.json (and its rope dict) has its JSON type: a string "64" or a
+    2.5 where an integer belongs is named, not failed on later."""
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    for fields, where_key in ((hf, ""), (rope if isinstance(rope, dict) else {}, "rope ")):
+        for key, value in fields.items():
+            if value is None:
+                continue
+            if key in _INT_FIELDS:
+                ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+            elif key in _FLOAT_FIELDS:
+                ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+                      and math.isfinite(value))
+                want = "a finite number"
+            elif key in _BOOL_FIELDS:
+                ok, want = isinstance(value, bool), "true or false"
+            else:
+                continue
+            if not ok:
+                raise HFError(f"{where}: {where_key}{key} must be {want}, got {json.dumps(value)}")
+
+
 def model_config_from_hf(model_dir: str) -> ModelConfig:
     """The ModelConfig of a local HF model directory, with `from_hf=model_dir`.
 
@@ -118,6 +151,7 @@ def model_config_from_hf(model_dir: str) -> ModelConfig:
         sliding = hf.get("sliding_window") or 0
     elif arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
         sliding = hf.get("sliding_window") or 0
+    _check_types(hf, where)
     try:
         num_heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
@@ -324,12 +358,23 @@ class HFSource:
         for shard, items in by_shard.items():
             with self._open(shard) as f:
                 for name, key, transpose in items:
+                    src = f.get_tensor(name)
+                    host = to_host_layout(src, shapes[key], transpose)
+                    # min and max: NaN propagates, inf shows; no temporary array
+                    if not (np.isfinite(host.min()) and np.isfinite(host.max())):
+                        at = tuple(int(i) for i in np.argwhere(~np.isfinite(
+                            src.astype(np.float32)))[0])
+                        raise HFError(f"{os.path.join(self.dir, shard)}: tensor {name} holds "
+                                      f"{float(src[at])} at index {at}; refusing to train from "
+                                      f"non-finite weights")
+                    del src
                     # jnp.asarray copies into an XLA buffer on the default device (the host
                     # while the engine builds a block); the numpy buffers die right after, so the
                     # transient is this tensor as stored plus two fp32 copies of it. (A zero-copy
                     # device_put of the numpy buffer would save one, but would hand the engine
                     # an externally owned buffer to donate.)
-                    out[key] = jnp.asarray(to_host_layout(f.get_tensor(name), shapes[key], transpose))
+                    out[key] = jnp.asarray(host)
+                    del host
         return out
 
 
@@ -396,6 +441,57 @@ def _state_path(unit: int, key) -> str:
     return f"layers/{unit - 1}/params/{key}"
 
 
+def _write_shards(manager, step, tree, tmp, shards, names, np_dtype, where) -> int:
+    """Writes each shard's tensors, restored from checkpoint `step` a shard at a time, as
+    safetensors files in tmp; returns the bytes written. A tensor that is not finite, or would not
+    be in np_dtype, is refused."""
+    import orbax.checkpoint as ocp
+    from safetensors.numpy import save_file
+
+    from megatrain_jax import checkpoint
+
+    limit = float(ml_dtypes.finfo(np_dtype).max)
+    total = 0
+    for shard, file_name in zip(shards, names):
+        wanted = {_state_path(unit, key) for _, _, unit, key, _ in shard}
+        target = jax.tree_util.tree_map_with_path(
+            lambda p, leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+            if checkpoint.path_str(p) in wanted else ocp.PLACEHOLDER, tree)
+        restore_args = jax.tree.map(
+            lambda leaf: ocp.PLACEHOLDER if leaf is ocp.PLACEHOLDER
+            else ocp.RestoreArgs(restore_type=np.ndarray), target)
+        try:
+            state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item=target, restore_args=restore_args)))["state"]
+        except Exception as e:
+            raise checkpoint.unreadable(manager, step, e, older=EXPORT_OLDER) from None
+        restored = {checkpoint.path_str(p): x
+                    for p, x in jax.tree_util.tree_leaves_with_path(state)
+                    if x is not ocp.PLACEHOLDER}
+        del state
+        out = {}
+        for name, shape, unit, key, transpose in shard:
+            # pop: each fp32 leaf is freed as soon as its converted copy exists
+            leaf = restored.pop(_state_path(unit, key))
+            lo, hi = float(np.min(leaf)), float(np.max(leaf))  # NaN propagates; no temporaries
+            if not (math.isfinite(lo) and math.isfinite(hi)):
+                raise HFError(f"{where}: {_state_path(unit, key)} ({name}) holds NaN or inf; "
+                              f"refusing to export it")
+            if max(-lo, hi) > limit:
+                raise HFError(f"{where}: {_state_path(unit, key)} ({name}) holds "
+                              f"{max(-lo, hi):.4g}, beyond {np.dtype(np_dtype).name}'s largest "
+                              f"value ({limit:.4g}); export with --dtype float32")
+            out[name] = to_hf_layout(leaf, shape, transpose, np_dtype)
+            total += out[name].nbytes
+            del leaf
+        try:
+            save_file(out, os.path.join(tmp, file_name), metadata={"format": "pt"})
+        except Exception as e:  # safetensors raises its own type for a full disk
+            raise HFError(f"writing {file_name} of the export failed ({e})") from None
+        del out, restored
+    return total
+
+
 def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None,
                       dtype: str = "float32", shard_size="2GB", log=print) -> str:
     """Writes checkpoint `step` (default: the latest) of `run_dir` as a HF model directory.
@@ -403,9 +499,6 @@ def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None,
     Parameters only, read a shard at a time (Orbax restores just the leaves a shard needs; the
     optimizer state is never read), so RAM holds one shard, not the model. The directory is
     written next to `out_dir` and renamed into place when complete. Returns out_dir."""
-    import orbax.checkpoint as ocp
-    from safetensors.numpy import save_file
-
     from megatrain_jax import checkpoint
 
     if dtype not in EXPORT_DTYPES:
@@ -422,7 +515,7 @@ def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None,
         if step is None:
             raise HFError(f"--run-dir {run_dir}: no complete checkpoint in {ckpt_dir}")
         where = f"checkpoint step {step} in {ckpt_dir}"
-        meta, tree = checkpoint.read_meta(manager, step)
+        meta, tree = checkpoint.read_meta(manager, step, older=EXPORT_OLDER)
         try:
             cfg = ModelConfig(**meta["config"]["model"])
         except (KeyError, TypeError, ValueError) as e:
@@ -449,47 +542,39 @@ def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None,
                   for i in range(len(shards))])
 
         parent = os.path.dirname(os.path.abspath(out_dir))
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
-        weight_map, total = {}, 0
-        for shard, file_name in zip(shards, names):
-            wanted = {_state_path(unit, key) for _, _, unit, key, _ in shard}
-            target = jax.tree_util.tree_map_with_path(
-                lambda p, leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-                if checkpoint.path_str(p) in wanted else ocp.PLACEHOLDER, tree)
-            restore_args = jax.tree.map(
-                lambda leaf: ocp.PLACEHOLDER if leaf is ocp.PLACEHOLDER
-                else ocp.RestoreArgs(restore_type=np.ndarray), target)
-            state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                item=target, restore_args=restore_args)))["state"]
-            restored = {checkpoint.path_str(p): x
-                        for p, x in jax.tree_util.tree_leaves_with_path(state)
-                        if x is not ocp.PLACEHOLDER}
-            del state
-            out = {}
-            for name, shape, unit, key, transpose in shard:
-                # pop: each fp32 leaf is freed as soon as its converted copy exists
-                out[name] = to_hf_layout(restored.pop(_state_path(unit, key)), shape, transpose,
-                                         np_dtype)
-                weight_map[name] = file_name
-                total += out[name].nbytes
-            save_file(out, os.path.join(tmp, file_name), metadata={"format": "pt"})
-            del out, restored
+        if os.path.exists(parent) and not os.path.isdir(parent):
+            raise HFError(f"--out {out_dir}: {parent} is not a directory")
+        try:
+            os.makedirs(parent, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+        except OSError as e:
+            raise HFError(f"--out {out_dir}: cannot write in {parent} ({e.strerror})") from None
+        try:  # any failure removes the half-written directory
+            total = _write_shards(manager, step, tree, tmp, shards, names, np_dtype, where)
+            if len(shards) > 1:
+                weight_map = {t[0]: name for shard, name in zip(shards, names) for t in shard}
+                with open(os.path.join(tmp, INDEX_FILE), "w") as f:
+                    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
+                              indent=2)
+            with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+                json.dump(hf_config(cfg, dtype=dtype, max_position_embeddings=max_positions,
+                                    base=base), f, indent=2)
+            # mkdtemp makes the directory private (0700); give the result the usual permissions.
+            umask = os.umask(0)
+            os.umask(umask)
+            for name in os.listdir(tmp):
+                os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+            os.chmod(tmp, 0o777 & ~umask)
+            os.replace(tmp, out_dir)  # atomic; replaces only an empty directory
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise HFError(f"--out {out_dir}: writing the export failed "
+                          f"({e.strerror or e})") from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     finally:
         manager.close()
-    if len(shards) > 1:
-        with open(os.path.join(tmp, INDEX_FILE), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
-        json.dump(hf_config(cfg, dtype=dtype, max_position_embeddings=max_positions, base=base),
-                  f, indent=2)
-    # mkdtemp makes the directory private (0700); give the result the usual permissions.
-    umask = os.umask(0)
-    os.umask(umask)
-    for name in os.listdir(tmp):
-        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
-    os.chmod(tmp, 0o777 & ~umask)
-    os.replace(tmp, out_dir)  # atomic; replaces only an empty directory
     log(f"exported {where} to {out_dir}: {len(tensors)} tensors, {total / 1e6:,.1f} MB {dtype} "
         f"in {len(shards)} shard{'s' * (len(shards) > 1)}")
     return out_dir

@@ -18,9 +18,10 @@ from megatrain_jax import checkpoint
 from megatrain_jax import data as data_lib
 from megatrain_jax import hf
 from megatrain_jax import hostmem
-from megatrain_jax.config import Config, ConfigError, to_dict
+from megatrain_jax.config import Config, ConfigError, resume_changes, to_dict
 from megatrain_jax.engine import StreamedEngine
 from megatrain_jax.model import make_block, make_stages
+from megatrain_jax.runlock import RunLock
 
 
 def decay_mask(params):
@@ -127,33 +128,85 @@ def _keep_metrics_through(path: str, step: int):
         os.replace(path + ".tmp", path)
 
 
+def resume_point(cfg: Config, log=print) -> int | None:
+    """The checkpoint step this run resumes from (None: a fresh run), after checking it can: it must
+    be the latest (steps retrained past an older one would not replace the newer checkpoints, which
+    are never overwritten), and its saved config must agree with cfg on every RESUME_KEYS key not in
+    checkpoint.allow_changes. Reads only the checkpoint's meta; writes nothing."""
+    directory = os.path.join(cfg.run_dir, "checkpoints")
+    if not os.path.isdir(directory):
+        if cfg.checkpoint.resume_step >= 0:
+            raise checkpoint.CheckpointError(f"checkpoint.resume_step={cfg.checkpoint.resume_step}"
+                                             f": no checkpoints directory {directory}")
+        return None
+    reader = checkpoint.make_manager(directory)
+    try:
+        step = checkpoint.resolve_step(reader, None if cfg.checkpoint.resume_step < 0
+                                       else cfg.checkpoint.resume_step)
+        if step is None:
+            return None
+        newer = [s for s in reader.all_steps() if s > step]
+        if newer:
+            raise checkpoint.CheckpointError(
+                f"checkpoint.resume_step={step}: {reader.directory} holds newer checkpoints (steps "
+                f"{', '.join(map(str, newer))}), which the retrained steps would not replace (a "
+                f"checkpoint is never overwritten or deleted); move them out of it and run again")
+        meta, _ = checkpoint.read_meta(reader, step)
+    finally:
+        reader.close()
+    where = f"checkpoint step {step} in {reader.directory}"
+    for key, old, new in resume_changes(meta.get("config") or {}, cfg):
+        if not any(key == a or key.startswith(a + ".") for a in cfg.checkpoint.allow_changes):
+            raise checkpoint.CheckpointError(
+                f"{where} does not match this config: config.{key} is {old!r} in the checkpoint, "
+                f"{new!r} now; to resume with the new value, add checkpoint.allow_changes=[{key}]")
+        log(f"resuming with a changed {key}: {old!r} in {where}, {new!r} now "
+            f"(checkpoint.allow_changes)")
+    return step
+
+
 def train(cfg: Config, *, log=print) -> list[dict]:
     """Trains up to cfg.train.steps (the total) steps; returns the per-step metrics it logged.
 
     Resumes from the latest complete checkpoint in `<run_dir>/checkpoints` (or the step
     `checkpoint.resume_step`) when there is one. Saves every `checkpoint.every` steps, at the last
-    step, and on SIGTERM/SIGINT (then returns early)."""
+    step, and on SIGTERM/SIGINT (then returns early). Holds `<run_dir>/train.lock` throughout."""
     dataset = load_dataset(cfg)  # validate all inputs before anything is written
     try:  # freed layer-sized buffers go back to the kernel: ~22 -> ~14 B/param of RSS, see
         hostmem.set_mmap_threshold(1 << 20)  # docs/benchmarks.md "Host memory per parameter"
     except OSError:  # not glibc: nothing to tune
         pass
+    created = not os.path.exists(cfg.run_dir)
     prepare_run_dir(cfg.run_dir)
+    try:
+        with RunLock(cfg.run_dir, log=log):
+            return _train_locked(cfg, dataset, log)
+    except BaseException:
+        if created and not os.listdir(cfg.run_dir):  # refused before writing anything: no trace
+            os.rmdir(cfg.run_dir)
+        raise
+
+
+def _train_locked(cfg: Config, dataset, log) -> list[dict]:
+    resume_step = resume_point(cfg, log)
+    ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+    if os.path.isdir(ckpt_dir):  # else run_dir was just checked; make_manager creates it
+        checkpoint.check_writable(ckpt_dir)  # before training, not at the first save
     engine = build_engine(cfg)
     ckpt = cfg.checkpoint
-    manager = checkpoint.make_manager(os.path.join(cfg.run_dir, "checkpoints"), keep=ckpt.keep,
-                                      async_save=ckpt.async_save,
+    manager = checkpoint.make_manager(ckpt_dir, keep=ckpt.keep, async_save=ckpt.async_save,
                                       write_bytes=checkpoint.largest_unit_bytes(engine))
     start = 0
-    resume_step = None if ckpt.resume_step < 0 else ckpt.resume_step
-    if resume_step is not None or checkpoint.resolve_step(manager) is not None:
-        # Checked against the saved shapes and model config before anything is overwritten.
-        meta = checkpoint.restore(manager, engine, resume_step, model_config=to_dict(cfg.model))
+    if resume_step is not None:
+        # The saved shapes are checked against the engine's before anything is loaded.
+        meta = checkpoint.restore(manager, engine, resume_step)
         dataset.restore(meta["data_state"])
         start = meta["step"]
 
-    with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
+    config_path = os.path.join(cfg.run_dir, "config.yaml")
+    with open(config_path + ".tmp", "w") as f:  # a full disk leaves the old one whole
         yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    os.replace(config_path + ".tmp", config_path)
     log(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
     log(f"model: {cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.num_layers} layers | "
         f"{dataset.tokens_per_batch} tokens/step | compute {jax.devices()[0].platform}")
@@ -188,7 +241,7 @@ def train(cfg: Config, *, log=print) -> list[dict]:
                 log(f"{stop.received} received: stopped after step {step} with a checkpoint; "
                     f"run the same command again to resume")
                 break
-        manager.wait_until_finished()  # inside: a second signal still exits at once
+        checkpoint.wait(manager)  # inside: a second signal still exits at once
     manager.close()
     engine.close()
     if start >= cfg.train.steps:

@@ -8,9 +8,8 @@ Reads only the parameters of the checkpoint, a shard at a time; needs no GPU. Th
 """
 
 import argparse
-import sys
 
-from megatrain_jax.cli import run_cli
+from megatrain_jax.cli import run_cli, script_exit
 from megatrain_jax.hf import EXPORT_DTYPES, export_checkpoint
 
 
@@ -27,4 +26,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    script_exit(main)

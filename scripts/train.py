@@ -6,9 +6,8 @@ Overrides are dotted config keys: `train.steps=20 run_dir=/tmp/run data.seq_len=
 """
 
 import argparse
-import sys
 
-from megatrain_jax.cli import run_cli
+from megatrain_jax.cli import run_cli, script_exit
 from megatrain_jax.config import load_config
 from megatrain_jax.train import train
 
@@ -22,4 +21,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    script_exit(main)

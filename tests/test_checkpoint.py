@@ -257,23 +257,33 @@ def test_shape_mismatch_names_the_first_parameter_and_both_shapes(finished_run):
     assert_states_equal(jax.tree.map(np.asarray, engine.state()), before)  # nothing loaded
 
 
-def test_corrupted_latest_checkpoint_names_step_and_resume_step_recovers(finished_run, capsys,
-                                                                         reference):
+def test_corrupted_latest_checkpoint_names_step_and_moving_it_out_recovers(finished_run, capsys,
+                                                                           reference):
     for d, _, fs in os.walk(finished_run / "checkpoints" / "6" / "state"):
         for f in fs:  # truncated files, as a full disk or a dying node leaves them
             with open(os.path.join(d, f), "r+b") as fh:
                 fh.truncate(os.path.getsize(os.path.join(d, f)) // 3)
+    before = _files(finished_run)
     rc = run_cli(lambda: train(make_cfg(finished_run)))
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
     assert "checkpoint step 6 in " in err[0] and "is unreadable" in err[0]
-    assert "checkpoint.resume_step=4" in err[0]
+    assert "move it out of" in err[0] and "resume from step 4" in err[0]
+    assert "bound method" not in err[0]  # the storage error itself, not tensorstore's spec dump
 
+    # Resuming from step 4 while step 6 is there would keep the damaged 6 and drop the retrained
+    # one (a checkpoint is never overwritten): refused up front, nothing written.
+    rc = run_cli(lambda: train(make_cfg(finished_run, "checkpoint.resume_step=4")))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "newer checkpoints (steps 6)" in err[0]
+    assert _files(finished_run) == before
+
+    shutil.move(finished_run / "checkpoints" / "6", finished_run / "damaged-6")
     lines = []
-    train(make_cfg(finished_run, "checkpoint.resume_step=4"), log=lines.append)
+    train(make_cfg(finished_run), log=lines.append)
     assert "resumed from checkpoint step 4" in "\n".join(lines)
-    assert "checkpoint step 6 already exists" in "\n".join(lines)  # not overwritten
     assert losses(finished_run) == reference["losses"]
+    assert_states_equal(saved_state(finished_run), reference["final"])  # the retrained step 6
 
 
 # ----------------------------------------------------------------------------- library API
@@ -296,6 +306,26 @@ def custom_engine(seed):
                           make_block=lambda i: MLPBlock(nnx.Rngs(seed + 10 + i)), num_layers=3,
                           optimizer=optax.adam(1e-2), max_grad_norm=1.0, compute_dtype=jnp.float32,
                           compute_device=compute, host_device=host)
+
+
+@pytest.mark.parametrize("part", ["params", "opt_state"])
+def test_save_refuses_a_state_that_is_not_finite(tmp_path, part):
+    # The last guard: whatever let a NaN into the state, no checkpoint is written from it, so
+    # `keep` never rotates a healthy checkpoint out for a poisoned one.
+    engine = custom_engine(0)
+    manager = checkpoint.make_manager(tmp_path / "ckpt", keep=1, async_save=False)
+    checkpoint.save(manager, 1, engine)
+    layer = jax.tree.map(np.array, engine.state()["layers"][2])
+    leaf = [x for x in jax.tree.leaves(layer[part]) if x.ndim][0]
+    leaf.flat[3] = np.nan
+    engine.load_unit(2, layer)
+    with pytest.raises(checkpoint.SaveError, match=f"refusing to save checkpoint step 2: "
+                                                   f"layers/2/{part} is not finite"):
+        checkpoint.save(manager, 2, engine)
+    assert manager.all_steps() == [1]
+    state = jax.tree.map(np.asarray, engine.state())
+    assert checkpoint.first_non_finite(state) == f"layers/2/{part}"
+    engine.close(), manager.close()
 
 
 def test_library_save_restore_round_trips_a_custom_block_into_host_memory(tmp_path, monkeypatch):
