@@ -1,0 +1,19 @@
+"""The streamed-layer engine: host-resident training state, the GPU as a transient compute engine.
+
+The engine trains any model of the form `last(block_{L-1}(... block_0(first(inputs)))), targets)`
+where every block has the same structure. It knows nothing about the model inside the blocks.
+State lives in host memory, one *unit* at a time: unit 0 holds the first and last stages (they
+share a unit, so tied weights stay tied), unit 1 + i holds layer i.
+
+Modules, by concern:
+  streamed.py   StreamedEngine: construction, train_step, reading and loading state
+  step.py       the schedule of one step, top to bottom
+  stream.py     transfers with back-pressure, activation offload, counters
+  host.py       host state: master weights, optax state, bus copies, the update thread
+  functions.py  the jitted device functions
+"""
+
+from megatrain_jax.engine.stream import Counters
+from megatrain_jax.engine.streamed import StreamedEngine
+
+__all__ = ["Counters", "StreamedEngine"]

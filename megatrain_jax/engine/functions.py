@@ -1,0 +1,126 @@
+"""The jitted device functions of one step, built from the graphdefs of the streamed modules.
+
+The engine calls user modules in three shapes: `first(inputs) -> x`, `block(x)` or
+`block(x, context)` (when the step has a context, e.g. document masks), and `last(x, targets)`,
+which returns either a scalar mean loss or a pair `(loss_sum, weight)` (a sum over counted tokens
+and how many were counted). A step's loss is `sum(loss_sum) / sum(weight)` over its micro-batches
+(a scalar mean counts as weight 1), so micro-batches with different numbers of counted tokens
+still give the gradient of one big batch. The device functions differentiate the unnormalised
+sums; the host scales every gradient by `1 / sum(weight)` before the update.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def tree_add(acc, tree):
+    return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, tree)
+
+
+def sum_squares(tree):
+    return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
+
+
+def split_loss(out):
+    """`last`'s output as (loss_sum, weight), fp32."""
+    if isinstance(out, (tuple, list)):
+        loss_sum, weight = out
+    else:
+        loss_sum, weight = out, 1.0
+    return jnp.asarray(loss_sum, jnp.float32), jnp.asarray(weight, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageParts:
+    """Which leaves of the stages unit `first` and `last` read (tied weights: both).
+
+    The stages unit is fetched three times a step, each time only the part that is used: the
+    embedding alone for the forward and the backward's end, the head alone for the loss."""
+    first: tuple  # indices into jax.tree.leaves(stages params)
+    last: tuple
+
+    def take(self, which: str, leaves: list) -> list:
+        return [leaves[i] for i in getattr(self, which)]
+
+
+def _used_inputs(fn, leaves) -> tuple:
+    """Indices of `leaves` that fn(leaves) reads, from its jaxpr."""
+    jaxpr = jax.make_jaxpr(fn)(leaves).jaxpr
+    used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars}
+    used |= {id(v) for v in jaxpr.outvars}
+    return tuple(i for i, v in enumerate(jaxpr.invars) if id(v) in used)
+
+
+def stage_parts(stages_def, stages_params, inputs, targets) -> StageParts:
+    """Traces first and last abstractly on example shapes to see which leaves each reads."""
+    leaves, treedef = jax.tree.flatten(stages_params)
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+
+    def first(leaves):
+        return nnx.merge(stages_def, jax.tree.unflatten(treedef, leaves))[0](inputs)
+
+    x = jax.eval_shape(first, abstract)
+
+    def last(leaves):
+        return split_loss(nnx.merge(stages_def, jax.tree.unflatten(treedef, leaves))[1](
+            jnp.zeros(x.shape, x.dtype), targets))
+
+    return StageParts(_used_inputs(first, abstract), _used_inputs(last, abstract))
+
+
+class DeviceFunctions:
+    """Every function the step runs on the compute device, jitted once per shape.
+
+    Stage weights come as flat leaf lists of one part (StageParts): `embed` and `embed_bwd` take
+    the `first` part, `head` the `last` part. Accumulators are fp32 and donated."""
+
+    def __init__(self, stages_def, stages_treedef, parts: StageParts, block_def, grad_dtype):
+        n = stages_treedef.num_leaves
+
+        def merge_stages(part: str, leaves):
+            full = [jax.ShapeDtypeStruct((), jnp.float32)] * n  # unused leaves: never read
+            for i, leaf in zip(getattr(parts, part), leaves):
+                full[i] = leaf
+            return nnx.merge(stages_def, jax.tree.unflatten(stages_treedef, full))
+
+        def embed(w, inputs):
+            return merge_stages("first", w)[0](inputs)
+
+        def head(w, x, targets, acc):
+            def loss_fn(w, x):
+                loss_sum, weight = split_loss(merge_stages("last", w)[1](x, targets))
+                return loss_sum, weight
+            (loss_sum, weight), (dw, dx) = jax.value_and_grad(loss_fn, argnums=(0, 1),
+                                                              has_aux=True)(w, x)
+            return loss_sum, weight, dx, tree_add(acc, dw)
+
+        def embed_bwd(w, inputs, dx, acc):
+            # Differentiated at fp32 weights with an fp32 cotangent, so that the embedding's
+            # scatter-add of a frequent token's many rows accumulates in fp32, not in bf16.
+            w32 = [p.astype(jnp.float32) for p in w]
+            _, vjp = jax.vjp(lambda w: embed(w, inputs), w32)
+            return tree_add(acc, vjp(dx.astype(jnp.float32))[0])
+
+        def block_fwd(w, x, context):
+            block = nnx.merge(block_def, w)
+            return block(x) if context is None else block(x, context)
+
+        def block_bwd(w, x, context, dy, acc):
+            # Recompute the block from its saved input, then differentiate it.
+            _, vjp = jax.vjp(lambda w, x: block_fwd(w, x, context), w, x)
+            dw, dx = vjp(dy)
+            return dx, tree_add(acc, dw)
+
+        self.embed = jax.jit(embed)
+        self.head = jax.jit(head, donate_argnums=(3,))
+        self.embed_bwd = jax.jit(embed_bwd, donate_argnums=(3,))
+        self.block_fwd = jax.jit(block_fwd)
+        self.block_bwd = jax.jit(block_bwd, donate_argnums=(3, 4))
+        self.zeros = jax.jit(lambda w: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), w))
+        self.cast_grads = jax.jit(lambda g: jax.tree.map(lambda x: x.astype(grad_dtype), g))
+        self.sum_squares = jax.jit(sum_squares)
+        # One dispatch each for what would otherwise be L (or M) eager adds per step.
+        self.total = jax.jit(lambda xs: sum(xs))

@@ -1,0 +1,175 @@
+"""Host-resident training state: per unit the fp32 master weights, the optax state, the bus copy,
+and the optax update that runs on the host CPU device in a background thread."""
+
+import concurrent.futures
+import dataclasses
+import time
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+@dataclasses.dataclass
+class Unit:
+    """The host-resident state of one streamed unit."""
+    params: Any  # fp32 master weights (pure dict) on the host device
+    opt_state: Any  # optax state on the host device
+    bus: Any = None  # compute-dtype copy, ready to cross to the device; None between its last
+    # use in a step and the update that recreates it (its memory makes room for the gradients)
+    pending: Optional[concurrent.futures.Future] = None  # the host update still running
+
+
+def nbytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+class HostState:
+    """The units' state and their updates. Unit 0 is the stages, unit 1 + i layer i.
+
+    `submit(u, grads, grad_norm, scale)` queues unit u's update on the host thread: the gradient
+    (of the unnormalised loss sum) is scaled by `scale`, clipped to the global norm exactly as
+    `optax.clip_by_global_norm` would, and applied. When the global norm is not finite the update
+    keeps params and optax state as they were (as `optax.apply_if_finite` does), so one bad batch
+    never reaches the weights. `bus(u)` waits for u's update and returns its bus copy.
+    """
+
+    def __init__(self, units: list, optimizer: optax.GradientTransformation, *, max_grad_norm,
+                 compute_dtype, grad_dtype, compute_device, host_device, counters):
+        self.optimizer = optimizer
+        self.max_grad_norm = max_grad_norm
+        self.compute_dtype = jnp.dtype(compute_dtype)
+        self.grad_dtype = jnp.dtype(grad_dtype)
+        self.host_device = host_device
+        self.counters = counters
+        self.host = jax.sharding.SingleDeviceSharding(host_device)
+        # On an accelerator, bus copies wait in its pinned host memory, which it reads by DMA with
+        # no staging copy. The update cannot write there (another device's memory), so it writes
+        # into a reused host buffer (`staging`, one per unit structure) that is then copied over.
+        # When state and compute share a device, the bus is a host buffer rewritten in place.
+        kinds = {m.kind for m in compute_device.addressable_memories()}
+        self.bus_in_place = compute_device == host_device or "pinned_host" not in kinds
+        # In place and fp32 compute: the bus copy is the master weights themselves.
+        self.bus_is_params = self.bus_in_place and self.compute_dtype == jnp.float32
+        self.bus_sharding = (self.host if self.bus_in_place else jax.sharding.SingleDeviceSharding(
+            compute_device, memory_kind="pinned_host"))
+        self.staging = {}
+
+        # Donating params, optax state and the old bus copy makes the update write in place: on
+        # the CPU backend a fresh output buffer is page-faulted in at a fraction of memory speed.
+        # keep_unused: the old bus is never read, only donated; jit would otherwise prune it.
+        self._update = jax.jit(self._host_update, donate_argnums=(0, 1, 3), static_argnums=(6,),
+                               keep_unused=True)
+        # Scaled and clipped inside the update, the gradient becomes an intermediate that both
+        # Adam moments read, and XLA:CPU gives it a fresh temporary (~3 B/param, page-faulted each
+        # step). An fp32 gradient is therefore prepared first, in place, by its own pass; a bf16
+        # one is upcast, so it has no fp32 buffer to work in and is prepared inside the update.
+        self._prepare_first = self.grad_dtype == jnp.float32
+        self._prepare_in_place = jax.jit(self._prepare, donate_argnums=(0,))
+        # out_shardings: optax state that does not depend on the params (counts, zeros) would
+        # otherwise land uncommitted on the default device, the accelerator.
+        init = jax.jit(optimizer.init, out_shardings=self.host)
+        self.units = []
+        for params in units:
+            params = jax.device_put(jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params),
+                                    self.host)
+            self.units.append(Unit(params, init(params), self.make_bus(params)))
+        if not self.bus_in_place:  # made now, so the update compiles once per unit structure
+            zeros = lambda p: jnp.zeros(p.shape, self.compute_dtype, device=host_device)
+            self.staging = {key: jax.tree.map(zeros, self.units[key].params)
+                            for key in range(min(2, len(units)))}
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-optim")
+
+    # ----------------------------------------------------------------- bus copies
+    def make_bus(self, params):
+        if self.bus_is_params:
+            return params
+        return jax.device_put(jax.tree.map(lambda p: p.astype(self.compute_dtype), params),
+                              self.bus_sharding)
+
+    def bus(self, u: int):
+        """Unit u's bus copy, once its pending update has finished."""
+        unit = self.ready(u)
+        if unit.bus is None:  # released by a step that then failed: rebuilt from the weights
+            unit.bus = self.make_bus(unit.params)
+        return unit.bus
+
+    def release_bus(self, u: int):
+        """After a unit's last use in a step: frees its bus copy, making room for the gradients
+        that wait on the host for the global norm (or giving it back to the pinned pool)."""
+        self.units[u].bus = None
+
+    # ----------------------------------------------------------------- the update
+    def _prepare(self, grads, grad_norm, scale):
+        """The gradient of the mean loss, clipped exactly as optax.clip_by_global_norm."""
+        grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+        if self.max_grad_norm is None:
+            return grads
+        clip = grad_norm >= self.max_grad_norm
+        return jax.tree.map(
+            lambda g: jnp.where(clip, (g / grad_norm.astype(g.dtype)) * self.max_grad_norm, g), grads)
+
+    def _host_update(self, params, opt_state, grads, old_bus, grad_norm, scale, prepared):
+        del old_bus  # donated: the new bus copy is written into its buffer
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)  # no-op in fp32
+        if not prepared:
+            grads = self._prepare(grads, grad_norm, scale)
+        updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        finite = jnp.isfinite(grad_norm)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        params, opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
+        return params, opt_state, None if self.bus_is_params else jax.tree.map(
+            lambda p: p.astype(self.compute_dtype), params)
+
+    def _apply(self, unit: Unit, grads, grad_norm, scale, staging_key):
+        """Runs on the host-optimizer thread: one jitted, in-place optax step of one unit, its
+        bus copy written in the same call. XLA:CPU spreads each large fused loop over all cores."""
+        t0 = time.perf_counter()
+        if self.bus_in_place:
+            old_bus = None if self.bus_is_params else unit.bus
+        else:
+            old_bus = self.staging.pop(staging_key, None)
+        unit.bus = None
+        if self._prepare_first:
+            grads = self._prepare_in_place(grads, grad_norm, scale)
+        unit.params, unit.opt_state, bus = self._update(unit.params, unit.opt_state, grads, old_bus,
+                                                        grad_norm, scale, self._prepare_first)
+        if self.bus_in_place:
+            unit.bus = unit.params if self.bus_is_params else bus
+        else:
+            unit.bus = jax.device_put(bus, self.bus_sharding)
+            self.staging[staging_key] = bus  # reused by the next unit: this copy is waited for
+        jax.block_until_ready(unit.bus)  # the future completes when the weights are usable
+        self.counters.host_update_s += time.perf_counter() - t0
+
+    def submit(self, u: int, grads, grad_norm, scale):
+        """Queues unit u's update with its host-resident gradient, the global norm of the scaled
+        gradient and the scale (host scalars)."""
+        unit = self.units[u]
+        unit.pending = self._thread.submit(self._apply, unit, grads, grad_norm, scale, min(u, 1))
+
+    def ready(self, u: int) -> Unit:
+        unit = self.units[u]
+        if unit.pending is not None:
+            t0 = time.perf_counter()
+            future, unit.pending = unit.pending, None
+            future.result()  # re-raises anything the host thread raised
+            self.counters.host_wait_s += time.perf_counter() - t0
+        return unit
+
+    def wait(self):
+        """Blocks until every pending update has finished."""
+        for u in range(len(self.units)):
+            self.ready(u)
+
+    def load_unit(self, u: int, unit_state: dict):
+        unit = self.ready(u)
+        unit.params = jax.device_put(unit_state["params"], self.host)
+        unit.opt_state = jax.device_put(unit_state["opt_state"], self.host)
+        unit.bus = self.make_bus(unit.params)
+
+    def close(self):
+        self.wait()
+        self._thread.shutdown()

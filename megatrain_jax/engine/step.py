@@ -1,0 +1,140 @@
+"""One training step, top to bottom: the schedule of transfers and device work.
+
+    embed     fetch the first stage's weights; x_0[m] = first(inputs[m])
+    forward   for layer i (weights prefetched, at most prefetch + 1 resident):
+                x_{i+1}[m] = block_i(x_i[m]); save x_i[m] (on the device, or offloaded to host)
+    loss      fetch the last stage's weights; loss_sum[m], weight[m], dx[m] = grad(last)(x_L[m])
+              its gradient goes to the host
+    backward  for layer i in reverse (weights and saved inputs fetched ahead):
+                dx[m], dW_i += vjp(block_i)(x_i[m], dx[m])   (the block is recomputed)
+              dW_i goes to the host
+    embed     fetch the first stage's weights; dW_first += vjp(first)(inputs[m], dx[m])
+    update    on the host: global norm, scale 1 / sum(weight), clip, one optax update per unit
+              (a background thread; the next step's fetch of a unit waits for its update)
+
+Each block weight crosses the bus twice per step whatever the number of micro-batches M is.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from megatrain_jax.engine.host import nbytes
+from megatrain_jax.engine.stream import LayerStream, delete
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _merge_stage_grads(first, last, first_idx, last_idx, params):
+    """Unit 0's gradient leaves from the two parts' (tied leaves get the sum of both)."""
+    leaves = [jnp.zeros_like(p) for p in params]
+    for i, g in zip(first_idx, first):
+        leaves[i] = leaves[i] + g
+    for i, g in zip(last_idx, last):
+        leaves[i] = leaves[i] + g
+    return leaves
+
+
+@jax.jit
+def _norm_and_scale(layers_sq, stages_grads, weight):
+    """(global norm of the scaled gradient, scale = 1 / sum of loss weights, the stages' sum of
+    squares), on the host."""
+    stages_sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in stages_grads)
+    scale = jnp.where(weight > 0, 1.0 / jnp.where(weight > 0, weight, 1.0), 0.0)
+    return jnp.sqrt(sum(layers_sq) + stages_sq) * scale, scale, stages_sq
+
+
+def run(engine, inputs, targets, contexts) -> dict:
+    """One step of `engine` (a StreamedEngine) over M micro-batches already on the device."""
+    f, host, acts = engine.functions, engine.host, engine.activations
+    M, L = len(inputs), engine.num_layers
+    hook = engine.on_phase or (lambda phase, layer=None: None)
+
+    def fetch(u, part=None):
+        bus = host.bus(u)
+        if part is not None:  # a stage part, as a flat list of leaves
+            bus = engine.parts.take(part, jax.tree.leaves(bus))
+        engine.counters.bytes_h2d += nbytes(bus)
+        return jax.device_put(bus, engine.compute)
+
+    # With state and compute on one device (no accelerator), a fetch is the bus copy itself.
+    fetch_copies = engine.compute != host.bus_sharding
+    fetched = lambda w: w if fetch_copies else ()  # what the step may delete of a fetch
+
+    def to_host(grads):
+        """(the gradient on the host, the device arrays to free once it has arrived there)."""
+        device = jax.tree.leaves(grads)
+        if device and device[0].dtype != host.grad_dtype:
+            grads = f.cast_grads(grads)  # cast on the device: fewer bytes cross and wait
+            device += jax.tree.leaves(grads)
+        engine.counters.bytes_d2h += nbytes(grads)
+        on_host = jax.device_put(grads, engine.host_sharding)
+        kept = {id(x) for x in jax.tree.leaves(on_host)}  # no copy when they share a device
+        return on_host, [x for x in device if id(x) not in kept]
+
+    acts.clear()
+    # ---- embed
+    w = fetch(0, "first")
+    xs = [f.embed(w, x) for x in inputs]
+    delete(fetched(w))
+    hook("embed")
+
+    # ---- forward
+    stream = LayerStream(range(L), lambda i: fetch(1 + i), engine.prefetch)
+    for i, w in stream:
+        ys = [f.block_fwd(w, x, c) for x, c in zip(xs, contexts)]
+        transfers, free = acts.save(i, xs)
+        stream.done((ys, transfers), (fetched(w), free))
+        xs = ys
+        hook("forward", i)
+
+    # ---- loss
+    w = fetch(0, "last")
+    acc = f.zeros(w)
+    loss_sums, weights, dxs = [], [], []
+    for x, t in zip(xs, targets):
+        loss_sum, weight, dx, acc = f.head(w, x, t, acc)
+        loss_sums.append(loss_sum)
+        weights.append(weight)
+        dxs.append(dx)
+    delete((fetched(w), xs))
+    last_grads, _ = to_host(acc)
+    hook("loss")
+
+    # ---- backward
+    layer_grads, layer_sq = {}, []
+    stream = LayerStream(reversed(range(L)), lambda i: (fetch(1 + i), acts.load(i)), engine.prefetch)
+    for i, (w, xs) in stream:
+        dw = f.zeros(w)
+        for m in range(M):
+            dxs[m], dw = f.block_bwd(w, xs[m], contexts[m], dxs[m], dw)
+        layer_sq.append(f.sum_squares(dw))
+        layer_grads[1 + i], device_grads = to_host(dw)
+        host.release_bus(1 + i)
+        stream.done((dxs, layer_grads[1 + i]), (fetched(w), xs, device_grads))
+        hook("backward", i)
+
+    # ---- embed backward
+    w = fetch(0, "first")
+    acc = f.zeros(w)
+    for x, dx in zip(inputs, dxs):
+        acc = f.embed_bwd(w, x, dx, acc)
+    delete(fetched(w))
+    first_grads, _ = to_host(acc)
+    host.release_bus(0)
+    hook("embed backward")
+
+    # ---- update, on the host
+    stage_leaves, stage_def = jax.tree.flatten(host.units[0].params)
+    stage_grads = _merge_stage_grads(first_grads, last_grads, engine.parts.first, engine.parts.last,
+                                     stage_leaves)
+    on_host = lambda x: jax.device_put(x, engine.host_sharding)
+    total_weight = f.total(weights)
+    grad_norm, scale, stages_sq = _norm_and_scale(on_host(layer_sq), stage_grads,
+                                                  on_host(total_weight))
+    engine.unit_sq = [stages_sq] + layer_sq[::-1]  # per unit, for nonfinite_units()
+    host.submit(0, jax.tree.unflatten(stage_def, stage_grads), grad_norm, scale)
+    for u in range(1, L + 1):  # in the order the next forward needs them
+        host.submit(u, layer_grads.pop(u), grad_norm, scale)
+    loss = f.total(loss_sums) / jnp.where(total_weight > 0, total_weight, 1.0)
+    return {"loss": loss, "grad_norm": grad_norm}

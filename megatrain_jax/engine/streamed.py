@@ -1,0 +1,198 @@
+"""`StreamedEngine`: the public face of the engine (construction, one step, reading state)."""
+
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from megatrain_jax.engine import step
+from megatrain_jax.engine.functions import DeviceFunctions, stage_parts
+from megatrain_jax.engine.host import HostState
+from megatrain_jax.engine.stream import Activations, Counters
+
+
+def _param_split(module: nnx.Module, what: str):
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    if jax.tree.leaves(rest):
+        raise ValueError(f"{what} holds non-Param state ({list(rest.flat_state())[0][0]}); "
+                         "streamed modules may only hold nnx.Param variables")
+    return graphdef, nnx.to_pure_dict(params)
+
+
+class StreamedEngine:
+    """Trains `last(blocks(first(inputs)), targets)` with all state in host memory.
+
+    Args:
+      first: the first stage, called as `first(inputs) -> x` (e.g. token embedding).
+      last: the last stage, called as `last(x, targets)`, returning a scalar mean loss or a pair
+        `(loss_sum, weight)` (e.g. the summed cross-entropy and the number of counted tokens; the
+        step's loss is then sum(loss_sum) / sum(weight) over its micro-batches). It may share
+        variables with `first` (tied embeddings): shared variables get the sum of both gradients.
+      make_block: `make_block(i) -> nnx.Module`, layer i's block, all of one structure, called as
+        `block(x)`, or `block(x, context)` when `train_step` is given a context. Called once per
+        layer at construction, under the host device, so the stack is never built whole on the
+        accelerator. Blocks (and stages) may hold only `nnx.Param` state.
+      num_layers: how many blocks.
+      optimizer: any optax GradientTransformation, applied unit by unit on the host. Do not put
+        `optax.clip_by_global_norm` in it: a per-unit norm is not the global one; use
+        `max_grad_norm`, which clips exactly as `clip_by_global_norm` over the whole model.
+      max_grad_norm: clip gradients to this global L2 norm (None: no clipping).
+      compute_dtype: dtype of the bus copy and of device compute (bf16 default; fp32 is exact).
+      grad_dtype: dtype in which each unit's gradient (accumulated in fp32 on the device) crosses
+        to the host and waits there for the global norm; fp32 (default) is exact, bf16 halves its
+        bytes each way and its host memory (the norm is taken in fp32).
+      prefetch: how many layers' weights are in flight ahead of the one computing; at most
+        `prefetch + 1` layers' weights (and saved activations) are on the device at once.
+      offload_activations: keep each layer's saved input in the compute device's pinned host
+        memory between the forward and the backward, so the device holds O(prefetch) layers of
+        activations instead of all of them.
+      compute_device / host_device: where blocks run / where state lives and the optimizer runs.
+        Defaults: the default device, and the first CPU device.
+
+    A step whose gradient is not finite changes nothing (see `train_step`); a step that raises
+    leaves the state as it was before it.
+    """
+
+    def __init__(self, *, first: nnx.Module, last: nnx.Module, make_block: Callable[[int], nnx.Module],
+                 num_layers: int, optimizer: optax.GradientTransformation,
+                 max_grad_norm: Optional[float] = None, compute_dtype=jnp.bfloat16, prefetch: int = 1,
+                 compute_device=None, host_device=None, grad_dtype=jnp.float32,
+                 offload_activations: bool = False):
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        if not jnp.issubdtype(jnp.dtype(grad_dtype), jnp.floating):
+            raise ValueError(f"grad_dtype must be a floating dtype, got {jnp.dtype(grad_dtype)}")
+        self.num_layers = num_layers
+        self.prefetch = prefetch
+        self.compute_device = compute_device or jax.devices()[0]
+        self.host_device = host_device or jax.devices("cpu")[0]
+        self.compute = jax.sharding.SingleDeviceSharding(self.compute_device)
+        self.host_sharding = jax.sharding.SingleDeviceSharding(self.host_device)
+        self.counters = Counters()
+        self.activations = Activations(self.compute_device, offload_activations)
+        # Called as on_phase(phase, layer=None) after each unit's work is dispatched (phases:
+        # embed, forward, loss, backward, embed backward): for tests and instrumentation.
+        self.on_phase = None
+
+        with jax.default_device(self.host_device):
+            self._stages_def, stages = _param_split((first, last), "the first/last stages")
+            units = [stages]
+            for i in range(num_layers):
+                graphdef, params = _param_split(make_block(i), f"block {i}")
+                if i == 0:
+                    self._block_def = graphdef
+                elif graphdef != self._block_def or (jax.tree.structure(params)
+                                                      != jax.tree.structure(units[1])):
+                    raise ValueError(f"block {i} differs in structure from block 0; all streamed "
+                                     "blocks must share one structure")
+                units.append(params)
+        self.host = HostState(units, optimizer, max_grad_norm=max_grad_norm,
+                              compute_dtype=compute_dtype, grad_dtype=grad_dtype,
+                              compute_device=self.compute_device, host_device=self.host_device,
+                              counters=self.counters)
+        self.parts = self.functions = None  # built at the first step, from its shapes
+        self.unit_sq = None
+        self._broken = None
+
+    # ----------------------------------------------------------------- one step
+    def device_functions(self, inputs, targets) -> DeviceFunctions:
+        """The jitted device functions for micro-batches shaped like inputs[0], targets[0]
+        (arrays or jax.ShapeDtypeStruct), e.g. to compile them and read `memory_analysis()`."""
+        if self.functions is None:
+            stages = self.host.units[0].params
+            self.parts = stage_parts(self._stages_def, stages, inputs, targets)
+            self.functions = DeviceFunctions(self._stages_def, jax.tree.structure(stages),
+                                             self.parts, self._block_def, self.host.grad_dtype)
+        return self.functions
+
+    def train_step(self, inputs, targets, context=None) -> dict:
+        """One optimizer step over M micro-batches: `inputs`, `targets` are (M, ...) arrays;
+        `context` (optional) a pytree of (M, ...) arrays given to every block with its
+        micro-batch, e.g. document segment ids and positions.
+
+        The loss is sum(loss_sum) / sum(weight) over the micro-batches (see `last`), so the step
+        equals one step on the concatenated batch. Returns `loss` and `grad_norm` (the global norm
+        before clipping) as scalars still being computed; reading them is the caller's only sync
+        point. When `grad_norm` is not finite the step leaves params and optimizer state unchanged
+        (`nonfinite_units()` then says where). If the step raises, the state is as before it.
+        """
+        if self._broken:
+            raise RuntimeError(f"the engine is unusable: {self._broken}")
+        num_micro = len(inputs)
+        put = lambda x: jax.device_put(x, self.compute)
+        inputs = [put(x) for x in inputs]
+        targets = [put(t) for t in targets]
+        contexts = ([None] * num_micro if context is None else
+                    [put(jax.tree.map(lambda c: c[m], context)) for m in range(num_micro)])
+        self.device_functions(inputs[0], targets[0])
+        try:
+            return step.run(self, inputs, targets, contexts)
+        except BaseException as e:
+            self.activations.clear()
+            if any(u.pending is not None for u in self.host.units):  # updates of this step queued
+                self._broken = f"a host update failed ({type(e).__name__}: {e})"
+            raise
+
+    def nonfinite_units(self) -> list:
+        """Units whose gradient in the last step was not finite: "stages" or a layer index."""
+        if self.unit_sq is None:
+            return []
+        bad = [u for u, sq in enumerate(self.unit_sq) if not jnp.isfinite(sq)]
+        return ["stages" if u == 0 else u - 1 for u in bad]
+
+    # ----------------------------------------------------------------- reading state
+    def wait(self):
+        """Blocks until every pending host update has finished."""
+        try:
+            self.host.wait()
+        except BaseException as e:
+            self._broken = f"a host update failed ({type(e).__name__}: {e})"
+            raise
+
+    @property
+    def stages_graphdef(self):
+        return self._stages_def
+
+    @property
+    def block_graphdef(self):
+        return self._block_def
+
+    def params(self) -> dict:
+        """fp32 master weights on the host: {"stages": tree, "layers": [tree, ...]}.
+
+        A view, not a copy: valid until the next `train_step`, which updates these buffers in
+        place (reading one afterwards raises "Array has been deleted"); copy what you keep
+        (`jax.tree.map(np.array, ...)`). `nnx.merge(engine.stages_graphdef, params["stages"])`
+        gives back (first, last)."""
+        self.wait()
+        units = self.host.units
+        return {"stages": units[0].params, "layers": [u.params for u in units[1:]]}
+
+    def state(self) -> dict:
+        """The full training state (params and optax state per unit), host-resident; a view
+        valid until the next `train_step`, like `params()`."""
+        self.wait()
+        unit = lambda u: {"params": u.params, "opt_state": u.opt_state}
+        units = self.host.units
+        return {"stages": unit(units[0]), "layers": [unit(u) for u in units[1:]]}
+
+    def load_state(self, state: dict):
+        """Replaces the training state with `state` (same structure as `state()`).
+
+        The engine takes the arrays over: later steps update them in place (donation), so do
+        not keep using them."""
+        self.load_unit("stages", state["stages"])
+        for i, layer in enumerate(state["layers"]):
+            self.load_unit(i, layer)
+
+    def load_unit(self, which, unit_state: dict):
+        """Replaces one unit's state, `{"params", "opt_state"}`: which is "stages" or a layer
+        index. Restoring unit by unit keeps the extra host memory to one unit's state."""
+        self.host.load_unit(0 if which == "stages" else 1 + which, unit_state)
+
+    def close(self):
+        self.host.close()
