@@ -15,6 +15,7 @@ import typing
 
 import yaml
 
+from megatrain_jax.attention import IMPLEMENTATIONS
 from megatrain_jax.model import ModelConfig
 
 
@@ -44,6 +45,9 @@ class DataConfig:
     seq_len: int = 128
     batch_size: int = 8  # sequences per micro-batch
     micro_batches: int = 1  # micro-batches per optimizer step (gradient accumulation)
+    # Packed documents attend only within themselves (segment ids from the EOS positions) and
+    # their RoPE positions restart at each document.
+    document_mask: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +58,15 @@ class TrainConfig:
     grad_dtype: str = "float32"  # gradients to and on the host; bfloat16 saves 2 B/param, inexact
     prefetch: int = 1  # layers in flight ahead of the computing one
     log_every: int = 1
+    # Each layer's saved input goes to host memory between forward and backward: true, false, or
+    # auto (on when the plan says the device would not hold them).
+    offload_activations: typing.Union[bool, str] = "auto"
+    attention: str = "auto"  # auto (cudnn on a GPU where it can, else blockwise), cudnn, blockwise, xla
+    attention_block: int = 512  # blockwise attention's block of queries and keys
+    tile_size: int = 8192  # tokens per tile of the block's MLP (its backward holds one tile); 0: none
+    loss_chunk: int = 2048  # tokens per chunk of the cross-entropy (the logits never exist whole)
+    loss_vocab_chunk: int = 0  # vocabulary chunk of the cross-entropy; 0: the whole vocabulary
+    max_bad_steps: int = 3  # consecutive steps with a non-finite gradient before the run stops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +95,12 @@ def _yaml_name(f: dataclasses.Field) -> str:
 
 
 def _coerce(key: str, value, typ):
+    if typing.get_origin(typ) is typing.Union:  # e.g. bool | str: the value's own type, if listed
+        for option in typing.get_args(typ):
+            if isinstance(value, option) and (option is not int or not isinstance(value, bool)):
+                return value
+        names = " or ".join(t.__name__ for t in typing.get_args(typ))
+        raise ConfigError(f"{key}: expected {names}, got {type(value).__name__} {value!r}")
     if typing.get_origin(typ) is tuple:  # tuple[str, ...]: a YAML list (or one string)
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
@@ -275,9 +294,19 @@ def _check(cfg: Config):
                               f"may change freely); compared: {', '.join(RESUME_KEYS)}")
     if not cfg.run_dir:
         raise ConfigError("run_dir must not be empty")
-    if cfg.model.sliding_window and cfg.data.seq_len > cfg.model.sliding_window:
-        raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) exceeds model.sliding_window "
-                          f"({cfg.model.sliding_window}): sliding-window attention is not supported")
+    train = cfg.train
+    if train.offload_activations not in (True, False, "auto"):
+        raise ConfigError(f"train.offload_activations must be true, false or auto, "
+                          f"got {train.offload_activations!r}")
+    if train.attention not in IMPLEMENTATIONS:
+        raise ConfigError(f"train.attention must be one of {', '.join(IMPLEMENTATIONS)}, "
+                          f"got {train.attention!r}")
+    for key, value, least in [("attention_block", train.attention_block, 1),
+                              ("tile_size", train.tile_size, 0), ("loss_chunk", train.loss_chunk, 1),
+                              ("loss_vocab_chunk", train.loss_vocab_chunk, 0),
+                              ("max_bad_steps", train.max_bad_steps, 1)]:
+        if value < least:
+            raise ConfigError(f"train.{key} must be >= {least}, got {value}")
 
 
 # What a resumed run must share with the checkpoint it resumes from: the keys that fix the model,
