@@ -9,8 +9,11 @@ import optax
 import pytest
 from flax import nnx
 
+from megatrain_jax.data import document_context
+
 from megatrain_jax.engine import StreamedEngine
-from megatrain_jax.model import ModelConfig, make_block, make_stages
+from megatrain_jax.loss import IGNORE_ID
+from megatrain_jax.model import Execution, ModelConfig, make_block, make_stages
 from megatrain_jax.train import build_optimizer
 from megatrain_jax.config import OptimizerConfig
 
@@ -26,17 +29,20 @@ def batches(num_micro, batch, seq=16, seed=0):
     return [(t[..., :-1], t[..., 1:]) for t in toks]
 
 
-def make_engine(cfg, devices, max_grad_norm, prefetch=1):
-    first, last = make_stages(cfg, seed=0)
+def make_engine(cfg, devices, max_grad_norm, prefetch=1, execution=Execution(), **kwargs):
+    first, last = make_stages(cfg, seed=0, execution=execution)
     compute, host = devices
-    return StreamedEngine(first=first, last=last, make_block=lambda i: make_block(cfg, 0, i),
+    return StreamedEngine(first=first, last=last,
+                          make_block=lambda i: make_block(cfg, 0, i, execution=execution),
                           num_layers=cfg.num_layers, optimizer=build_optimizer(OPT, STEPS),
                           max_grad_norm=max_grad_norm, compute_dtype=jnp.float32, prefetch=prefetch,
-                          compute_device=compute, host_device=host)
+                          compute_device=compute, host_device=host, **kwargs)
 
 
-def reference_run(cfg, data, max_grad_norm):
-    """The same model and optimizer, fp32, whole model on one device, one batch per step."""
+def reference_run(cfg, data, max_grad_norm, contexts=None):
+    """The same model and optimizer, fp32, whole model on one device, one batch per step, with
+    dense attention (xla) and the full logits: `optax.softmax_cross_entropy_with_integer_labels`
+    averaged over the counted (not ignored) tokens."""
     first, last = make_stages(cfg, seed=0)
     stages_def, stages = nnx.split((first, last))
     blocks = [nnx.split(make_block(cfg, 0, i)) for i in range(cfg.num_layers)]
@@ -44,12 +50,15 @@ def reference_run(cfg, data, max_grad_norm):
     params = {"stages": nnx.to_pure_dict(stages),
               "layers": [nnx.to_pure_dict(b[1]) for b in blocks]}
 
-    def loss_fn(params, inputs, targets):
+    def loss_fn(params, inputs, targets, context):
         first, last = nnx.merge(stages_def, params["stages"])
         x = first(inputs)
         for p in params["layers"]:
-            x = nnx.merge(block_def, p)(x)
-        return last(x, targets)
+            x = nnx.merge(block_def, p)(x, context)
+        counted = targets != IGNORE_ID
+        losses = optax.softmax_cross_entropy_with_integer_labels(
+            last.logits(x), jnp.where(counted, targets, 0))
+        return jnp.sum(jnp.where(counted, losses, 0.0)) / jnp.sum(counted)
 
     tx = build_optimizer(OPT, STEPS)
     if max_grad_norm is not None:
@@ -57,16 +66,16 @@ def reference_run(cfg, data, max_grad_norm):
     opt_state = tx.init(params)
 
     @jax.jit
-    def step(params, opt_state, inputs, targets):
-        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
+    def step(params, opt_state, inputs, targets, context):
+        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets, context)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
+    flat = lambda x: x.reshape(-1, x.shape[-1])  # all micro-batches of a step form one batch
     losses = []
-    for inputs, targets in data:
-        # all micro-batches of a step form one batch
-        inputs, targets = inputs.reshape(-1, inputs.shape[-1]), targets.reshape(-1, targets.shape[-1])
-        params, opt_state, loss = step(params, opt_state, inputs, targets)
+    for n, (inputs, targets) in enumerate(data):
+        context = None if contexts is None else jax.tree.map(flat, contexts[n])
+        params, opt_state, loss = step(params, opt_state, flat(inputs), flat(targets), context)
         losses.append(float(loss))
     return losses, params
 
@@ -89,9 +98,9 @@ DEVICE_SETUPS = {"two_devices": lambda: tuple(jax.devices("cpu")[:2]),
                  "one_device": lambda: (jax.devices("cpu")[0],) * 2}
 
 
-@pytest.mark.parametrize("devices", DEVICE_SETUPS)
-@pytest.mark.parametrize("num_micro,max_grad_norm", [(1, None), (2, None), (2, 0.5)],
-                         ids=["plain", "micro2", "micro2_clip"])
+@pytest.mark.parametrize("devices,num_micro,max_grad_norm",
+                         [("two_devices", 1, None), ("one_device", 2, None), ("two_devices", 2, 0.5)],
+                         ids=["plain", "micro2_one_device", "micro2_clip"])
 def test_streamed_matches_reference(devices, num_micro, max_grad_norm):
     data = batches(num_micro, batch=4 // num_micro)
     ref_losses, ref_params = reference_run(CFG, data, max_grad_norm)
@@ -141,15 +150,14 @@ def test_model_variants_match_reference(variant):
     engine.close()
 
 
-@pytest.mark.parametrize("prefetch", [0, 3])
-def test_prefetch_depth_does_not_change_results(prefetch):
+def test_prefetch_depth_does_not_change_results():
     data = batches(1, 2)[:2]
-    base = make_engine(CFG, tuple(jax.devices("cpu")[:2]), 1.0, prefetch=1)
-    other = make_engine(CFG, tuple(jax.devices("cpu")[:2]), 1.0, prefetch=prefetch)
+    engines = [make_engine(CFG, tuple(jax.devices("cpu")[:2]), 1.0, prefetch=p) for p in (1, 0, 3)]
     for inputs, targets in data:
-        a, b = base.train_step(inputs, targets), other.train_step(inputs, targets)
-        assert float(a["loss"]) == float(b["loss"])
-    assert_trees_close(base.params(), other.params(), rtol=0)
+        losses = [float(e.train_step(inputs, targets)["loss"]) for e in engines]
+        assert losses[1:] == losses[:1] * 2
+    for other in engines[1:]:
+        assert_trees_close(engines[0].params(), other.params(), rtol=0)
 
 
 def test_bf16_compute_trains_close_to_fp32():
@@ -207,3 +215,48 @@ def test_compile_counter_sees_a_first_step():
         engine.train_step(toks[..., :-1], toks[..., 1:])
         engine.close()
     assert len(compiles) >= 5
+
+
+def packed_batches(cfg, num_micro, batch, seq, eos, seed=0):
+    """Token windows of several documents each (eos-separated), some targets ignored."""
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, cfg.vocab_size - 1, size=(STEPS, num_micro, batch, seq + 1), dtype=np.int32)
+    toks[rng.random(toks.shape) < 0.15] = eos
+    data, contexts = [], []
+    for t in toks:
+        targets = t[..., 1:].copy()
+        targets[rng.random(targets.shape) < 0.2] = IGNORE_ID
+        data.append((t[..., :-1], targets))
+        contexts.append(document_context(t[..., :-1], eos))
+    return data, contexts
+
+
+# Every long-context option against the plain reference (dense attention, full logits, no tiles):
+# offloaded activations, document masks, a window shorter than the sequence, blockwise attention
+# over a ragged last block, tiled MLP, chunked loss over tokens and vocabulary, ignored targets.
+LONG_CONTEXT = {
+    "offload_documents_window": (
+        dict(sliding_window=7), Execution(attention="blockwise", attention_block=8, tile_size=12,
+                                          loss_chunk=20, loss_vocab_chunk=16), True, True),
+    "tied_vocab_chunks": (
+        dict(tie_embeddings=True, num_kv_heads=4), Execution(attention="blockwise", attention_block=16,
+                                                             loss_chunk=24, loss_vocab_chunk=25),
+        False, False),
+}
+
+
+@pytest.mark.parametrize("name", LONG_CONTEXT)
+def test_long_context_options_match_reference(name):
+    options, execution, offload, documents = LONG_CONTEXT[name]
+    cfg = ModelConfig(**{**dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=3,
+                             num_heads=4, num_kv_heads=2), **options})
+    data, contexts = packed_batches(cfg, num_micro=2, batch=2, seq=30, eos=cfg.vocab_size - 1)
+    data, contexts = data[:3], (contexts[:3] if documents else None)
+    ref_losses, ref_params = reference_run(cfg, data, 1.0, contexts)
+    engine = make_engine(cfg, tuple(jax.devices("cpu")[:2]), 1.0, execution=execution,
+                         offload_activations=offload)
+    losses = [float(engine.train_step(i, t, None if contexts is None else contexts[n])["loss"])
+              for n, (i, t) in enumerate(data)]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(engine.params(), ref_params, rtol=1e-5)
+    engine.close()

@@ -52,8 +52,8 @@ class LayerStream:
         n = len(self.order)
         in_flight = collections.deque(self.fetch(i) for i in self.order[:self.prefetch])
         for pos, layer in enumerate(self.order):
+            self._retire()
             if pos + self.prefetch < n:
-                self._retire()
                 in_flight.append(self.fetch(self.order[pos + self.prefetch]))
             yield layer, in_flight.popleft()
         self._retire(wait=False)  # the rest of the step may go on while it computes
