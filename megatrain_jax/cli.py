@@ -3,8 +3,9 @@
     2   bad input, refused before anything is written: config, data, HF directory, a checkpoint
         that cannot be resumed, a run directory in use by another run
     1   a fault during the run: a checkpoint could not be written (disk full, directory made
-        read-only, a state that is not finite), or another file write failed; the checkpoints
-        committed before it are intact
+        read-only, a state that is not finite), another file write failed, or too many
+        consecutive steps had a non-finite gradient; the checkpoints committed before it are
+        intact
 
 Orbax reports a failed background write from its own threads (log records with tracebacks, then
 errors of abandoned coroutines at exit). While a script runs, those records are held back: replayed
@@ -20,9 +21,10 @@ from megatrain_jax.config import ConfigError
 from megatrain_jax.data import DataError
 from megatrain_jax.hf import HFError
 from megatrain_jax.runlock import LockedError
+from megatrain_jax.train import TrainingError
 
 USER_ERRORS = (ConfigError, DataError, HFError, CheckpointError, LockedError)  # exit code 2
-RUN_FAULTS = (SaveError, OSError)  # exit code 1: e.g. the disk filled up under metrics.jsonl
+RUN_FAULTS = (SaveError, OSError, TrainingError)  # exit code 1: e.g. a disk filled up
 NOISY_LOGGERS = ("absl", "asyncio")  # Orbax's background threads log through these
 
 _as_script = False

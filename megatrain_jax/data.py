@@ -299,14 +299,15 @@ class PackedDataset:
     batch at the end of an epoch is dropped. The position is two ints, see `state()`.
     """
 
-    def __init__(self, tokens, *, seq_len: int, batch_size: int, seed: int, num_micro_batches: int = 1):
+    def __init__(self, tokens, *, seq_len: int, batch_size: int, seed: int, num_micro_batches: int = 1,
+                 eos_id: int | None = None):
         if getattr(tokens, "ndim", None) != 1:
             raise DataError(f"tokens must be a 1-D array, got shape {np.shape(tokens)}")
         for name, v in (("seq_len", seq_len), ("batch_size", batch_size),
                         ("num_micro_batches", num_micro_batches)):
             if int(v) < 1:
                 raise DataError(f"{name} must be >= 1, got {v}")
-        self.tokens = tokens
+        self.tokens, self.eos_id = tokens, eos_id  # eos_id: the document separator, for masks
         self.seq_len, self.batch_size = int(seq_len), int(batch_size)
         self.num_micro_batches, self.seed = int(num_micro_batches), int(seed)
         self.num_windows = (len(tokens) - 1) // self.seq_len

@@ -3,7 +3,9 @@
 scripts/train.py is a thin CLI over this module.
 """
 
+import contextlib
 import json
+import math
 import os
 import signal
 import threading
@@ -14,14 +16,35 @@ import jax.numpy as jnp
 import optax
 import yaml
 
-from megatrain_jax import checkpoint
+from megatrain_jax import attention, checkpoint
 from megatrain_jax import data as data_lib
 from megatrain_jax import hf
 from megatrain_jax import hostmem
+from megatrain_jax import plan as plan_lib
 from megatrain_jax.config import Config, ConfigError, resume_changes, to_dict
 from megatrain_jax.engine import StreamedEngine
-from megatrain_jax.model import make_block, make_stages
+from megatrain_jax.model import Execution, make_block, make_stages
 from megatrain_jax.runlock import RunLock
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. too many consecutive non-finite steps); its checkpoints are
+    intact and hold no non-finite state."""
+
+
+def execution_for(cfg: Config, platform: str | None = None) -> tuple[Execution, str]:
+    """The model's execution options from cfg.train, with `train.attention` resolved for the
+    compute platform (default: the default device's), and the reason for the choice."""
+    platform = platform or jax.devices()[0].platform
+    try:
+        impl, why = attention.choose_implementation(
+            cfg.train.attention, platform=platform, dtype=cfg.train.compute_dtype,
+            head_dim=cfg.model.head_size, document_mask=cfg.data.document_mask)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    t = cfg.train
+    return Execution(attention=impl, attention_block=t.attention_block, tile_size=t.tile_size,
+                     loss_chunk=t.loss_chunk, loss_vocab_chunk=t.loss_vocab_chunk), why
 
 
 def decay_mask(params):
@@ -41,24 +64,34 @@ def build_optimizer(cfg, total_steps: int) -> optax.GradientTransformation:
                        weight_decay=cfg.weight_decay, mask=decay_mask)
 
 
-def build_engine(cfg: Config, **engine_kwargs) -> StreamedEngine:
+def build_engine(cfg: Config, *, offload_activations: bool | None = None,
+                 **engine_kwargs) -> StreamedEngine:
+    """The engine for cfg. `offload_activations` resolves train.offload_activations=auto (train()
+    takes it from the plan); left None, auto means off."""
     model = cfg.model
+    execution, _ = execution_for(cfg, (engine_kwargs.get("compute_device") or jax.devices()[0]).platform)
+    if offload_activations is None:
+        offload_activations = cfg.train.offload_activations is True
     # The stages are built in host memory, like the blocks (the engine builds those there):
     # the default device would be the accelerator.
     with jax.default_device(engine_kwargs.get("host_device") or jax.devices("cpu")[0]):
         if model.from_hf:  # the weights of a HF model, read layer by layer into host memory
             source = hf.HFSource(model.from_hf)
-            first, last = hf.load_stages(model, source)
-            block = lambda i: hf.load_block(model, source, i)
+            first, last = hf.load_stages(model, source, execution)
+            block = lambda i: hf.load_block(model, source, i, execution)
         else:
-            first, last = make_stages(model, cfg.train.seed)
-            block = lambda i: make_block(model, cfg.train.seed, i)
-    return StreamedEngine(
-        first=first, last=last, make_block=block,
-        num_layers=model.num_layers, optimizer=build_optimizer(cfg.optimizer, cfg.train.steps),
-        max_grad_norm=cfg.optimizer.max_grad_norm or None,
-        compute_dtype=jnp.dtype(cfg.train.compute_dtype), prefetch=cfg.train.prefetch,
-        grad_dtype=jnp.dtype(cfg.train.grad_dtype), **engine_kwargs)
+            first, last = make_stages(model, cfg.train.seed, execution)
+            block = lambda i: make_block(model, cfg.train.seed, i, execution)
+    try:
+        return StreamedEngine(
+            first=first, last=last, make_block=block,
+            num_layers=model.num_layers, optimizer=build_optimizer(cfg.optimizer, cfg.train.steps),
+            max_grad_norm=cfg.optimizer.max_grad_norm or None,
+            compute_dtype=jnp.dtype(cfg.train.compute_dtype), prefetch=cfg.train.prefetch,
+            grad_dtype=jnp.dtype(cfg.train.grad_dtype), offload_activations=offload_activations,
+            **engine_kwargs)
+    except ValueError as e:  # e.g. offload asked on a device without host memory kinds
+        raise ConfigError(str(e)) from None
 
 
 def load_dataset(cfg: Config) -> data_lib.PackedDataset:
@@ -69,7 +102,8 @@ def load_dataset(cfg: Config) -> data_lib.PackedDataset:
     tokens = data_lib.load_tokens(cfg.data.path, tokenizer, vocab_size=cfg.model.vocab_size,
                                   text_field=cfg.data.text_field, token_dtype=cfg.data.token_dtype)
     return data_lib.PackedDataset(tokens, seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size,
-                                  seed=cfg.train.seed, num_micro_batches=cfg.data.micro_batches)
+                                  seed=cfg.train.seed, num_micro_batches=cfg.data.micro_batches,
+                                  eos_id=tokenizer.eos_id)
 
 
 def prepare_run_dir(run_dir: str):
@@ -182,9 +216,25 @@ def train(cfg: Config, *, log=print) -> list[dict]:
         with RunLock(cfg.run_dir, log=log):
             return _train_locked(cfg, dataset, log)
     except BaseException:
-        if created and not os.listdir(cfg.run_dir):  # refused before writing anything: no trace
-            os.rmdir(cfg.run_dir)
+        if created:  # refused before writing anything (a first step out of memory too): no trace
+            for directory in (os.path.join(cfg.run_dir, "checkpoints"), cfg.run_dir):
+                if os.path.isdir(directory) and not os.listdir(directory):
+                    os.rmdir(directory)
         raise
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    text = str(e)
+    return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in text or "Out of memory" in text
+
+
+def _out_of_memory_line(e: BaseException, step: int, run_plan) -> str:
+    asked = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return (f"out of memory at step {step} ({asked[:200]}); the plan predicted a device peak of "
+            f"{run_plan.device_peak / 1e9:.2f} GB of {run_plan.machine.device_memory_gb:.2f} GB and "
+            f"{run_plan.host_total / 1e9:.2f} GB of {run_plan.machine.host_memory_gb:.2f} GB host "
+            f"RAM; lower data.seq_len, data.batch_size or train.tile_size, or set "
+            f"train.offload_activations=true (python scripts/plan.py shows what fits)")
 
 
 def _train_locked(cfg: Config, dataset, log) -> list[dict]:
@@ -192,7 +242,12 @@ def _train_locked(cfg: Config, dataset, log) -> list[dict]:
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
     if os.path.isdir(ckpt_dir):  # else run_dir was just checked; make_manager creates it
         checkpoint.check_writable(ckpt_dir)  # before training, not at the first save
-    engine = build_engine(cfg)
+    # What the run needs, before anything is allocated: a run that cannot fit stops here.
+    run_plan = plan_lib.plan(cfg, plan_lib.machine_from_device(jax.devices()[0]))
+    if not run_plan.fits:
+        raise ConfigError(f"this config does not fit: {' '.join(run_plan.summary().split())} "
+                          f"(python scripts/plan.py --config ... shows what would)")
+    engine = build_engine(cfg, offload_activations=run_plan.offload_activations)
     ckpt = cfg.checkpoint
     manager = checkpoint.make_manager(ckpt_dir, keep=ckpt.keep, async_save=ckpt.async_save,
                                       write_bytes=checkpoint.largest_unit_bytes(engine))
@@ -203,31 +258,53 @@ def _train_locked(cfg: Config, dataset, log) -> list[dict]:
         dataset.restore(meta["data_state"])
         start = meta["step"]
 
-    config_path = os.path.join(cfg.run_dir, "config.yaml")
-    with open(config_path + ".tmp", "w") as f:  # a full disk leaves the old one whole
-        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
-    os.replace(config_path + ".tmp", config_path)
     log(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
     log(f"model: {cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.num_layers} layers | "
         f"{dataset.tokens_per_batch} tokens/step | compute {jax.devices()[0].platform}")
+    log(run_plan.summary())
     if start:
         log(f"resumed from checkpoint step {start} ({manager.directory})")
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
-    _keep_metrics_through(metrics_path, start)
-    history = []
-    with _StopSignals() as stop, open(metrics_path, "a") as metrics_file:
+    history, bad_steps = [], 0
+    with _StopSignals() as stop, contextlib.ExitStack() as files:
+        metrics_file = None
         for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
             inputs, targets = dataset.next_batch()
-            out = engine.train_step(inputs, targets)
-            loss, grad_norm = float(out["loss"]), float(out["grad_norm"])  # the step's sync point
+            context = (data_lib.document_context(inputs, dataset.eos_id)
+                       if cfg.data.document_mask else None)
+            try:
+                out = engine.train_step(inputs, targets, context)
+                loss, grad_norm = float(out["loss"]), float(out["grad_norm"])  # the sync point
+            except (jax.errors.JaxRuntimeError, MemoryError) as e:
+                if _is_out_of_memory(e):
+                    raise ConfigError(_out_of_memory_line(e, step, run_plan)) from None
+                raise
             dt = time.perf_counter() - t0
+            if metrics_file is None:  # the first step ran: now the run writes its files
+                _write_config(cfg)
+                _keep_metrics_through(metrics_path, start)
+                metrics_file = files.enter_context(open(metrics_path, "a"))
             record = {"step": step, "loss": loss, "grad_norm": grad_norm,
                       "tokens_per_sec": dataset.tokens_per_batch / dt, "step_time_s": dt}
+            bad_steps = 0 if math.isfinite(grad_norm) else bad_steps + 1
+            if bad_steps:
+                record["skipped"] = True
             history.append(record)
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
-            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+            if bad_steps:
+                where = ", ".join(map(str, engine.nonfinite_units())) or "the loss"
+                log(f"step {step:5d} | non-finite gradient (in {where}): skipped, weights and "
+                    f"optimizer state unchanged ({bad_steps} of train.max_bad_steps="
+                    f"{cfg.train.max_bad_steps} in a row)")
+                if bad_steps >= cfg.train.max_bad_steps:
+                    raise TrainingError(
+                        f"stopped at step {step}: {bad_steps} consecutive steps with a non-finite "
+                        f"gradient (train.max_bad_steps={cfg.train.max_bad_steps}, last in "
+                        f"{where}); no update and no checkpoint was made from them; lower "
+                        f"optimizer.learning_rate or check the data")
+            elif step % cfg.train.log_every == 0 or step == cfg.train.steps:
                 log(f"step {step:5d} | loss {loss:.4f} | grad norm {grad_norm:.3f} | "
                     f"{record['tokens_per_sec']:,.0f} tok/s | {dt * 1000:.0f} ms")
             if (ckpt.every and step % ckpt.every == 0) or step == cfg.train.steps or stop.received:
@@ -247,3 +324,10 @@ def _train_locked(cfg: Config, dataset, log) -> list[dict]:
     if start >= cfg.train.steps:
         log(f"nothing to do: checkpoint step {start} reached train.steps={cfg.train.steps}")
     return history
+
+
+def _write_config(cfg: Config):
+    path = os.path.join(cfg.run_dir, "config.yaml")
+    with open(path + ".tmp", "w") as f:  # a full disk leaves the old one whole
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    os.replace(path + ".tmp", path)

@@ -1,0 +1,73 @@
+"""Faults during a run, through train() and the real command line: non-finite steps, a config the
+plan refuses, device out of memory at the first step."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from megatrain_jax import StreamedEngine, checkpoint
+from megatrain_jax.config import ConfigError, load_config
+from megatrain_jax.train import build_engine, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+FAST = ["model.num_layers=2", "data.seq_len=32", "data.batch_size=2", "checkpoint.keep=10"]
+
+
+def run_train(*overrides):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train.py"), "--config",
+                           TINY, *FAST, *overrides], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+
+
+def test_diverging_run_skips_non_finite_steps_then_stops_exit_1(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_train(f"run_dir={run_dir}", "optimizer.learning_rate=1e30", "optimizer.warmup_steps=0",
+                       "train.steps=30", "checkpoint.every=1", "train.max_bad_steps=2")
+    assert result.returncode == 1, result.stderr
+    errors = result.stderr.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: stopped at step "), result.stderr
+    assert "train.max_bad_steps=2" in errors[0] and "Traceback" not in result.stderr
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [r.get("skipped", False) for r in records[-2:]] == [True, True]
+    assert "skipped, weights and optimizer state unchanged" in result.stdout
+    # No checkpoint holds a non-finite number (the engine kept the last finite state).
+    cfg = load_config(str(run_dir / "config.yaml"))
+    engine = build_engine(cfg)
+    manager = checkpoint.make_manager(str(run_dir / "checkpoints"))
+    assert manager.all_steps()
+    for step in manager.all_steps():
+        checkpoint.restore(manager, engine, step)
+        assert checkpoint.first_non_finite(engine.state()) is None, step
+    manager.close()
+    engine.close()
+
+
+def test_a_config_that_cannot_fit_is_refused_before_anything_is_written(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_train(f"run_dir={run_dir}", "model.hidden_size=16384", "model.intermediate_size=65536",
+                       "model.num_heads=128", "model.num_kv_heads=8", "model.num_layers=400")
+    assert result.returncode == 2, result.stderr
+    errors = result.stderr.strip().splitlines()
+    assert len(errors) == 1 and "does not fit" in errors[0], result.stderr
+    assert not run_dir.exists()
+
+
+def test_out_of_memory_at_the_first_step_is_one_line_and_leaves_no_trace(tmp_path, monkeypatch):
+    def oom(self, *args, **kwargs):
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 34364211200 bytes.")
+
+    monkeypatch.setattr(StreamedEngine, "train_step", oom)
+    run_dir = tmp_path / "run"
+    cfg = load_config(TINY, [*FAST, f"run_dir={run_dir}", "train.steps=2"])
+    with pytest.raises(ConfigError) as e:
+        train(cfg, log=lambda *a: None)
+    line = str(e.value)
+    assert "\n" not in line and "out of memory at step 1" in line and "34364211200" in line
+    assert "train.offload_activations" in line and "the plan predicted a device peak" in line
+    assert not run_dir.exists()
