@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from megatrain_jax.model import Block, ModelConfig, make_stages
+from megatrain_jax.model import Block, Execution, ModelConfig, make_stages
 
 
 class HFError(ValueError):
@@ -100,7 +100,7 @@ def _rope_options(hf: dict, where: str) -> dict:
 # The config.json fields read, by type; None (JSON null) is allowed where HF writes it for "unset".
 _INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window",
-               "max_position_embeddings", "original_max_position_embeddings")
+               "max_window_layers", "max_position_embeddings", "original_max_position_embeddings")
 _FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
                  "partial_rotary_factor")
 _BOOL_FIELDS = ("tie_word_embeddings", "use_sliding_window", "attention_bias", "mlp_bias")
@@ -128,6 +128,41 @@ def _check_types(hf: dict, where: str):
                 raise HFError(f"{where}: {where_key}{key} must be {want}, got {json.dumps(value)}")
 
 
+def _sliding_window(hf: dict, arch: str, num_layers: int, where: str) -> int:
+    """The sliding window of every layer (0: none), as transformers reads config.json.
+
+    Mistral slides every layer by `sliding_window` (null: none). Qwen2 slides layer i by
+    `sliding_window` iff use_sliding_window and layer_types[i] == "sliding_attention", where
+    layer_types, when absent, is derived as i >= max_window_layers. ModelConfig has one window for
+    all layers, so a model whose layers differ is refused.
+    """
+    window = hf.get("sliding_window") or 0
+    if arch == "MistralForCausalLM":
+        return window
+    if arch != "Qwen2ForCausalLM" or not hf.get("use_sliding_window") or not window:
+        return 0
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        keys = "use_sliding_window, max_window_layers"
+        first = hf.get("max_window_layers")
+        first = 28 if first is None else first  # transformers' default
+        sliding = [i >= first for i in range(num_layers)]
+    else:
+        keys = "layer_types"
+        if not (isinstance(layer_types, list) and len(layer_types) == num_layers
+                and set(layer_types) <= {"full_attention", "sliding_attention"}):
+            raise HFError(f"{where}: layer_types must list 'full_attention' or 'sliding_attention' "
+                          f"for each of the {num_layers} layers")
+        sliding = [t == "sliding_attention" for t in layer_types]
+    if all(sliding):
+        return window
+    if not any(sliding):
+        return 0
+    raise HFError(f"{where}: {keys} give {sum(sliding)} of {num_layers} layers a sliding window "
+                  f"and the others full attention; only one window for all layers (or none) is "
+                  f"supported")
+
+
 def model_config_from_hf(model_dir: str) -> ModelConfig:
     """The ModelConfig of a local HF model directory, with `from_hf=model_dir`.
 
@@ -146,11 +181,6 @@ def model_config_from_hf(model_dir: str) -> ModelConfig:
     for option in ("attention_bias", "mlp_bias"):  # Llama options: o_proj / MLP biases
         if hf.get(option):
             raise HFError(f"{where}: {option}=true is not supported")
-    sliding = 0
-    if arch == "MistralForCausalLM":
-        sliding = hf.get("sliding_window") or 0
-    elif arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
-        sliding = hf.get("sliding_window") or 0
     _check_types(hf, where)
     try:
         num_heads = hf["num_attention_heads"]
@@ -161,6 +191,7 @@ def model_config_from_hf(model_dir: str) -> ModelConfig:
     except KeyError as e:
         raise HFError(f"{where}: missing {e.args[0]!r}") from None
     head_dim = hf.get("head_dim") or 0
+    sliding = _sliding_window(hf, arch, fields["num_layers"], where)
     try:
         cfg = ModelConfig(
             **fields, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
@@ -168,7 +199,7 @@ def model_config_from_hf(model_dir: str) -> ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             qkv_bias=arch == "Qwen2ForCausalLM",
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            sliding_window=int(sliding), from_hf=model_dir, **_rope_options(hf, where))
+            sliding_window=sliding, from_hf=model_dir, **_rope_options(hf, where))
     except (ValueError, TypeError) as e:
         raise HFError(f"{where}: {e}") from None
     HFSource(model_dir).check(cfg)
@@ -213,10 +244,12 @@ def hf_config(cfg: ModelConfig, *, dtype: str, max_position_embeddings: int,
         out.update(attention_bias=False, mlp_bias=False)
     elif arch == "MistralForCausalLM":
         out["sliding_window"] = cfg.sliding_window or None
-    else:
+    else:  # transformers slides layer i iff use_sliding_window and i >= max_window_layers
         out.update(use_sliding_window=bool(cfg.sliding_window),
                    sliding_window=cfg.sliding_window or None)
-        out.pop("layer_types", None)  # transformers derives it from use_sliding_window
+        if cfg.sliding_window:
+            out["max_window_layers"] = 0
+        out.pop("layer_types", None)  # transformers derives it from the two above
     return out
 
 
@@ -385,9 +418,9 @@ def _load_module(abstract, params: dict):
     return nnx.merge(graphdef, state)
 
 
-def load_stages(cfg: ModelConfig, source: HFSource):
+def load_stages(cfg: ModelConfig, source: HFSource, execution: Execution = Execution()):
     """(Embed, LMHead) holding the HF weights; no random init runs (nnx.eval_shape)."""
-    abstract = nnx.eval_shape(lambda: make_stages(cfg, 0))
+    abstract = nnx.eval_shape(lambda: make_stages(cfg, 0, execution))
     shapes = nnx.to_pure_dict(nnx.split(abstract)[1])
     tensors = stage_tensors(cfg)
     flat = source.read(tensors, {path: shapes[path[0]][path[1]].shape for _, _, path, _ in tensors})
@@ -397,9 +430,10 @@ def load_stages(cfg: ModelConfig, source: HFSource):
     return _load_module(abstract, params)
 
 
-def load_block(cfg: ModelConfig, source: HFSource, layer: int) -> Block:
+def load_block(cfg: ModelConfig, source: HFSource, layer: int,
+               execution: Execution = Execution()) -> Block:
     """Layer `layer`'s Block holding the HF weights: a drop-in for model.make_block."""
-    abstract = nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0), execution=execution))
     shapes = {k: v.shape for k, v in nnx.to_pure_dict(nnx.split(abstract)[1]).items()}
     return _load_module(abstract, source.read(block_tensors(cfg, layer), shapes))
 

@@ -1,16 +1,22 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2) as Flax NNX modules.
 
 The model knows nothing about streaming: it is three plain modules, `Embed`, `Block` and `LMHead`,
-that the engine (or a plain reference loop) calls in order. Shapes use the letters
-B batch, T sequence, D hidden, N query heads, K kv heads, H head dim, F MLP hidden, V vocab.
+that the engine (or a plain reference loop) calls in order. `Execution` says how they compute
+(attention implementation, MLP tiles, loss chunks), so that long sequences fit in bounded memory.
+Shapes use the letters B batch, T sequence, D hidden, N query heads, K kv heads, H head dim,
+F MLP hidden, V vocab.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
+from jax import lax
+
+from megatrain_jax.attention import attention
+from megatrain_jax.loss import chunked_cross_entropy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +40,8 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0  # llama3 only
     rope_high_freq_factor: float = 4.0  # llama3 only
     rope_original_max_position: int = 8192  # llama3 only
-    # Mistral/Qwen2 sliding-window attention: 0 = none. Only sequences no longer than the window
-    # are supported (attention is then exactly causal), so the block refuses longer ones.
+    # Mistral/Qwen2 sliding-window attention, one window for all layers: 0 = none, else query i
+    # sees key j iff 0 <= i - j < sliding_window (HF's semantics).
     sliding_window: int = 0
     from_hf: str = ""  # a local Hugging Face model directory to initialise from (megatrain_jax.hf)
 
@@ -77,6 +83,34 @@ class ModelConfig:
 
 
 ROPE_SCALING_TYPES = ("", "linear", "llama3")
+ATTENTION_IMPLEMENTATIONS = ("cudnn", "blockwise", "xla")  # resolved: no "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    """How the modules compute, not what: every setting gives the same math (up to rounding).
+
+    Frozen and hashable, so a module keeps it as a static attribute (part of its nnx graphdef) and
+    a jitted block is compiled per Execution. Errors name the train.* config key it comes from.
+    """
+
+    attention: str = "xla"  # a resolved implementation of attention.attention
+    attention_block: int = 512  # blockwise attention's block size
+    tile_size: int = 0  # tokens per MLP tile in the block (0: no tiling)
+    loss_chunk: int = 4096  # tokens per chunk of the chunked cross-entropy
+    loss_vocab_chunk: int = 0  # vocabulary chunk of the loss (0: whole vocabulary)
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"train.attention must be one of "
+                             f"{', '.join(ATTENTION_IMPLEMENTATIONS)} (resolve 'auto' with "
+                             f"attention.choose_implementation), got {self.attention!r}")
+        for key in ("attention_block", "loss_chunk"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"train.{key} must be positive, got {getattr(self, key)}")
+        for key in ("tile_size", "loss_vocab_chunk"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"train.{key} must be >= 0 (0: off), got {getattr(self, key)}")
 
 
 def rope_inv_freq(cfg: ModelConfig):
@@ -105,21 +139,50 @@ def rms_norm(x, scale, eps):
     return scale.astype(x.dtype) * x32.astype(x.dtype)
 
 
-def apply_rope(x, inv_freq):
-    """Rotary embedding on (B, T, N, H) with HF's half-split layout; positions are 0..T-1."""
+def apply_rope(x, inv_freq, positions):
+    """Rotary embedding on (B, T, N, H) with HF's half-split layout, at integer `positions`:
+    (B, T) (per-document positions of packed sequences) or (T,) (shared by the batch)."""
     h = x.shape[-1]
-    angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * inv_freq[None, :]  # (T, H/2)
-    angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]  # (1, T, 1, H)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # (B or none, T, H/2)
+    angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]  # (B or none, T, 1, H)
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
     x1, x2 = x[..., : h // 2], x[..., h // 2:]
     return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
-class Block(nnx.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then + swiglu(norm(x))."""
+def swiglu_mlp(x, weights, eps: float):
+    """The block's MLP with its residual, x + down(silu(gate(y)) * up(y)) with y = rms_norm(x), on
+    (B, T, D). Per-token math: any slice of tokens gives that slice of the result."""
+    norm, w_gate, w_up, w_down = weights
+    y = rms_norm(x, norm, eps)
+    gate = jnp.einsum("btd,df->btf", y, w_gate)
+    up = jnp.einsum("btd,df->btf", y, w_up)
+    return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+
+def over_tiles(fn, x, weights, tile: int):
+    """fn(x, weights) for a per-token fn on (B, T, D), computed `tile` tokens at a time.
+
+    Each tile is rematerialised (jax.checkpoint) inside a sequential lax.map, so a backward holds
+    one tile's intermediates (B x tile x F for the MLP) instead of all T tokens'. T is zero-padded
+    to a multiple of `tile` (rms_norm maps a zero row to zero) and the padding dropped again.
+    """
+    B, T, D = x.shape
+    n = -(-T // tile)
+    tiles = jnp.pad(x, ((0, 0), (0, n * tile - T), (0, 0))).reshape(B, n, tile, D).swapaxes(0, 1)
+    step = jax.checkpoint(fn)
+    out = lax.map(lambda t: step(t, weights), tiles)  # (n, B, tile, D)
+    return out.swapaxes(0, 1).reshape(B, n * tile, D)[:, :T]
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then + swiglu(norm(x)).
+
+    `execution` picks the attention implementation and the MLP tiling (a static attribute)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, execution: Execution = Execution()):
         self.cfg = cfg
+        self.execution = execution
         d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_size
         n, k = cfg.num_heads, cfg.num_kv_heads
         init = jax.nn.initializers.normal(cfg.init_std)
@@ -137,11 +200,15 @@ class Block(nnx.Module):
         self.w_up = nnx.Param(init(rngs.params(), (d, f), jnp.float32))
         self.w_down = nnx.Param(init(rngs.params(), (f, d), jnp.float32))
 
-    def __call__(self, x):  # (B, T, D) -> (B, T, D)
-        cfg = self.cfg
-        if cfg.sliding_window and x.shape[1] > cfg.sliding_window:
-            raise ValueError(f"sequence length {x.shape[1]} exceeds model.sliding_window "
-                             f"({cfg.sliding_window}): sliding-window attention is not implemented")
+    def __call__(self, x, context=None):
+        """(B, T, D) -> (B, T, D). `context` is None (one sequence per row, positions 0..T-1) or
+        data.document_context's {"segment_ids", "positions"}, each (B, T) int32, for packed
+        documents: attention stays within a document and RoPE restarts at each one."""
+        cfg, ex = self.cfg, self.execution
+        if context is None:
+            segment_ids, positions = None, jnp.arange(x.shape[1])
+        else:
+            segment_ids, positions = context["segment_ids"], context["positions"]
         with jax.named_scope("attention"):
             y = rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
             q = jnp.einsum("btd,dnh->btnh", y, self.wq[...])
@@ -150,16 +217,16 @@ class Block(nnx.Module):
             if cfg.qkv_bias:
                 q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
             inv_freq = rope_inv_freq(cfg)
-            q, k = apply_rope(q, inv_freq), apply_rope(k, inv_freq)
-            # Grouped-query attention: dot_product_attention broadcasts K kv heads over N.
-            attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, N, H)
+            q, k = apply_rope(q, inv_freq, positions), apply_rope(k, inv_freq, positions)
+            attn = attention(q, k, v, implementation=ex.attention, segment_ids=segment_ids,
+                             window=cfg.sliding_window, block_size=ex.attention_block)
             x = x + jnp.einsum("btnh,nhd->btd", attn, self.wo[...])
         with jax.named_scope("mlp"):
-            y = rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
-            gate = jnp.einsum("btd,df->btf", y, self.w_gate[...])
-            up = jnp.einsum("btd,df->btf", y, self.w_up[...])
-            x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.w_down[...])
-        return x
+            weights = (self.mlp_norm[...], self.w_gate[...], self.w_up[...], self.w_down[...])
+            mlp = functools.partial(swiglu_mlp, eps=cfg.rms_norm_eps)
+            if ex.tile_size and x.shape[1] > ex.tile_size:
+                return over_tiles(mlp, x, weights, ex.tile_size)
+            return mlp(x, weights)
 
 
 class Embed(nnx.Module):
@@ -173,10 +240,12 @@ class Embed(nnx.Module):
 
 
 class LMHead(nnx.Module):
-    """Final norm, output projection (or the tied embedding) and mean cross-entropy."""
+    """Final norm, output projection (or the tied embedding) and chunked cross-entropy."""
 
-    def __init__(self, cfg: ModelConfig, embed: Embed, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, embed: Embed, *, rngs: nnx.Rngs,
+                 execution: Execution = Execution()):
         self.cfg = cfg
+        self.execution = execution
         self.norm = nnx.Param(jnp.ones((cfg.hidden_size,), jnp.float32))
         if cfg.tie_embeddings:
             self.embed = embed  # shared: nnx.split dedupes it, so its gradient sums both uses
@@ -192,19 +261,30 @@ class LMHead(nnx.Module):
                               preferred_element_type=jnp.float32)
         return jnp.einsum("btd,dv->btv", y, self.w_out[...], preferred_element_type=jnp.float32)
 
-    def __call__(self, x, targets):  # -> scalar mean loss over B*T tokens
-        logits = self.logits(x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    def __call__(self, x, targets):
+        """(loss_sum, count), both fp32 scalars: the cross-entropy summed over the targets that
+        are not loss.IGNORE_ID, and how many those are. Sums, so that micro-batches and
+        documents of any length add up exactly; the mean is loss_sum / count. The (B, T, V)
+        logits are never built whole (loss.chunked_cross_entropy computes them chunk by chunk)."""
+        y = rms_norm(x, self.norm[...], self.cfg.rms_norm_eps)
+        if self.cfg.tie_embeddings:
+            w, layout = self.embed.embedding[...], "vd"
+        else:
+            w, layout = self.w_out[...], "dv"
+        return chunked_cross_entropy(y, w, targets, layout=layout, chunk=self.execution.loss_chunk,
+                                     vocab_chunk=self.execution.loss_vocab_chunk)
 
 
-def make_stages(cfg: ModelConfig, seed: int):
+def make_stages(cfg: ModelConfig, seed: int, execution: Execution = Execution()):
     """The resident first and last stages (embedding; final norm + head + loss)."""
     rngs = nnx.Rngs(params=jax.random.fold_in(jax.random.key(seed), 1_000_000))
     embed = Embed(cfg, rngs=rngs)
-    return embed, LMHead(cfg, embed, rngs=rngs)
+    return embed, LMHead(cfg, embed, rngs=rngs, execution=execution)
 
 
-def make_block(cfg: ModelConfig, seed: int, layer: int) -> Block:
+def make_block(cfg: ModelConfig, seed: int, layer: int,
+               execution: Execution = Execution()) -> Block:
     """Layer `layer`'s block; each layer's init depends only on (seed, layer), so layers can be
     built one at a time on the host without materialising the whole stack."""
-    return Block(cfg, rngs=nnx.Rngs(params=jax.random.fold_in(jax.random.key(seed), layer)))
+    return Block(cfg, rngs=nnx.Rngs(params=jax.random.fold_in(jax.random.key(seed), layer)),
+                 execution=execution)

@@ -50,17 +50,16 @@ def _segments(B, T, seed):
     return jnp.asarray(np.cumsum(starts, axis=1), jnp.int32)
 
 
+# Each case covers a shape or mask the others do not; segments without a window are in
+# test_fully_masked_block_rows_are_finite, and which blocks each window needs in
+# test_block_ranges_are_exactly_the_blocks_the_mask_needs.
 CASES = {
-    "causal": dict(T=32, N=4, K=4, block_size=8),
+    "mha_block_over_T": dict(T=20, N=4, K=4, block_size=64),
     "gqa_k2": dict(T=32, N=4, K=2, block_size=8),
-    "mqa_k1": dict(T=32, N=4, K=1, block_size=8),
+    "mqa_ragged_T": dict(T=37, N=4, K=1, block_size=8),
     "window_1": dict(T=32, N=4, K=2, block_size=8, window=1),
     "window_5": dict(T=32, N=4, K=2, block_size=8, window=5),  # not a multiple of the block
-    "window_16": dict(T=40, N=4, K=2, block_size=8, window=16),
-    "segments": dict(T=32, N=4, K=2, block_size=8, segments=True),
     "window_segments": dict(T=37, N=4, K=2, block_size=8, window=11, segments=True),
-    "ragged_T": dict(T=37, N=4, K=2, block_size=8),
-    "block_over_T": dict(T=20, N=4, K=2, block_size=64),
 }
 
 

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -42,10 +43,10 @@ ARCHS = {  # each exercises a different option
 }
 
 
-def make_hf_model(arch: str, seed: int = 0):
+def make_hf_model(arch: str, seed: int = 0, **overrides):
     config_cls, model_cls, options = ARCHS[arch]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_cls)(**COMMON, **options)
+    config = getattr(transformers, config_cls)(**COMMON, **{**options, **overrides})
     model = getattr(transformers, model_cls)(config).float()
     model.config._attn_implementation = "eager"
     with torch.no_grad():  # norms init to 1 and biases to 0: make them matter
@@ -113,14 +114,10 @@ def torch_loss(model, inputs, targets):
     return logits, loss
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_import_matches_transformers_logits_loss_and_grads(hf_dirs, arch):
-    model, path = hf_dirs[arch]
+def assert_matches_transformers(model, path, inputs, targets):
+    """Our import of `path` gives `model`'s logits, mean loss and every gradient on one batch;
+    returns the imported ModelConfig."""
     cfg, stages_def, block_def, params = import_model(path)
-    assert cfg.tie_embeddings == (arch == "llama") and cfg.qkv_bias == (arch == "qwen2")
-    assert cfg.rope_scaling == {"llama": "llama3", "mistral": "linear", "qwen2": ""}[arch]
-    assert (cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps) == (4, 2, 1e-5)
-    inputs, targets = batch()
 
     def forward(params, inputs):
         first, last = nnx.merge(stages_def, params["stages"])
@@ -131,7 +128,8 @@ def test_import_matches_transformers_logits_loss_and_grads(hf_dirs, arch):
 
     def loss_fn(params):
         last, x = forward(params, inputs)
-        return last(x, targets)
+        loss_sum, count = last(x, targets)
+        return loss_sum / count
 
     last, x = forward(params, inputs)
     logits = np.asarray(last.logits(x))
@@ -145,6 +143,61 @@ def test_import_matches_transformers_logits_loss_and_grads(hf_dirs, arch):
     # every parameter transformers has (tied: one embedding, whose gradient sums both uses)
     ref_grads = {n: p.grad.numpy() for n, p in model.named_parameters()}
     assert_close(as_hf(cfg, grads), ref_grads, 1e-4)
+    return cfg
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_import_matches_transformers_logits_loss_and_grads(hf_dirs, arch):
+    model, path = hf_dirs[arch]
+    cfg = assert_matches_transformers(model, path, *batch())
+    assert cfg.tie_embeddings == (arch == "llama") and cfg.qkv_bias == (arch == "qwen2")
+    assert cfg.rope_scaling == {"llama": "llama3", "mistral": "linear", "qwen2": ""}[arch]
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps) == (4, 2, 1e-5)
+    assert cfg.sliding_window == {"llama": 0, "mistral": 4096, "qwen2": 0}[arch]
+
+
+# Every layer slides: Mistral always, Qwen2 from layer max_window_layers on.
+WINDOWED = {"mistral": dict(sliding_window=5),
+            "qwen2": dict(use_sliding_window=True, sliding_window=5, max_window_layers=0)}
+
+
+@pytest.fixture(scope="module")
+def windowed_dirs(tmp_path_factory):
+    """{arch: (model, saved dir)} of models with a sliding window of 5."""
+    out = {}
+    for arch, options in WINDOWED.items():
+        model = make_hf_model(arch, seed=3, **options)
+        path = str(tmp_path_factory.mktemp(f"{arch}_window"))
+        model.save_pretrained(path)
+        out[arch] = (model, path)
+    return out
+
+
+@pytest.mark.parametrize("arch", WINDOWED)
+def test_sliding_window_matches_transformers_beyond_the_window(windowed_dirs, arch):
+    model, path = windowed_dirs[arch]
+    cfg = assert_matches_transformers(model, path, *batch(seed=4, t=12))  # T = 12 > window 5
+    assert cfg.sliding_window == 5
+
+
+@pytest.mark.parametrize("arch", WINDOWED)
+def test_exported_config_means_the_same_window(hf_dirs, windowed_dirs, arch, tmp_path):
+    """config.json as export writes it, over a source config without a window (qwen2: its
+    layer_types and max_window_layers say "no layer slides"), reads back, in transformers and
+    here, as the window on every layer."""
+    _, path = windowed_dirs[arch]
+    cfg = hf.model_config_from_hf(path)
+    out = tmp_path / "model"
+    shutil.copytree(path, out)
+    written = hf.hf_config(cfg, dtype="float32", max_position_embeddings=64,
+                           base=hf.read_hf_config(hf_dirs[arch][1]))
+    (out / "config.json").write_text(json.dumps(written))
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert config.sliding_window == 5
+    if arch == "qwen2":
+        assert config.layer_types == ["sliding_attention"] * cfg.num_layers
+    assert dataclasses.replace(hf.model_config_from_hf(str(out)), from_hf="") == \
+        dataclasses.replace(cfg, from_hf="")
 
 
 def test_sharded_checkpoint_has_several_shards(hf_dirs):
@@ -305,9 +358,16 @@ def _break(path, how):
     elif how == "missing shard":
         index = json.load(open(os.path.join(path, hf.INDEX_FILE)))
         os.remove(os.path.join(path, sorted(set(index["weight_map"].values()))[1]))
-    elif how in ("shape mismatch", "unsupported architecture", "unsupported rope"):
+    elif how in ("shape mismatch", "unsupported architecture", "unsupported rope",
+                 "window on some layers", "window on some layer_types"):
         config = json.load(open(os.path.join(path, "config.json")))
-        if how == "shape mismatch":
+        if how.startswith("window on some"):  # qwen2: layer i slides iff i >= max_window_layers
+            config.update(use_sliding_window=True, sliding_window=5, max_window_layers=1)
+            if how == "window on some layers":
+                config.pop("layer_types", None)
+            else:
+                config["layer_types"] = ["sliding_attention", "full_attention"]
+        elif how == "shape mismatch":
             config["intermediate_size"] = 128
         elif how == "unsupported architecture":
             config["architectures"] = ["GPT2LMHeadModel"]
@@ -328,12 +388,15 @@ BAD_DIRS = {"missing config.json": re.escape("config.json not found"),
                               r"config\.json implies \((128, 64|64, 128)\)",
             "unsupported architecture": re.escape("unsupported architecture GPT2LMHeadModel"),
             "unsupported rope": re.escape("rope scaling type 'yarn' is not supported"),
+            "window on some layers": re.escape("use_sliding_window, max_window_layers give 1 of 2 "
+                                               "layers a sliding window"),
+            "window on some layer_types": re.escape("layer_types give 1 of 2 layers a sliding "
+                                                    "window"),
             "pickle only": re.escape("never pickled")}
 
 
 @pytest.mark.parametrize("how", BAD_DIRS)
 def test_bad_directory_is_one_line_exit_2(hf_dirs, tmp_path, capsys, how):
-    import shutil
     path = str(tmp_path / "model")
     shutil.copytree(hf_dirs["qwen2"][1], path)
     _break(path, how)
