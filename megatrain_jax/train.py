@@ -69,7 +69,8 @@ def build_engine(cfg: Config, *, offload_activations: bool | None = None,
     """The engine for cfg. `offload_activations` resolves train.offload_activations=auto (train()
     takes it from the plan); left None, auto means off."""
     model = cfg.model
-    execution, _ = execution_for(cfg, (engine_kwargs.get("compute_device") or jax.devices()[0]).platform)
+    compute = engine_kwargs.get("compute_device") or jax.devices()[0]
+    execution, _ = execution_for(cfg, compute.platform)
     if offload_activations is None:
         offload_activations = cfg.train.offload_activations is True
     # The stages are built in host memory, like the blocks (the engine builds those there):

@@ -24,15 +24,16 @@ from megatrain_jax.engine.host import nbytes
 from megatrain_jax.engine.stream import LayerStream, delete
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _merge_stage_grads(first, last, first_idx, last_idx, params):
-    """Unit 0's gradient leaves from the two parts' (tied leaves get the sum of both)."""
-    leaves = [jnp.zeros_like(p) for p in params]
+@functools.partial(jax.jit, static_argnums=(2, 3, 5))
+def _merge_stage_grads(first, last, first_idx, last_idx, params, dtype):
+    """Unit 0's gradient leaves, in `dtype`, from the two parts' (tied leaves get the sum of both,
+    taken in fp32)."""
+    leaves = [jnp.zeros(p.shape, jnp.float32) for p in params]
     for i, g in zip(first_idx, first):
-        leaves[i] = leaves[i] + g
+        leaves[i] = leaves[i] + g.astype(jnp.float32)
     for i, g in zip(last_idx, last):
-        leaves[i] = leaves[i] + g
-    return leaves
+        leaves[i] = leaves[i] + g.astype(jnp.float32)
+    return [x.astype(dtype) for x in leaves]
 
 
 @jax.jit
@@ -98,7 +99,7 @@ def run(engine, inputs, targets, contexts) -> dict:
         weights.append(weight)
         dxs.append(dx)
     delete((fetched(w), xs))
-    last_grads, _ = to_host(acc)
+    last_grads, head_device = to_host(acc)  # freed once it has arrived, at the first retire
     hook("loss")
 
     # ---- backward
@@ -111,7 +112,9 @@ def run(engine, inputs, targets, contexts) -> dict:
         layer_sq.append(f.sum_squares(dw))
         layer_grads[1 + i], device_grads = to_host(dw)
         host.release_bus(1 + i)
-        stream.done((dxs, layer_grads[1 + i]), (fetched(w), xs, device_grads))
+        stream.done((dxs, layer_grads[1 + i], last_grads),
+                    (fetched(w), xs, device_grads, head_device))
+        head_device = ()
         hook("backward", i)
 
     # ---- embed backward
@@ -127,7 +130,7 @@ def run(engine, inputs, targets, contexts) -> dict:
     # ---- update, on the host
     stage_leaves, stage_def = jax.tree.flatten(host.units[0].params)
     stage_grads = _merge_stage_grads(first_grads, last_grads, engine.parts.first, engine.parts.last,
-                                     stage_leaves)
+                                     stage_leaves, host.grad_dtype)
     on_host = lambda x: jax.device_put(x, engine.host_sharding)
     total_weight = f.total(weights)
     grad_norm, scale, stages_sq = _norm_and_scale(on_host(layer_sq), stage_grads,

@@ -1,0 +1,505 @@
+"""Memory and bandwidth plan of a run, made before anything is allocated.
+
+    p = plan(load_config("configs/llama3_8b.yaml"), MACHINES["h100"])
+    print(p.report())          # host RAM by kind, device memory by phase and kind, what fits
+
+For a config and a machine the plan predicts the host RAM the engine holds (by kind), the device
+peak of every phase of a step (by kind), whether both fit, whether activations must be offloaded
+(`train.offload_activations: auto`), the largest micro-batch and sequence that fit, and how many
+tokens a step needs for compute to hide the weight transfers.
+
+It models what the engine does, not an idealisation of it (engine/step.py, stream.py, host.py):
+the bytes held at each moment of the step's schedule follow from the parameter trees, which are
+built abstractly (`nnx.eval_shape`: an 8B model is never allocated), and each phase's working
+space is the compiled temp size (`memory_analysis()`) of the engine's own jitted function for that
+phase, lowered on abstract arguments. tests/test_plan.py checks both against a real engine.
+"""
+
+import dataclasses
+import functools
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from megatrain_jax.config import Config
+from megatrain_jax.engine.functions import DeviceFunctions, stage_parts
+from megatrain_jax.model import Execution, ModelConfig, make_block, make_stages
+
+GB = 1e9  # memory and bandwidth figures are in GB and GB/s
+ASSUMED_MFU = 0.5  # fraction of the bf16 peak the device reaches (for the transfer-hiding figure)
+PINNED_POOL_DEFAULT_GIB = 64  # XLA:GPU's pinned host pool, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
+PHASES = ("embed", "forward", "loss", "backward", "embed backward")
+DEVICE_KINDS = ("inputs", "weights", "gradients", "activations", "cotangents", "workspace")
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """What the plan needs to know about a machine. GB = 1e9 bytes.
+
+    device_memory_gb is what the run may use, not the physical size: the presets take 90% of it,
+    while JAX's allocator takes 75% unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise (set it to
+    0.9 to match them). host_memory_gb is the RAM the run may hold.
+    """
+    name: str
+    device_memory_gb: float
+    host_memory_gb: float
+    bf16_tflops: float  # dense peak
+    host_device_gbps: float  # host <-> device, each way, GB/s (1e9 bytes)
+    platform: str = "gpu"  # JAX platform of the compute device: picks the attention implementation
+    compute_on_host: bool = False  # a CPU-only run: the compute device is the host's own memory
+
+
+_MIB = 2**20 / GB
+# Device memory: 90% of what nvidia-smi reports (81559, 143771, 97871 MiB). Host RAM: an H100's
+# share of an 8-GPU node with 2 TB, an H200 box with 512 GB, GH200's 480 GB of LPDDR5X. Bus: PCIe
+# 5 x16 pinned ~55 GB/s each way (63 on paper), NVLink-C2C ~375 measured (450 on paper).
+# bf16 dense peak 989 TFLOPS for all three.
+MACHINES = {
+    "h100": Machine("H100 SXM 80GB, PCIe 5", 0.9 * 81559 * _MIB, 256, 989, 55),
+    "h200": Machine("H200 SXM 141GB, PCIe 5", 0.9 * 143771 * _MIB, 512, 989, 55),
+    "gh200": Machine("GH200 96GB HBM3, NVLink-C2C", 0.9 * 97871 * _MIB, 480, 989, 375),
+}
+
+
+def _total_ram_gb() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+
+
+def machine_from_device(device=None, *, host_memory_gb=None) -> Machine:
+    """The local machine: a GPU's usable memory (memory_stats()["bytes_limit"], i.e. after JAX's
+    preallocation fraction) and throughput from the matching preset; a CPU computes in host RAM.
+    host_memory_gb defaults to the total RAM (not what other processes leave free)."""
+    device = device or jax.devices()[0]
+    host = host_memory_gb or _total_ram_gb()
+    if device.platform == "cpu":
+        return Machine("local CPU", host, host, 0.0, 0.0, platform="cpu", compute_on_host=True)
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if not limit:
+        raise ValueError(f"{device} reports no memory limit (memory_stats()['bytes_limit'])")
+    kind = device.device_kind
+    key = next((k for k in ("gh200", "h200", "h100") if k.upper() in kind.upper()), None)
+    preset = MACHINES[key or "h100"]
+    name = f"local {kind}" + ("" if key else f" (throughput of the {preset.name} assumed)")
+    return Machine(name, limit / GB, host, preset.bf16_tflops, preset.host_device_gbps,
+                   platform=device.platform)
+
+
+# -----------------------------------------------------------------------------
+# the engine's functions, abstractly
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract(model: ModelConfig, execution: Execution, grad_dtype: str):
+    """(stage params, block params, StageParts, DeviceFunctions) with ShapeDtypeStruct leaves."""
+    block_def, block, _ = nnx.split(nnx.eval_shape(lambda: make_block(model, 0, 0, execution)),
+                                    nnx.Param, ...)
+    stages_def, stages, _ = nnx.split(nnx.eval_shape(lambda: make_stages(model, 0, execution)),
+                                      nnx.Param, ...)
+    stages, block = nnx.to_pure_dict(stages), nnx.to_pure_dict(block)
+    example = np.zeros((1, 1), np.int32)  # which leaves a stage reads does not depend on shapes
+    parts = stage_parts(stages_def, stages, example, example)
+    functions = DeviceFunctions(stages_def, jax.tree.structure(stages), parts, block_def,
+                                jnp.dtype(grad_dtype))
+    return stages, block, parts, functions
+
+
+@functools.lru_cache(maxsize=64)
+def _workspace(model: ModelConfig, execution: Execution, compute_dtype: str, grad_dtype: str,
+               batch: int, seq: int, document_mask: bool, device) -> dict:
+    """Phase -> temp bytes of the engine's jitted function for that phase on one micro-batch of
+    (batch, seq), compiled for `device` with the argument shapes and dtypes the step passes.
+    On XLA:CPU, LLVM's optimisation level does not change buffer assignment: it is turned off,
+    halving the compile time."""
+    stages, block, parts, f = _abstract(model, execution, grad_dtype)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    like = lambda tree, dtype: jax.tree.map(lambda p: sds(p.shape, dtype), tree)
+    c = jnp.dtype(compute_dtype)
+    leaves = jax.tree.leaves(stages)
+    first, last = parts.take("first", leaves), parts.take("last", leaves)
+    tokens, x = sds((batch, seq), jnp.int32), sds((batch, seq, model.hidden_size), c)
+    context = {"segment_ids": tokens, "positions": tokens} if document_mask else None
+    w = like(block, c)
+    calls = {"embed": (f.embed, (like(first, c), tokens)),
+             "forward": (f.block_fwd, (w, x, context)),
+             "loss": (f.head, (like(last, c), x, tokens, like(last, jnp.float32))),
+             "backward": (f.block_bwd, (w, x, context, x, like(block, jnp.float32))),
+             "embed backward": (f.embed_bwd, (like(first, c), tokens, x, like(first, jnp.float32)))}
+    options = {"xla_backend_optimization_level": 0} if device.platform == "cpu" else {}
+    return {phase: fn.lower(*args).compile(compiler_options=options).memory_analysis()
+            .temp_size_in_bytes for phase, (fn, args) in calls.items()}
+
+
+def _compile_device(platform: str):
+    """A local device of `platform` to compile for, else the CPU."""
+    return next((d for d in jax.devices() if d.platform == platform), jax.devices("cpu")[0])
+
+
+# -----------------------------------------------------------------------------
+# bytes at each moment of a step
+
+
+def _in_flight(pos: int, num_layers: int, prefetch: int) -> int:
+    """Layers whose weights (and, offloaded, saved inputs) are on the device while LayerStream
+    computes its pos-th layer: before it, the stream retires layer pos - 1 and fetches up to
+    pos + prefetch."""
+    return min(pos + prefetch, num_layers - 1) - pos + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Counts:
+    """What the plan needs of a config, independent of the micro-batch shape."""
+    layers: int
+    prefetch: int
+    micro_batches: int
+    hidden: int
+    compute: int  # bytes per element: streamed weights, activations
+    grad: int  # bytes per element of a gradient on the host (train.grad_dtype)
+    context: bool  # document masks: segment ids and positions beside every micro-batch
+    layer: int  # parameters of one block
+    first: int  # parameters the first stage reads (embedding)
+    last: int  # parameters the last stage reads (final norm, head)
+    stages: int  # parameters of the stages unit
+    optimizer: int  # bytes of every unit's optax state
+    accelerator: bool  # compute device apart from the host: fetches copy, bus copies are staged
+
+    def host(self, tokens: int, offload: bool) -> dict:
+        """Kind -> bytes of host RAM at the end of a step, `tokens` per micro-batch.
+
+        The bus copies and the step's gradients are both counted: on a GPU the bus copies (and
+        offloaded activations) live in XLA's pinned host pool, a BFC allocator that keeps what it
+        has grown to. (On a CPU-only run the released bus copies make room for the gradients.)"""
+        params = self.stages + self.layers * self.layer
+        bus_is_master = not self.accelerator and self.compute == 4
+        return {
+            "master": 4 * params,
+            "optimizer": self.optimizer,
+            "bus": 0 if bus_is_master else self.compute * params,
+            # every unit's, waiting for the global norm; the stages' first and last parts, then
+            # their merged sum
+            "gradients": self.grad * (self.layers * self.layer + self.first + self.last
+                                      + self.stages),
+            "staging": self.compute * (self.stages + self.layer) if self.accelerator else 0,
+            "activations": self.layers * self._acts(tokens) if offload else 0,
+        }
+
+    def _acts(self, tokens: int) -> int:
+        """One layer's activations (input or output) for all micro-batches."""
+        return self.micro_batches * tokens * self.hidden * self.compute
+
+    def device(self, tokens: int, offload: bool, workspace: dict) -> dict:
+        """Phase -> kind -> bytes on the compute device at the phase's peak, `tokens` per
+        micro-batch: the arrays the step holds right after its largest call in the phase, plus that
+        call's compiled temp bytes (workspace)."""
+        L, p, act = self.layers, self.prefetch, self._acts(tokens)
+        weights = lambda params: params * self.compute if self.accelerator else 0  # no copy
+        inputs = self.micro_batches * tokens * 4 * (4 if self.context else 2)  # int32
+
+        def moment(phase=None, **kinds):
+            kinds = {"inputs": inputs, **kinds, "workspace": workspace[phase] if phase else 0}
+            return {k: int(kinds.get(k, 0)) for k in DEVICE_KINDS}
+
+        # The head's fp32 accumulator (and its cast for the host) stays on the device from the
+        # loss until the first layer of the backward retires.
+        head = 4 * self.last + (self.last * self.grad if self.grad != 4 else 0)
+        forward, backward = [], []
+        for pos in range(L):
+            n = _in_flight(pos, L, p)
+            # saved: every earlier layer's input and this one's, plus its outputs; offloaded:
+            # only this layer's inputs and outputs
+            forward.append(moment("forward", weights=n * weights(self.layer),
+                                  activations=(2 if offload else pos + 2) * act))
+            # saved: this layer's inputs and every earlier one's; offloaded: those fetched back
+            backward.append(moment("backward", weights=n * weights(self.layer),
+                                   gradients=4 * self.layer + (head if pos == 0 else 0),
+                                   activations=(n if offload else L - pos) * act, cotangents=act))
+        return {
+            "embed": moment("embed", weights=weights(self.first), activations=act),
+            "forward": max(forward, key=lambda m: sum(m.values())),
+            "loss": moment("loss", weights=weights(self.last), gradients=4 * self.last,
+                           activations=(1 if offload else L + 1) * act, cotangents=act),
+            "backward": max(backward, key=lambda m: sum(m.values())),
+            "embed backward": moment("embed backward", weights=weights(self.first),
+                                     gradients=4 * self.first, cotangents=act),
+        }
+
+
+def _fits(host_total: int, device_peak: int, machine: Machine) -> bool:
+    if machine.compute_on_host:  # one memory for both
+        return host_total + device_peak <= machine.host_memory_gb * GB
+    return (host_total <= machine.host_memory_gb * GB
+            and device_peak <= machine.device_memory_gb * GB)
+
+
+def _largest_int(ok: Callable[[int], bool]) -> int:
+    """The largest n >= 1 with ok(n) (ok monotone: true up to some n), or 0."""
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while ok(hi) and hi < 2**40:
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def _tokens_to_hide(model: ModelConfig, counts: _Counts, seq: int, machine: Machine,
+                    offload: bool) -> int:
+    """Tokens per step (all micro-batches pass a layer while its weights are there) for which a
+    layer's compute takes as long as its transfers, in both directions and both passes, at
+    ASSUMED_MFU of the bf16 peak. Per token and layer: forward 2 FLOPs per parameter plus causal
+    attention (QK^T and PV, 4 * N * H per visible key); backward 6 per parameter (the block's
+    recompute 2, its gradients 4) plus 3.5x the forward's attention (recompute 2 matmuls,
+    flash backward 5). Transfers per layer: its weights in, each pass; in the backward its
+    gradient out; offloaded activations out in the forward and in in the backward.
+    0: nothing crosses a bus; -1: no number of tokens hides them."""
+    if not counts.accelerator:
+        return 0
+    window = model.sliding_window or seq
+    visible = (min(window, seq) * (min(window, seq) + 1) / 2 + max(seq - window, 0) * window) / seq
+    attention = 4 * model.num_heads * model.head_size * visible
+    flops_per_byte = machine.bf16_tflops * 1e12 * ASSUMED_MFU / (machine.host_device_gbps * 1e9)
+    act = counts.hidden * counts.compute if offload else 0  # bytes per token
+    forward, backward = 2 * counts.layer + attention, 6 * counts.layer + 3.5 * attention
+    weights, grads = counts.layer * counts.compute, counts.layer * counts.grad
+    needed = 0.0
+    # (bytes per layer, bytes per token, FLOPs per token) for each pass and direction
+    for fixed, per_token, flops in [(weights, 0, forward), (0, act, forward),
+                                    (weights, act, backward), (grads, 0, backward)]:
+        spare = flops - per_token * flops_per_byte
+        if spare <= 0:
+            return -1
+        needed = max(needed, fixed * flops_per_byte / spare)
+    return int(np.ceil(needed))
+
+
+# -----------------------------------------------------------------------------
+# the plan
+
+
+_UNITS = (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1))
+
+
+def _unit(n: float) -> tuple[str, float]:
+    return next((u, s) for u, s in _UNITS if abs(n) >= s or s == 1)
+
+
+def format_bytes(n: float) -> str:
+    unit, size = _unit(n)
+    return f"{n / size:.2f} {unit}"
+
+
+@dataclasses.dataclass
+class Plan:
+    """A config's predicted memory on a machine, in bytes: `host[kind]`, `device[phase][kind]` (at
+    the phase's peak), `workspace[phase]` (the compiled temp bytes of the phase's function, part of
+    `device`). `largest_batch` and `largest_seq_len` are worked out on first use: they compile the
+    step's functions at two more shapes (see `largest` in `plan`)."""
+    host: dict
+    device: dict
+    offload_activations: bool  # resolved
+    offload_reason: str
+    attention: str  # the resolved implementation
+    attention_reason: str
+    execution: Execution  # the model's, as the engine will run it
+    machine: Machine
+    workspace: dict
+    micro_batch: tuple  # (micro-batches, batch, seq_len)
+    tokens_to_hide_transfers: int  # 0: nothing crosses a bus; -1: no number of tokens does it
+    notes: tuple  # what the figures rest on, where it matters
+    _largest: Callable = dataclasses.field(repr=False, compare=False)
+
+    @functools.cached_property
+    def largest_batch(self) -> int:
+        return self._largest("batch")
+
+    @functools.cached_property
+    def largest_seq_len(self) -> int:
+        return self._largest("seq")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return int(np.prod(self.micro_batch))
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.device, key=lambda phase: sum(self.device[phase].values()))
+
+    @property
+    def device_peak(self) -> int:
+        return sum(self.device[self.peak_phase].values())
+
+    @property
+    def fits(self) -> bool:
+        return _fits(self.host_total, self.device_peak, self.machine)
+
+    def verdict(self) -> str:
+        """"fits", or what does not and by how much."""
+        if self.fits:
+            return "fits"
+        m, host, dev = self.machine, self.host_total, self.device_peak
+        if m.compute_on_host:
+            return (f"DOES NOT FIT: host + device {format_bytes(host + dev)} > "
+                    f"{format_bytes(m.host_memory_gb * GB)} of RAM")
+        return "DOES NOT FIT: " + "; ".join(
+            f"{what} {format_bytes(need)} > {format_bytes(have * GB)} available"
+            for what, need, have in [("host RAM", host, m.host_memory_gb),
+                                     ("device peak", dev, m.device_memory_gb)] if need > have * GB)
+
+    def summary(self) -> str:
+        """Two lines for a run's log: predicted against available, what was chosen, the verdict."""
+        m = self.machine
+        kinds = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.host.items() if v)
+        return (f"plan ({m.name}): host RAM {format_bytes(self.host_total)} of "
+                f"{format_bytes(m.host_memory_gb * GB)} ({kinds}); device peak "
+                f"{format_bytes(self.device_peak)} of {format_bytes(m.device_memory_gb * GB)} "
+                f"in the {self.peak_phase}\n"
+                f"plan: offload activations {'on' if self.offload_activations else 'off'} "
+                f"({self.offload_reason}), attention {self.attention} ({self.attention_reason}); "
+                f"{self.verdict()}")
+
+    def report(self) -> str:
+        """The whole plan as text tables."""
+        m, (M, B, T) = self.machine, self.micro_batch
+        host_unit, host_size = _unit(self.host_total)
+        unit, size = _unit(self.device_peak)
+        lines = [f"machine: {m.name}: device {format_bytes(m.device_memory_gb * GB)} usable, host "
+                 f"{format_bytes(m.host_memory_gb * GB)}, {m.bf16_tflops:g} bf16 TFLOPS, "
+                 f"{m.host_device_gbps:g} GB/s each way",
+                 f"step: {M} micro-batch(es) of {B} x {T:,} tokens = {self.tokens_per_step:,}; "
+                 f"attention {self.attention} ({self.attention_reason}); offload activations "
+                 f"{'on' if self.offload_activations else 'off'} ({self.offload_reason})", "",
+                 f"host RAM ({host_unit})"]
+        lines += [f"  {kind:<14}{v / host_size:>12.2f}" for kind, v in self.host.items()]
+        lines += [f"  {'total':<14}{self.host_total / host_size:>12.2f} of "
+                  f"{format_bytes(m.host_memory_gb * GB)}", "",
+                  f"{'device (' + unit + ')':<16}" + "".join(f"{k:>12}" for k in DEVICE_KINDS)
+                  + f"{'total':>12}"]
+        for phase, kinds in self.device.items():
+            lines.append(f"  {phase:<14}" + "".join(f"{kinds[k] / size:>12.2f}"
+                                                    for k in DEVICE_KINDS)
+                         + f"{sum(kinds.values()) / size:>12.2f}")
+        hide = self.tokens_to_hide_transfers
+        hide = {0: "none cross a bus", -1: "none: the bus is slower per token than compute"}.get(
+            hide, f"{hide:,} (this step has {self.tokens_per_step:,}: "
+                  f"{'hidden' if self.tokens_per_step >= hide else 'exposed'})")
+        lines += [f"  {'peak':<14}{self.device_peak / size:>{12 * len(DEVICE_KINDS) + 12}.2f} of "
+                  f"{format_bytes(m.device_memory_gb * GB)}, in the {self.peak_phase}", "",
+                  self.verdict(),
+                  f"largest that fits: batch {self.largest_batch:,} at seq_len {T:,}; "
+                  f"seq_len {self.largest_seq_len:,} at batch {B}",
+                  f"tokens per step for compute to hide the transfers at {ASSUMED_MFU:.0%} MFU: "
+                  f"{hide}"]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        """Plain data, for JSON."""
+        names = ("host", "host_total", "device", "device_peak", "peak_phase", "fits",
+                 "offload_activations", "offload_reason", "attention", "attention_reason",
+                 "workspace", "largest_batch", "largest_seq_len", "tokens_per_step",
+                 "tokens_to_hide_transfers")
+        return {"machine": dataclasses.asdict(self.machine), "micro_batch": list(self.micro_batch),
+                "execution": dataclasses.asdict(self.execution), "notes": list(self.notes),
+                **{name: getattr(self, name) for name in names}}
+
+
+def _counts(cfg: Config, execution: Execution, machine: Machine) -> _Counts:
+    from megatrain_jax.train import build_optimizer  # lazy: train imports this module
+
+    stages, block, parts, _ = _abstract(cfg.model, execution, cfg.train.grad_dtype)
+    size = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+    leaves = jax.tree.leaves(stages)
+    init = build_optimizer(cfg.optimizer, cfg.train.steps).init
+    optimizer_bytes = lambda tree: sum(x.size * x.dtype.itemsize
+                                       for x in jax.tree.leaves(jax.eval_shape(init, tree)))
+    return _Counts(
+        layers=cfg.model.num_layers, prefetch=cfg.train.prefetch,
+        micro_batches=cfg.data.micro_batches, hidden=cfg.model.hidden_size,
+        compute=jnp.dtype(cfg.train.compute_dtype).itemsize,
+        grad=jnp.dtype(cfg.train.grad_dtype).itemsize, context=cfg.data.document_mask,
+        layer=size(block), first=size(parts.take("first", leaves)),
+        last=size(parts.take("last", leaves)), stages=size(stages),
+        optimizer=optimizer_bytes(stages) + cfg.model.num_layers * optimizer_bytes(block),
+        accelerator=not machine.compute_on_host)
+
+
+def plan(cfg: Config, machine: Machine) -> Plan:
+    """The plan of `cfg` on `machine`. Compiles the step's five device functions for the
+    configured micro-batch shape (seconds for an 8B model on a CPU); allocates nothing."""
+    from megatrain_jax.train import execution_for  # the engine's own: lazy, train imports us
+
+    execution, attention_reason = execution_for(cfg, machine.platform)
+    device = _compile_device(machine.platform)
+    notes, compiled = [], execution
+    if execution.attention == "cudnn" and device.platform != "gpu":
+        compiled = dataclasses.replace(execution, attention="blockwise")
+        notes.append(f"cuDNN attention cannot compile on {device.platform}: blockwise attention "
+                     f"stands in for its workspace (the same flash algorithm, memory linear in T)")
+    if device.platform != machine.platform:
+        notes.append(f"workspaces compiled by XLA:{device.platform.upper()}, which computes bf16 "
+                     f"math in fp32: an estimate of the {machine.platform.upper()}'s (plan on the "
+                     f"machine itself, --device local, for its compiler's own figures)")
+    counts = _counts(cfg, compiled, machine)
+    M, B, T = cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len
+    temps = functools.partial(_workspace, cfg.model, compiled, cfg.train.compute_dtype,
+                              cfg.train.grad_dtype, document_mask=cfg.data.document_mask,
+                              device=device)
+    workspace = temps(B, T)
+    peak = lambda phases: max(sum(kinds.values()) for kinds in phases.values())
+
+    requested = cfg.train.offload_activations
+    if requested == "auto":
+        without = peak(counts.device(B * T, False, workspace))
+        # on a CPU-only run the "device" is the host's RAM: offloading would gain nothing
+        offload = without > machine.device_memory_gb * GB and not machine.compute_on_host
+        offload_reason = (f"auto: without, the device peak would be {format_bytes(without)}"
+                          if offload else "auto: the device holds them")
+    else:
+        offload, offload_reason = requested, "requested"
+    options = [False, True] if requested == "auto" and not machine.compute_on_host else [offload]
+
+    def largest(axis: str) -> int:
+        """The largest batch_size (axis "batch") or seq_len ("seq") that fits, everything else as
+        configured, offload as the config allows. The arrays the plan counts are linear in a
+        micro-batch's tokens; a workspace is fitted from two more compiles, (2B, T) and (B, 4T),
+        as const + B * (g0 + g1 * T): batch rows compute alike, and a row's work grows linearly
+        in T (blockwise attention, MLP tiles, loss chunks: not the quadratic "xla" attention,
+        for which the answer is optimistic)."""
+        w1, w2, w3 = workspace, temps(2 * B, T), temps(B, 4 * T)
+
+        def fitted(b, t):
+            out = {}
+            for phase in PHASES:
+                per_row = (w2[phase] - w1[phase]) / B  # g0 + g1 * T
+                g1 = (w3[phase] - w1[phase]) / (3 * B * T)
+                out[phase] = max(0, w1[phase] - B * per_row + b * (per_row + g1 * (t - T)))
+            return out
+
+        def ok(b, t):
+            return any(_fits(sum(counts.host(b * t, o).values()),
+                             peak(counts.device(b * t, o, fitted(b, t))), machine) for o in options)
+
+        return _largest_int(lambda b: ok(b, T) if axis == "batch" else ok(B, b))
+
+    host = counts.host(B * T, offload)
+    pinned = host["bus"] + host["activations"]
+    if machine.platform == "gpu" and pinned > PINNED_POOL_DEFAULT_GIB * 2**30:
+        notes.append(f"the bus copies and offloaded activations take {format_bytes(pinned)} of "
+                     f"XLA's pinned host pool, {PINNED_POOL_DEFAULT_GIB} GiB unless set: run with "
+                     f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={int(np.ceil(pinned / 2**30)) + 8}")
+    return Plan(host=host, device=counts.device(B * T, offload, workspace),
+                offload_activations=offload, offload_reason=offload_reason,
+                attention=execution.attention, attention_reason=attention_reason,
+                execution=execution, machine=machine, workspace=workspace, micro_batch=(M, B, T),
+                tokens_to_hide_transfers=_tokens_to_hide(cfg.model, counts, T, machine, offload),
+                notes=tuple(notes), _largest=largest)

@@ -1,0 +1,207 @@
+"""The planner against a real engine on two CPU devices (conftest: device 0 computes, device 1 holds
+the state), and scripts/plan.py end to end."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from megatrain_jax.config import Config, DataConfig, OptimizerConfig, TrainConfig
+from megatrain_jax.data import document_context
+from megatrain_jax.engine import StreamedEngine
+from megatrain_jax.model import ModelConfig, make_block, make_stages
+from megatrain_jax.plan import GB, PHASES, Machine, format_bytes, plan
+from megatrain_jax.train import build_optimizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
+                    num_kv_heads=2)
+# The test's "accelerator" is CPU device 0: an accelerator apart from the host, on the CPU backend.
+MACHINE = Machine("two CPU devices", device_memory_gb=1.0, host_memory_gb=1.0, bf16_tflops=1.0,
+                  host_device_gbps=10.0, platform="cpu")
+# Every path of the schedule the plan models: activations kept or offloaded, fp32 or bf16
+# gradients for the host, without or with document masks, prefetch 1 or 2.
+SETUPS = {"resident": dict(offload=False),
+          "offloaded": dict(offload=True, grad_dtype="bfloat16", document_mask=True, prefetch=2)}
+
+
+def config(seq, offload=False, grad_dtype="float32", document_mask=False, prefetch=1) -> Config:
+    return Config(model=MODEL, optimizer=OptimizerConfig(),
+                  data=DataConfig(seq_len=seq, batch_size=2, micro_batches=2,
+                                  document_mask=document_mask),
+                  train=TrainConfig(steps=4, compute_dtype="float32", grad_dtype=grad_dtype,
+                                    prefetch=prefetch, offload_activations=offload,
+                                    attention="blockwise", attention_block=32, tile_size=64,
+                                    loss_chunk=64, loss_vocab_chunk=40))
+
+
+def build_engine(cfg: Config, execution) -> StreamedEngine:
+    first, last = make_stages(cfg.model, 0, execution)
+    compute, host = jax.devices("cpu")[:2]
+    return StreamedEngine(first=first, last=last,
+                          make_block=lambda i: make_block(cfg.model, 0, i, execution),
+                          num_layers=cfg.model.num_layers,
+                          optimizer=build_optimizer(cfg.optimizer, cfg.train.steps),
+                          max_grad_norm=cfg.optimizer.max_grad_norm or None,
+                          compute_dtype=jnp.dtype(cfg.train.compute_dtype),
+                          grad_dtype=jnp.dtype(cfg.train.grad_dtype), prefetch=cfg.train.prefetch,
+                          compute_device=compute, host_device=host,
+                          offload_activations=cfg.train.offload_activations)
+
+
+def device_bytes(device) -> int:
+    return sum(x.nbytes for x in jax.live_arrays()
+               if x.sharding.memory_kind == "device" and x.devices() == {device})
+
+
+class _DeviceWorkDone(Exception):
+    """Raised after the embed backward: what remains of the step is host work, which the
+    engine then leaves undone (a step that raises changes nothing)."""
+
+
+def measure_step(engine, cfg, workspace=None) -> tuple[dict, dict]:
+    """The device part of one step; (phase -> its measured peak, phase -> the compiled temp bytes
+    used).
+
+    The peak of a phase: the largest, over the calls of the step's device functions in it, of the
+    bytes of live arrays on the compute device right after the call (its inputs still held, its
+    outputs made, donated inputs gone) plus the call's compiled temp bytes: `workspace[phase]`,
+    or, when None, the engine's own compiled program's, compiled here."""
+    M, B, T = cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len
+    tokens = np.random.default_rng(0).integers(0, MODEL.vocab_size, (M, B, T + 1), dtype=np.int32)
+    inputs, targets = tokens[..., :-1], tokens[..., 1:]
+    context = document_context(inputs, MODEL.vocab_size - 1) if cfg.data.document_mask else None
+    engine.functions = None  # rebuilt for this shape, then instrumented
+    f = engine.device_functions(inputs[0], targets[0])
+    compute = engine.compute_device
+    baseline = device_bytes(compute)
+    temps = dict(workspace or {})
+    samples, peaks = [], {}
+    for name, phase in [("embed", "embed"), ("block_fwd", "forward"), ("head", "loss"),
+                        ("block_bwd", "backward"), ("embed_bwd", "embed backward"),
+                        ("zeros", None)]:
+        def call(*args, fn=getattr(f, name), phase=phase):
+            if phase and phase not in temps:
+                temps[phase] = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+            out = fn(*args)
+            samples.append(device_bytes(compute) - baseline + temps.get(phase, 0))
+            return out
+        setattr(f, name, call)
+
+    def on_phase(phase, layer=None):
+        peaks[phase] = max(peaks.get(phase, 0), *samples)
+        samples.clear()
+        if phase == "embed backward":
+            raise _DeviceWorkDone
+
+    engine.on_phase = on_phase
+    with pytest.raises(_DeviceWorkDone):
+        engine.train_step(inputs, targets, context)
+    return peaks, temps
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """setup -> (its engine, its config at seq 64), built once for the module."""
+    built = {}
+
+    def get(setup):
+        if setup not in built:
+            cfg = config(64, **SETUPS[setup])
+            built[setup] = build_engine(cfg, plan(cfg, MACHINE).execution), cfg
+        return built[setup]
+
+    yield get
+    for engine, _ in built.values():
+        engine.close()
+
+
+@pytest.mark.parametrize("setup,seq", [("resident", 64), ("offloaded", 256)])
+def test_device_plan_matches_the_engine(engines, setup, seq):
+    cfg = config(seq, **SETUPS[setup])
+    p = plan(cfg, MACHINE)
+    assert p.offload_activations == cfg.train.offload_activations and p.attention == "blockwise"
+    engine, _ = engines(setup)
+    first = (setup, seq) == ("resident", 64)
+    measured, temps = measure_step(engine, cfg, None if first else p.workspace)
+    # The plan compiles the engine's own functions, abstractly (and without LLVM optimisation).
+    assert p.workspace == temps
+    # Exact but for the step's 4-byte scalars: each micro-batch's loss sum and weight, and from
+    # the backward on each layer's squared gradient norm.
+    scalars = 4 * (2 * cfg.data.micro_batches + cfg.model.num_layers)
+    for phase in PHASES:
+        predicted = sum(p.device[phase].values())
+        assert 0 <= measured[phase] - predicted <= scalars, (phase, predicted, measured[phase])
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_host_plan_matches_the_engine(engines, setup):
+    engine, cfg = engines(setup)
+    p = plan(cfg, MACHINE)
+    nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
+    host = engine.host  # bus(u): the bus copy, remade if a step released it
+    held = sum(nbytes(u.params) + nbytes(u.opt_state) + nbytes(host.bus(i))
+               for i, u in enumerate(host.units))
+    assert held == p.host["master"] + p.host["optimizer"] + p.host["bus"]
+    assert nbytes(host.staging) == p.host["staging"]
+    M, B, T, L, D = 2, 2, 64, MODEL.num_layers, MODEL.hidden_size
+    assert p.host["activations"] == (L * M * B * T * D * 4 if p.offload_activations else 0)
+
+
+def test_workspaces_grow_linearly_in_the_sequence():
+    """Blockwise attention, MLP tiles and a chunked loss: 4x the tokens, at most ~4x the temps."""
+    def at(seq):
+        cfg = config(seq)
+        return plan(dataclasses.replace(cfg, train=dataclasses.replace(
+            cfg.train, attention_block=256, tile_size=512, loss_chunk=512)), MACHINE)
+
+    short, long = at(2048), at(8192)
+    for phase in ("backward", "loss"):
+        ratio = long.workspace[phase] / short.workspace[phase]
+        assert ratio <= 4.5, (phase, ratio)
+
+
+def test_auto_offload_and_what_does_not_fit():
+    cfg = config(64, offload="auto")
+    big = plan(cfg, MACHINE)
+    assert not big.offload_activations and big.fits
+    on = plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
+                                                                  offload_activations=True)),
+              MACHINE)
+    assert on.device_peak < big.device_peak
+    between = (on.device_peak + big.device_peak) / 2 / GB
+    p = plan(cfg, dataclasses.replace(MACHINE, device_memory_gb=between))
+    assert p.offload_activations and p.fits and p.device == on.device
+    assert "auto: without, the device peak would be " + format_bytes(big.device_peak) in p.summary()
+    assert p.largest_batch >= cfg.data.batch_size and p.largest_seq_len >= cfg.data.seq_len
+
+    small = plan(cfg, dataclasses.replace(MACHINE, device_memory_gb=0.9 * on.device_peak / GB))
+    assert small.offload_activations and not small.fits
+    assert small.largest_batch < cfg.data.batch_size and small.largest_seq_len < cfg.data.seq_len
+    assert f"DOES NOT FIT: device peak {format_bytes(small.device_peak)} > " in small.summary()
+
+
+def test_script_prints_the_plan_and_writes_json(tmp_path):
+    out = tmp_path / "plan.json"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    script = os.path.join(ROOT, "scripts", "plan.py")
+    run = lambda *args: subprocess.run([sys.executable, script, "--config", "configs/tiny.yaml",
+                                        *args], capture_output=True, text=True, cwd=ROOT, env=env,
+                                       timeout=300)
+    proc = run("--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for label in ("host RAM", "master", "optimizer", "device (", "backward", "peak",
+                  "largest that fits", "tokens per step for compute to hide"):
+        assert label in proc.stdout, label
+    r = json.loads(out.read_text())
+    assert r["fits"] and set(r["device"]) == set(PHASES) and r["host_total"] > 0
+
+    bad = run("--device", "tpu")
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
+    assert "error: --device 'tpu'" in bad.stderr
