@@ -20,6 +20,7 @@ counted. There are no padding tokens (sequences are packed). GB = 1e9 bytes.
 """
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -196,7 +197,8 @@ def run_streamed(cfg, batches, warmup, dev, keep_init):
     losses = [float(engine.train_step(inputs, targets)["loss"])
               for inputs, targets in batches[:warmup]]
     engine.wait()
-    before = (engine.bytes_h2d, engine.bytes_d2h, engine.host_update_s, engine.host_wait_s)
+    counters = lambda: dataclasses.astuple(engine.counters)  # bytes_h2d, bytes_d2h, host s
+    before = counters()
     step_times, t0 = [], time.perf_counter()
     for inputs, targets in batches[warmup:]:
         ts = time.perf_counter()
@@ -205,8 +207,7 @@ def run_streamed(cfg, batches, warmup, dev, keep_init):
     engine.wait()  # the last step's host updates belong to the timed steps (exposed: counted)
     total = time.perf_counter() - t0
     n = len(batches) - warmup
-    h2d, d2h, upd, wait = (after - b for after, b in zip(
-        (engine.bytes_h2d, engine.bytes_d2h, engine.host_update_s, engine.host_wait_s), before))
+    h2d, d2h, upd, wait = (after - b for after, b in zip(counters(), before))
     out.update({"total_s": total, "step_s": total / n, "step_times_s": step_times, "losses": losses,
                 "h2d_gb_per_step": h2d / n / GB, "d2h_gb_per_step": d2h / n / GB,
                 "h2d_gb_per_s": h2d / total / GB, "d2h_gb_per_s": d2h / total / GB,
@@ -226,44 +227,47 @@ def device_memory(dev, key="device_peak_gb") -> dict:
 
 
 def measure_resident_compute(jax, engine, batch, step_s, on_gpu) -> dict:
-    """Device time of one step's kernels with no transfers: the engine's own jitted functions run
-    back to back on weights already on the device (one layer timed, times L, plus the stages).
-    Divided by the streamed step time it estimates the fraction of the step the device was busy.
-    (The same idea as a profiler trace's busy time, without parsing a trace.)"""
-    import jax.numpy as jnp
+    """Device time of one step's kernels with no transfers: the engine's own jitted device
+    functions (`engine.device_functions`) run back to back on weights already on the device (one
+    layer timed, times L, plus the stages). Divided by the streamed step time it estimates the
+    fraction of the step the device was busy. (The same idea as a profiler trace's busy time,
+    without parsing a trace.)"""
     dev, L = engine.compute_device, engine.num_layers
-    cast = lambda t: jax.device_put(jax.tree.map(lambda p: p.astype(engine.compute_dtype), t), dev)
-    params = engine.params()
-    w_stages, w_layer = cast(params["stages"]), cast(params["layers"][0])
+    cdt = engine.host.compute_dtype
+    cast = lambda t: jax.device_put(jax.tree.map(lambda p: p.astype(cdt), t), dev)
     inputs = [jax.device_put(x, dev) for x in batch[0]]
     targets = [jax.device_put(t, dev) for t in batch[1]]
-    scale = jnp.float32(1.0 / len(inputs))
-    xs = jax.block_until_ready([engine._embed(w_stages, x) for x in inputs])
+    f = engine.device_functions(inputs[0], targets[0])
+    params = engine.params()
+    stage_leaves = jax.tree.leaves(cast(params["stages"]))  # each part as the step fetches it
+    w_first, w_last = (engine.parts.take(part, stage_leaves) for part in ("first", "last"))
+    w_layer = cast(params["layers"][0])
+    xs = jax.block_until_ready([f.embed(w_first, x) for x in inputs])
 
     def layer():  # forward of all micro-batches, then backward (recompute + vjp), as in a step
-        dw = engine._zeros(w_layer)
-        dys = [engine._block_fwd(w_layer, x) for x in xs]
+        dw = f.zeros(w_layer)
+        dys = [f.block_fwd(w_layer, x, None) for x in xs]
         for i, x in enumerate(xs):
-            dys[i], dw = engine._block_bwd(w_layer, x, dys[i], dw)
-        return dys, dw
+            dys[i], dw = f.block_bwd(w_layer, x, None, dys[i], dw)
+        return dys, f.sum_squares(dw)
 
     def stages():  # embedding forward, loss head (value and grad), embedding backward
-        acc = engine._zeros(w_stages)
-        hs = [engine._embed(w_stages, x) for x in inputs]
-        dxs = []
+        hs = [f.embed(w_first, x) for x in inputs]
+        acc, dxs = f.zeros(w_last), []
         for h, t in zip(hs, targets):
-            _, dx, acc = engine._head(w_stages, h, t, acc, scale)
+            _, _, dx, acc = f.head(w_last, h, t, acc)
             dxs.append(dx)
+        acc_first = f.zeros(w_first)
         for x, dx in zip(inputs, dxs):
-            acc = engine._embed_bwd(w_stages, x, dx, acc)
-        return acc
+            acc_first = f.embed_bwd(w_first, x, dx, acc_first)
+        return acc, acc_first
 
     compute = L * best(layer, 3) + best(stages, 3)
     out = {"resident_compute_s_per_step": compute}
     if on_gpu:
         out["device_busy"] = min(1.0, compute / step_s)
         out["device_busy_method"] = ("estimate: resident compute time of the engine's jitted "
-                                     "functions (no transfers) / streamed step time")
+                                     "device functions (no transfers) / streamed step time")
     else:
         out["device_busy"] = None
         out["device_busy_method"] = ("n/a on CPU: the 'device' and the host optimizer thread share "
@@ -318,7 +322,8 @@ def time_baseline(name, cfg, graphdefs, params, batches, warmup, dev) -> dict:
     def micro_loss(w, inputs, targets):  # w: {"stages": tree, "layers": tree stacked over L}
         first, last = nnx.merge(stages_def, w["stages"])
         x, _ = jax.lax.scan(lambda x, p: (block(p, x), None), first(inputs), w["layers"])
-        return last(x, targets)
+        loss_sum, count = last(x, targets)  # summed cross-entropy, counted tokens
+        return loss_sum.astype(jnp.float32), count.astype(jnp.float32)
 
     def step(params, opt_state, inputs, targets):  # inputs, targets: (M, B, T)
         if name == "offload":
@@ -326,22 +331,22 @@ def time_baseline(name, cfg, graphdefs, params, batches, warmup, dev) -> dict:
         w = jax.tree.map(lambda p: p.astype(cdt), params)
         w = {"stages": w["stages"], "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *w["layers"])}
 
-        def accumulate(carry, batch):
-            loss, grads = jax.value_and_grad(micro_loss)(w, *batch)
-            return (carry[0] + loss, jax.tree.map(lambda a, g: a + g.astype(jnp.float32),
-                                                  carry[1], grads)), None
+        def accumulate(carry, batch):  # as the engine: sums over micro-batches, then the mean
+            (loss_sum, count), grads = jax.value_and_grad(micro_loss, has_aux=True)(w, *batch)
+            return (carry[0] + loss_sum, carry[1] + count,
+                    jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry[2], grads)), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), w)
-        (loss, grads), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros), (inputs, targets))
-        num_micro = inputs.shape[0]
-        grads = jax.tree.map(lambda g: g / num_micro, grads)
+        (loss, count, grads), _ = jax.lax.scan(accumulate, (jnp.float32(0), jnp.float32(0), zeros),
+                                               (inputs, targets))
+        grads = jax.tree.map(lambda g: g / count, grads)
         grads = {"stages": grads["stages"], "layers": [  # back to the optimizer's per-layer tree
             jax.tree.map(lambda g: g[i], grads["layers"]) for i in range(len(params["layers"]))]}
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         if name == "offload":
             params, opt_state = jax.device_put((params, opt_state), home)
-        return params, opt_state, loss / num_micro
+        return params, opt_state, loss / count
 
     params = jax.device_put(params, on_dev, may_alias=False)  # the step donates it: a copy
     opt_state = jax.jit(tx.init)(params)

@@ -79,7 +79,7 @@ def child(args):
         state = nbytes(nnx.state(kept))
     else:
         engine = build_engine(cfg)
-        state = nbytes(engine.state()) + nbytes([u.bus for u in engine._units])
+        state = nbytes(engine.state()) + nbytes([u.bus for u in engine.host.units])
     seconds = time.perf_counter() - t0
     result = {"mode": args.mode, "extra": hostmem.peak_rss_bytes() - before,
               "held": hostmem.rss_bytes() - before, "state": state, "seconds": seconds,

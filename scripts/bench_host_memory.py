@@ -12,8 +12,10 @@ memory and every transfer is a real copy. Three figures per parameter:
 
 - host arrays: the bytes of the live jax arrays in host memory (on the state device, or in pinned
   host memory), per param: exactly what the engine holds, nothing the allocator or the runtime
-  adds. Sampled after each step (steady state) and at the peak within a step: in the host-optimizer
-  thread right before each unit's update, and when the step returns (its backward done). The live
+  adds. Sampled after each step (steady state, once the host updates are done) and through the
+  step, for its peak: after each unit's work is dispatched (`engine.on_phase`), right before each
+  unit's update is queued (around `engine.host.submit`: every unit's gradient then waits on the
+  host for the global norm and the bus copies are released), and when the step returns. The live
   arrays of the compute device (activations, weights in flight, the fp32 gradient accumulator) are
   the device working set, reported apart.
 - RSS, marginal: (RSS of the large run - RSS of the small run) / (their difference in params).
@@ -78,18 +80,33 @@ def child(args):
                             grad_dtype=jnp.dtype(args.grad_dtype), compute_device=compute,
                             host_device=host)
     del first, last
-    sizes = [sum(x.size for x in jax.tree.leaves(u.params)) for u in engine._units]
+    sizes = [sum(x.size for x in jax.tree.leaves(u.params)) for u in engine.host.units]
     n = sum(sizes)
     built = hostmem.rss_bytes()
 
     samples = []  # live (host, device) bytes within the current step
-    apply_update = engine._apply_update
+    engine.on_phase = lambda phase, layer=None: samples.append(live_bytes())
+    submit = engine.host.submit
 
-    def sampled_update(*a):  # on the host thread, right before the update
+    def sampled_submit(*a):  # observed, not changed: the state right before each update is queued
         samples.append(live_bytes())
-        apply_update(*a)
+        submit(*a)
 
-    engine._apply_update = sampled_update
+    engine.host.submit = sampled_submit
+
+    def settled_live_bytes():
+        """live_bytes() once it stops changing: the host thread drops an update's arguments (a
+        gradient) just after that update's future completes, so right after `wait` they may still
+        be alive for a moment."""
+        last = live_bytes()
+        for _ in range(100):
+            time.sleep(0.005)
+            now = live_bytes()
+            if now == last:
+                break
+            last = now
+        return last
+
     toks = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(1, 1, args.seq + 1),
                                              dtype=np.int32)
     rows = []
@@ -102,10 +119,7 @@ def child(args):
         float(out["loss"])
         engine.wait()
         seconds = time.perf_counter() - t0
-        # The worker thread drops the last update's arguments (a gradient) just after that update's
-        # future completes: one no-op job on it first, so the steady state does not count them.
-        engine._thread.submit(lambda: None).result()
-        steady = live_bytes()
+        steady = settled_live_bytes()
         rows.append({"step": step, "seconds": seconds, "rss": hostmem.rss_bytes(),
                      "peak_rss": hostmem.peak_rss_bytes(), "host_arrays": steady[0],
                      "peak_host_arrays": max(s[0] for s in samples + [steady]),
@@ -134,7 +148,8 @@ def main():
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=32, help="tokens per step (one sequence)")
-    parser.add_argument("--no-clip", action="store_true", help="no global-norm clipping")
+    parser.add_argument("--no-clip", action="store_true",
+                        help="no global-norm clipping (the gradients wait for the norm either way)")
     parser.add_argument("--grad-dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the engine's grad_dtype: gradients to and on the host")
     parser.add_argument("--mmap-threshold", type=float, default=0,
@@ -154,11 +169,12 @@ def main():
     n, layer, dn = large["params"], large["unit_params"][1], large["params"] - small["params"]
 
     # The design's count: fp32 master + m + v (12) and the bf16 bus copy (2) at steady state. Peak:
-    # with clipping every unit's gradient (g bytes) is held until the global norm is known while
-    # the bus copies are dropped (12 + g); without, one layer's gradient at a time. The engine's
+    # every unit's gradient (g bytes) is held until the global norm is known (the update scales by
+    # 1/sum(weight), clips, and skips a non-finite step: with or without clipping), while each
+    # unit's bus copy is released after its last use in the step (12 + g). The engine's
     # accelerator path adds a reused bf16 staging buffer per unit structure (stages, one layer).
     staging = 2 * (large["unit_params"][0] + layer) / n
-    design = {"steady": 12 + 2, "peak": 12 + g if clip else 12 + 2 + g * layer / n}
+    design = {"steady": 12 + 2, "peak": 12 + g}
 
     def summary(run):
         rows = run["steps"]

@@ -4,9 +4,10 @@
     python scripts/bench_optimizer.py --params 100 --cores 1 --json out.json
 
 Builds a StreamedEngine holding a Llama-shaped model of about --params million parameters (state on
-the CPU, compute on the same CPU device, so the bus copy is rewritten in place), then times the
-engine's own host update path (`_submit_update` for every unit, then `wait`) with random gradients
-already on the host. Effective bandwidth counts the bytes one update must touch: read param, m, v,
+the CPU, compute on the same CPU device, so the bus copy is a plain host buffer), then times the
+engine's own host update path (`engine.host.submit` for every unit with the global norm and the
+scale 1/sum(weight), then `wait`) with gradients already on the host and the bus copies released, as
+a step leaves them. Effective bandwidth counts the bytes one update must touch: read param, m, v,
 write param, m, v (24 B), read the gradient (4 B, 2 with --grad-dtype bfloat16) plus the
 compute-dtype bus copy written in the same call. The copy bandwidth is numpy `copyto` between
 existing buffers of the same sizes (read + write), single-threaded and split over all cores (once
@@ -25,7 +26,8 @@ parser.add_argument("--hidden", type=int, default=2048, help="hidden size (layer
 parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
 parser.add_argument("--cores", type=int, default=0, help="restrict to the first N cores (0: all)")
 parser.add_argument("--clip", action="store_true",
-                    help="global-norm clipping on: the bus copy is dropped and re-created each step")
+                    help="global-norm clipping on (max_grad_norm 1.0; the norm given is below it, "
+                         "so the clip's arithmetic runs and changes nothing)")
 parser.add_argument("--accelerator-path", action="store_true",
                     help="state on a second CPU device, so the engine takes the path it takes with a "
                          "GPU: the update writes a reused staging buffer, copied to pinned host memory")
@@ -91,23 +93,29 @@ def main():
                             compute_device=compute, host_device=host,
                             grad_dtype=jnp.dtype(args.grad_dtype))
     del first, last
-    units = engine._units
+    host_state = engine.host
+    units = host_state.units
     sizes = [sum(x.size for x in jax.tree.leaves(u.params)) for u in units]
     n_params = sum(sizes)
-    fill = jax.jit(lambda p: jax.tree.map(lambda x: jnp.full_like(x, 1e-3), p))
-    norm = jax.device_put(jnp.float32(0.5), host)  # below max_grad_norm: clipping is a no-op
+    grad_dtype = host_state.grad_dtype
+    fill = jax.jit(lambda p: jax.tree.map(lambda x: jnp.full(x.shape, 1e-3, grad_dtype), p))
+    on_host = lambda x: jax.device_put(x, engine.host_sharding)
+    # The global norm of the scaled gradient (below max_grad_norm: clipping changes nothing) and
+    # the scale 1 / sum(weight), as host scalars, as the step computes them.
+    norm, scale = on_host(jnp.float32(0.5)), on_host(jnp.float32(1.0))
     send = {}
 
-    def send_grads():  # untimed: as the step does, each unit's gradient handed to the host (cast
-        # to grad_dtype, the bus copy dropped where the step drops it); fresh each time, since the
-        # update may take a gradient's buffer over (donation)
+    def send_grads():  # untimed: as the step leaves them, each unit's gradient in grad_dtype on
+        # the host and its bus copy released; fresh each time, since the update may take a
+        # gradient's buffer over (donation)
         for u in range(len(units)):
-            send[u] = engine._send_grads(u, fill(units[u].params))
+            send[u] = on_host(fill(units[u].params))
+            host_state.release_bus(u)
         jax.block_until_ready(send)
 
     def update():  # the engine's own path: every unit's update on its host thread, then wait
         for u in range(len(units)):
-            engine._submit_update(u, send.pop(u), norm if args.clip else None)
+            host_state.submit(u, send.pop(u), norm, scale)
         engine.wait()
 
     pool = concurrent.futures.ThreadPoolExecutor(THREADS)
@@ -131,7 +139,7 @@ def main():
 
     med = {k: float(np.median(v)) for k, v in runs.items()}
     # read param, grad, m, v and write param, m, v: 24 B of fp32 + the gradient + the bus copy
-    bytes_per_param = 24 + engine.grad_dtype.itemsize + engine.compute_dtype.itemsize
+    bytes_per_param = 24 + grad_dtype.itemsize + host_state.compute_dtype.itemsize
     update_gb_s = bytes_per_param * n_params / med["update"] / 1e9
     copy_gb_s = {k: 8 * n_params / med[k] / 1e9 for k in runs if k.startswith("copy")}
     ratio = update_gb_s / max(copy_gb_s.values())

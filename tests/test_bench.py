@@ -1,6 +1,7 @@
-"""CPU smoke tests of scripts/bench.py, bench_transfer.py and bench_optimizer.py: each runs end to
-end and prints its table; bench.py and bench_transfer.py write well-formed JSON whose figures are
-consistent. (The figures themselves are GPU work: docs/benchmarks.md.)"""
+"""CPU smoke tests of scripts/bench.py, bench_transfer.py, bench_optimizer.py and
+bench_long_context.py: each runs end to end and prints its table; bench.py, bench_transfer.py and
+bench_long_context.py write well-formed JSON whose figures are consistent. (The figures themselves
+are GPU work: docs/benchmarks.md.)"""
 
 import json
 import math
@@ -94,3 +95,29 @@ def test_bench_optimizer_tiny():
     assert proc.returncode == 0, proc.stderr[-3000:]
     key, value = proc.stdout.strip().splitlines()[-1].split(": ")
     assert key == "optimizer_vs_copy_bandwidth" and positive(float(value))
+
+
+def test_bench_long_context_tiny(tmp_path):
+    """The long-context bench at a tiny size, every chunked path on (several attention blocks, MLP
+    tiles, token and vocabulary chunks of the loss, offloaded activations), with the dense path's
+    compiled estimate."""
+    out = tmp_path / "long.json"
+    proc = run("bench_long_context.py", "--seq-len", "256", "--vocab", "512", "--hidden", "32",
+               "--layers", "1", "--heads", "2", "--kv-heads", "1", "--attention-block", "64",
+               "--tile-size", "64", "--loss-chunk", "64", "--loss-vocab-chunk", "128",
+               "--dense-estimate", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for label in ("peak RSS before engine", "peak RSS after steps", "step time", "tokens/s",
+                  "losses", "plan: host GB", "plan: device peak GB", "block backward, dense",
+                  "loss head, long-context"):
+        assert label in proc.stdout, label
+    r = json.loads(out.read_text())
+    run_, rss, plan = r["run"], r["peak_rss_bytes"], r["plan"]
+    assert r["tokens_per_step"] == 256 and r["config"]["train"]["offload_activations"] is True
+    assert len(run_["losses"]) == 2 and all(abs(x - math.log(512)) < 0.5 for x in run_["losses"])
+    assert positive(run_["tokens_per_s"]) and len(run_["step_times_s"]) == 2
+    assert 0 < rss["start"] <= rss["before_engine"] <= rss["after_engine"] <= rss["after_steps"]
+    assert positive(plan["host_total"]) and positive(plan["device_peak"]) and plan["fits"]
+    est = r["dense_estimate"]
+    for fn in ("block_bwd", "head"):  # the dense path needs more: T x T scores, T x V logits
+        assert 0 < est["long_context"][fn]["temp_bytes"] < est["dense"][fn]["temp_bytes"], fn

@@ -1,5 +1,6 @@
-"""The host optimizer step: in place (donated buffers really reused) and equal to plain optax; the
-bf16 gradient store (`grad_dtype`)."""
+"""The host optimizer step (`engine.host`): in place (donated buffers really reused), equal to plain
+optax after the scale and the global-norm clip, a no-op for a non-finite norm; the bf16 gradient
+store (`grad_dtype`)."""
 
 import warnings
 
@@ -58,6 +59,17 @@ def pointers(tree):
     return [x.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)]
 
 
+def submit(engine, u, grads, grad_norm, scale=1.0):
+    """As the step does: unit u's bus copy released (after its last use in the backward), then its
+    update queued with the gradient, the global norm of the scaled gradient and the scale, all on
+    the host. The gradient is copied: the update takes it over (the fp32 scale and clip run in place
+    in it)."""
+    host = engine.host
+    on_host = lambda x: jax.device_put(x, engine.host_device, may_alias=False)
+    host.release_bus(u)
+    host.submit(u, on_host(grads), on_host(jnp.float32(grad_norm)), on_host(jnp.float32(scale)))
+
+
 @pytest.mark.parametrize("devices", DEVICES)
 @pytest.mark.parametrize("name", OPTIMIZERS)
 @pytest.mark.parametrize("max_grad_norm", [None, 1.0], ids=["noclip", "clip"])
@@ -85,12 +97,10 @@ def test_donated_update_equals_plain_optax(name, devices, max_grad_norm):
         grads = random_grads(ref_params, rng)
         norm = optax.tree.norm(grads)
         clipped |= max_grad_norm is not None and float(norm) > max_grad_norm
-        host_norm = None if max_grad_norm is None else jax.device_put(norm, engine.host_device)
         for u, g in enumerate([grads["stages"], *grads["layers"]]):
-            engine._send_grads(u, g)  # as the step does: drops the bus copy where it should
-            # a copy: the engine takes a gradient over (the fp32 clip runs in place in it)
-            engine._submit_update(u, jax.device_put(jax.tree.map(jnp.copy, g), engine.host_device),
-                                  host_norm)
+            # The unnormalised gradient (x2) and scale 1/2: exact in floating point, so the
+            # scaled gradient is `g` bit for bit.
+            submit(engine, u, jax.tree.map(lambda x: x * 2, g), norm, 0.5)
         engine.wait()
         ref_params, ref_opt = ref_step(ref_params, ref_opt, grads)
     assert clipped or max_grad_norm is None  # the clipping branch must have been taken
@@ -99,7 +109,7 @@ def test_donated_update_equals_plain_optax(name, devices, max_grad_norm):
                             strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
     # The bus copy is the compute-dtype cast of the new master weights.
-    for u in engine._units:
+    for u in engine.host.units:
         for b, p in zip(jax.tree.leaves(u.bus), jax.tree.leaves(u.params), strict=True):
             assert b.dtype == jnp.bfloat16
             np.testing.assert_array_equal(np.asarray(b), np.asarray(p.astype(jnp.bfloat16)))
@@ -108,17 +118,22 @@ def test_donated_update_equals_plain_optax(name, devices, max_grad_norm):
 
 @pytest.mark.parametrize("devices", DEVICES)
 def test_update_reuses_buffers(devices):
-    """Donation must take effect: params, optax state and (in place) the bus copy keep their
-    buffers across an update, and XLA reports no unusable donation."""
+    """Donation must take effect: params, optax state and (in place, when the step has not
+    released it) the bus copy keep their buffers across an update; on the staged path the
+    host-side staging buffer is reused from unit to unit; XLA reports no unusable donation."""
     engine = make_engine(optax.adamw(1e-2), DEVICES[devices]())
-    unit = engine._units[1]
+    host = engine.host
+    unit = host.units[1]
     before = pointers((unit.params, unit.opt_state))
     bus_before = pointers(unit.bus)
     grads = random_grads(unit.params, np.random.default_rng(1))
+    on_host = lambda x: jax.device_put(x, engine.host_device, may_alias=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        engine._send_grads(1, grads)
-        engine._submit_update(1, jax.device_put(grads, engine.host_device), None)
+        if devices == "in_place":  # the bus kept: the update writes the new one into its buffer
+            host.submit(1, on_host(grads), on_host(jnp.float32(1.0)), on_host(jnp.float32(1.0)))
+        else:
+            submit(engine, 1, grads, 1.0)
         engine.wait()
     assert not [w for w in caught if "donated" in str(w.message)], [str(w.message) for w in caught]
     # Leaves that cannot move (the step count) may be re-allocated; every large buffer must not.
@@ -127,12 +142,38 @@ def test_update_reuses_buffers(devices):
     assert big and all(big)
     if devices == "in_place":
         assert pointers(unit.bus) == bus_before
-    else:  # the bus copy lives on the compute device; the host-side staging buffer is reused
-        staging = pointers(engine._staging[1])
-        engine._send_grads(2, grads)
-        engine._submit_update(2, jax.device_put(grads, engine.host_device), None)
+    else:  # the bus copy lives in the compute device's pinned memory; the staging buffer is reused
+        staging = pointers(host.staging[1])
+        submit(engine, 2, grads, 1.0)
         engine.wait()
-        assert pointers(engine._staging[1]) == staging
+        assert pointers(host.staging[1]) == staging
+    # As the step does it (bus released first): params and optax state still in place.
+    unit = host.units[3]
+    before = pointers((unit.params, unit.opt_state))
+    submit(engine, 3, grads, 1.0)
+    engine.wait()
+    big = [a == b for a, b, x in zip(before, pointers((unit.params, unit.opt_state)),
+                                      jax.tree.leaves((unit.params, unit.opt_state))) if x.size > 1]
+    assert big and all(big)
+    engine.close()
+
+
+@pytest.mark.parametrize("devices", DEVICES)
+def test_nonfinite_norm_changes_nothing(devices):
+    """A non-finite global norm: params and optax state stay as they were, bit for bit, and the
+    bus copy is rebuilt from them (the step released it)."""
+    engine = make_engine(optax.adam(1e-2), DEVICES[devices]())
+    engine.wait()
+    kept = jax.tree.map(np.asarray, engine.state())
+    grads = random_grads(kept["layers"][0]["params"], np.random.default_rng(4))
+    for u, norm in ((1, np.nan), (2, np.inf)):
+        submit(engine, u, grads, norm)
+    engine.wait()
+    for x, y in zip(jax.tree.leaves(engine.state()), jax.tree.leaves(kept), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), y)
+    for u in engine.host.units[1:3]:
+        for b, p in zip(jax.tree.leaves(u.bus), jax.tree.leaves(u.params), strict=True):
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(p.astype(jnp.bfloat16)))
     engine.close()
 
 
@@ -140,10 +181,9 @@ def test_custom_transform_whose_state_is_the_gradient():
     """A transform whose new state is its input gradient (no output aliases the donated state's
     role): the in-place path must still return exactly that gradient."""
     engine = make_engine(capture_grads(), DEVICES["in_place"](), compute_dtype=jnp.float32)
-    grads = random_grads(engine._units[2].params, np.random.default_rng(2))
+    grads = random_grads(engine.host.units[2].params, np.random.default_rng(2))
     expected = jax.tree.map(np.asarray, grads)
-    engine._send_grads(2, grads)
-    engine._submit_update(2, grads, None)
+    submit(engine, 2, grads, optax.tree.norm(grads))
     engine.wait()
     for x, y in zip(jax.tree.leaves(engine.state()["layers"][1]["opt_state"]),
                     jax.tree.leaves(expected), strict=True):
@@ -152,24 +192,26 @@ def test_custom_transform_whose_state_is_the_gradient():
 
 
 # ----------------------------------------------------------------------------- grad_dtype
-@pytest.mark.parametrize("max_grad_norm", [None, 1.0], ids=["noclip", "clip"])
-def test_bf16_gradients_cross_and_wait_on_the_host_as_bf16(max_grad_norm):
+def test_bf16_gradients_cross_and_wait_on_the_host_as_bf16():
     """grad_dtype=bf16: every gradient the host update receives is a bf16 array in host memory,
-    and half the fp32 bytes cross device -> host."""
+    the stages' (the merge of the first and last parts' gradients) included, and half the fp32
+    bytes cross device -> host. (Every unit's gradient waits on the host for the global norm, with
+    or without clipping, so one clipping setting covers both.)"""
     tokens = np.random.default_rng(3).integers(0, V, size=(2, 2, 9))
-    engine = make_engine(optax.adam(1e-2), DEVICES["staged"](), max_grad_norm,
-                         grad_dtype=jnp.bfloat16)
-    received = []
-    submit = engine._submit_update
-    engine._submit_update = lambda u, g, n: (received.append(g), submit(u, g, n))
+    engine = make_engine(optax.adam(1e-2), DEVICES["staged"](), 1.0, grad_dtype=jnp.bfloat16)
+    received = {}
+    host_submit = engine.host.submit  # observed: what each unit's update receives
+    engine.host.submit = lambda u, g, *a: (received.setdefault(u, g), host_submit(u, g, *a))
     engine.train_step(tokens[..., :-1], tokens[..., 1:])
     engine.wait()
-    assert len(received) == 1 + L
-    for leaf in jax.tree.leaves(received):
-        assert leaf.dtype == jnp.bfloat16 and leaf.devices() == {engine.host_device}
+    assert sorted(received) == list(range(1 + L))
+    for u, grads in received.items():
+        for leaf in jax.tree.leaves(grads):
+            assert leaf.devices() == {engine.host_device}, u
+            assert leaf.dtype == jnp.bfloat16, f"unit {u}'s gradient waits on the host as {leaf.dtype}"
     params = jax.tree.leaves(engine.params())
     assert all(p.dtype == jnp.float32 for p in params)  # master weights stay fp32
-    assert engine.bytes_d2h == 2 * sum(p.size for p in params)
+    assert engine.counters.bytes_d2h == 2 * sum(p.size for p in params)
     engine.close()
 
 
@@ -211,5 +253,5 @@ def test_grad_dtype_config_key():
              "model.num_heads=2", "model.num_kv_heads=2"]
     for given, expected in ([], jnp.float32), (["train.grad_dtype=bfloat16"], jnp.bfloat16):
         engine = build_engine(load_config(None, small + given))
-        assert engine.grad_dtype == expected
+        assert engine.host.grad_dtype == expected
         engine.close()
