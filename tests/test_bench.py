@@ -116,8 +116,18 @@ def test_bench_long_context_tiny(tmp_path):
     assert r["tokens_per_step"] == 256 and r["config"]["train"]["offload_activations"] is True
     assert len(run_["losses"]) == 2 and all(abs(x - math.log(512)) < 0.5 for x in run_["losses"])
     assert positive(run_["tokens_per_s"]) and len(run_["step_times_s"]) == 2
+    assert positive(run_["model_tflops"]) and "model TFLOP/s" in proc.stdout
+    assert run_["device_peak_bytes"] is None  # no memory_stats on the CPU
     assert 0 < rss["start"] <= rss["before_engine"] <= rss["after_engine"] <= rss["after_steps"]
     assert positive(plan["host_total"]) and positive(plan["device_peak"]) and plan["fits"]
     est = r["dense_estimate"]
     for fn in ("block_bwd", "head"):  # the dense path needs more: T x T scores, T x V logits
         assert 0 < est["long_context"][fn]["temp_bytes"] < est["dense"][fn]["temp_bytes"], fn
+
+
+def test_gpu_checklist_script_parses_and_refuses_an_unknown_part(tmp_path):
+    script = os.path.join(ROOT, "scripts", "gpu_checklist.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    proc = subprocess.run(["bash", script, "9"], capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, OUT=str(tmp_path)))
+    assert proc.returncode == 2 and "unknown part 9" in proc.stderr
