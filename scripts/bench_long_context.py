@@ -217,10 +217,8 @@ def memory_estimate(jax, engine, tokens) -> dict:
     `tokens` (B, T), compiled from abstract shapes (nothing runs, nothing is allocated)."""
     import jax.numpy as jnp
     abstract = lambda x, dtype=None: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype)
-    # Concrete example tokens: the engine's stage tracing does not take ShapeDtypeStruct targets
-    # (the chunked loss reshapes them), though its docstring says it does.
-    f = engine.device_functions(jnp.asarray(tokens, jnp.int32), jnp.asarray(tokens, jnp.int32))
     inputs = jax.ShapeDtypeStruct(tokens.shape, jnp.int32)
+    f = engine.device_functions(inputs, inputs)
     cdt, f32 = engine.host.compute_dtype, jnp.float32
     units = engine.host.units
     layer = jax.tree.map(lambda p: abstract(p, cdt), units[1].params)

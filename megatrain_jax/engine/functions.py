@@ -55,7 +55,11 @@ def _used_inputs(fn, leaves) -> tuple:
 
 
 def stage_parts(stages_def, stages_params, inputs, targets) -> StageParts:
-    """Traces first and last abstractly on example shapes to see which leaves each reads."""
+    """Traces first and last abstractly on example shapes to see which leaves each reads.
+    `inputs` and `targets` are arrays or jax.ShapeDtypeStruct (then zeros of that shape stand in:
+    token ids, small next to the weights)."""
+    example = lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x
+    inputs, targets = example(inputs), example(targets)
     leaves, treedef = jax.tree.flatten(stages_params)
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
 

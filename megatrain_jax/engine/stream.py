@@ -17,7 +17,9 @@ import jax
 @dataclasses.dataclass
 class Counters:
     """Running totals, for benchmarks and tests: bytes each way, seconds the host thread spent
-    updating, and seconds the step (main thread) waited for it, i.e. the exposed part."""
+    on updates (from taking a unit's update until its new bus copy is ready, so including any wait
+    for that unit's gradient and the global norm to be computed), and seconds the step (main
+    thread) waited for updates, i.e. the exposed part."""
     bytes_h2d: int = 0
     bytes_d2h: int = 0
     host_update_s: float = 0.0
