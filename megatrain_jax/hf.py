@@ -14,6 +14,7 @@ Layouts (HF stores Linear weights as (out, in)):
     q_proj (N*H, D) <-> wq (D, N, H)    k_proj, v_proj (K*H, D) <-> wk, wv (D, K, H)
     o_proj (D, N*H) <-> wo (N, H, D)    gate_proj, up_proj (F, D) <-> w_gate, w_up (D, F)
     down_proj (D, F) <-> w_down (F, D)  lm_head (V, D) <-> w_out (D, V)    embed_tokens (V, D) as is
+    q_norm, k_norm (H,) as is (Qwen3)
 """
 
 import json
@@ -37,7 +38,9 @@ class HFError(ValueError):
 
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                 "Qwen2ForCausalLM": "qwen2"}
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+# Architectures whose windows follow use_sliding_window / layer_types / max_window_layers.
+LAYERED_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 CONFIG_FILE, INDEX_FILE, SINGLE_FILE = "config.json", "model.safetensors.index.json", "model.safetensors"
 FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -131,7 +134,7 @@ def _check_types(hf: dict, where: str):
 def _sliding_window(hf: dict, arch: str, num_layers: int, where: str) -> int:
     """The sliding window of every layer (0: none), as transformers reads config.json.
 
-    Mistral slides every layer by `sliding_window` (null: none). Qwen2 slides layer i by
+    Mistral slides every layer by `sliding_window` (null: none). Qwen2 and Qwen3 slide layer i by
     `sliding_window` iff use_sliding_window and layer_types[i] == "sliding_attention", where
     layer_types, when absent, is derived as i >= max_window_layers. ModelConfig has one window for
     all layers, so a model whose layers differ is refused.
@@ -139,7 +142,7 @@ def _sliding_window(hf: dict, arch: str, num_layers: int, where: str) -> int:
     window = hf.get("sliding_window") or 0
     if arch == "MistralForCausalLM":
         return window
-    if arch != "Qwen2ForCausalLM" or not hf.get("use_sliding_window") or not window:
+    if arch not in LAYERED_WINDOWS or not hf.get("use_sliding_window") or not window:
         return 0
     layer_types = hf.get("layer_types")
     if layer_types is None:
@@ -178,7 +181,7 @@ def model_config_from_hf(model_dir: str) -> ModelConfig:
     arch = archs[0]
     if hf.get("hidden_act", "silu") != "silu":
         raise HFError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported (only silu)")
-    for option in ("attention_bias", "mlp_bias"):  # Llama options: o_proj / MLP biases
+    for option in ("attention_bias", "mlp_bias"):  # Llama/Qwen3 options: q/k/v/o, MLP biases
         if hf.get(option):
             raise HFError(f"{where}: {option}=true is not supported")
     _check_types(hf, where)
@@ -190,14 +193,15 @@ def model_config_from_hf(model_dir: str) -> ModelConfig:
                       num_layers=hf["num_hidden_layers"], num_heads=num_heads)
     except KeyError as e:
         raise HFError(f"{where}: missing {e.args[0]!r}") from None
-    head_dim = hf.get("head_dim") or 0
+    # Qwen3Config defaults head_dim to 128 (not hidden/heads) when config.json leaves it out
+    head_dim = hf.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else 0)
     sliding = _sliding_window(hf, arch, fields["num_layers"], where)
     try:
         cfg = ModelConfig(
             **fields, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=0 if head_dim * num_heads == hidden else head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            qkv_bias=arch == "Qwen2ForCausalLM",
+            qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             sliding_window=sliding, from_hf=model_dir, **_rope_options(hf, where))
     except (ValueError, TypeError) as e:
@@ -208,12 +212,16 @@ def model_config_from_hf(model_dir: str) -> ModelConfig:
 
 def _architecture(cfg: ModelConfig, base: dict) -> str:
     """The source model's architecture where it still describes cfg, else the one that does."""
+    if cfg.qkv_bias and cfg.qk_norm:  # Qwen3's attention_bias would also bias o_proj
+        raise HFError("export: no Hugging Face architecture has q/k/v biases (model.qkv_bias) "
+                      "and q/k norms (model.qk_norm) together")
     arch = (base.get("architectures") or [None])[0]
-    fits = {"Qwen2ForCausalLM": cfg.qkv_bias, "MistralForCausalLM": not cfg.qkv_bias,
-            "LlamaForCausalLM": not cfg.qkv_bias and not cfg.sliding_window}
+    plain = not cfg.qkv_bias and not cfg.qk_norm
+    fits = {"Qwen3ForCausalLM": cfg.qk_norm, "Qwen2ForCausalLM": cfg.qkv_bias,
+            "MistralForCausalLM": plain, "LlamaForCausalLM": plain and not cfg.sliding_window}
     if fits.get(arch):
         return arch
-    return ("Qwen2ForCausalLM" if cfg.qkv_bias else
+    return ("Qwen3ForCausalLM" if cfg.qk_norm else "Qwen2ForCausalLM" if cfg.qkv_bias else
             "MistralForCausalLM" if cfg.sliding_window else "LlamaForCausalLM")
 
 
@@ -244,7 +252,9 @@ def hf_config(cfg: ModelConfig, *, dtype: str, max_position_embeddings: int,
         out.update(attention_bias=False, mlp_bias=False)
     elif arch == "MistralForCausalLM":
         out["sliding_window"] = cfg.sliding_window or None
-    else:  # transformers slides layer i iff use_sliding_window and i >= max_window_layers
+    else:  # Qwen2/3: transformers slides layer i iff use_sliding_window and i >= max_window_layers
+        if arch == "Qwen3ForCausalLM":
+            out["attention_bias"] = False
         out.update(use_sliding_window=bool(cfg.sliding_window),
                    sliding_window=cfg.sliding_window or None)
         if cfg.sliding_window:
@@ -281,6 +291,9 @@ def block_tensors(cfg: ModelConfig, layer: int) -> list:
         out += [(p + "self_attn.q_proj.bias", (n * h,), "q_bias", False),
                 (p + "self_attn.k_proj.bias", (k * h,), "k_bias", False),
                 (p + "self_attn.v_proj.bias", (k * h,), "v_bias", False)]
+    if cfg.qk_norm:
+        out += [(p + "self_attn.q_norm.weight", (h,), "q_norm", False),
+                (p + "self_attn.k_norm.weight", (h,), "k_norm", False)]
     out += [(p + "post_attention_layernorm.weight", (d,), "mlp_norm", False),
             (p + "mlp.gate_proj.weight", (f, d), "w_gate", True),
             (p + "mlp.up_proj.weight", (f, d), "w_up", True),
@@ -569,6 +582,8 @@ def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None,
         except HFError:
             base = None
         max_positions = meta.get("config", {}).get("data", {}).get("seq_len", 2048)
+        # before any shard is written: a model no HF architecture describes fails here
+        config = hf_config(cfg, dtype=dtype, max_position_embeddings=max_positions, base=base)
         np_dtype = EXPORT_DTYPES[dtype]
         shards = _plan_shards(tensors, np.dtype(np_dtype).itemsize, shard_bytes)
         names = ([SINGLE_FILE] if len(shards) == 1 else
@@ -591,8 +606,7 @@ def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None,
                     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
                               indent=2)
             with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
-                json.dump(hf_config(cfg, dtype=dtype, max_position_embeddings=max_positions,
-                                    base=base), f, indent=2)
+                json.dump(config, f, indent=2)
             # mkdtemp makes the directory private (0700); give the result the usual permissions.
             umask = os.umask(0)
             os.umask(umask)

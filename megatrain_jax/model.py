@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2) as Flax NNX modules.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) as Flax NNX modules.
 
 The model knows nothing about streaming: it is three plain modules, `Embed`, `Block` and `LMHead`,
 that the engine (or a plain reference loop) calls in order. `Execution` says how they compute
@@ -31,6 +31,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     qkv_bias: bool = False  # Qwen2
+    # Qwen3: RMSNorm over the head dimension of each query and key head (one (H,) scale each,
+    # shared by the heads), after the projections and before RoPE.
+    qk_norm: bool = False
     tie_embeddings: bool = False
     init_std: float = 0.02
     # RoPE frequency scaling as in HF: "" (none), "linear" (all frequencies / factor) or "llama3"
@@ -76,7 +79,8 @@ class ModelConfig:
     def num_params(self, *, include_embeddings: bool = True) -> int:
         d, f, h = self.hidden_size, self.intermediate_size, self.head_size
         n, k = self.num_heads, self.num_kv_heads
-        attn = d * n * h * 2 + d * k * h * 2 + (n + 2 * k) * h * self.qkv_bias
+        attn = (d * n * h * 2 + d * k * h * 2 + (n + 2 * k) * h * self.qkv_bias
+                + 2 * h * self.qk_norm)
         block = attn + 3 * d * f + 2 * d
         embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.num_layers * block + d + (embed if include_embeddings else 0)
@@ -195,6 +199,9 @@ class Block(nnx.Module):
             self.q_bias = nnx.Param(jnp.zeros((n, h), jnp.float32))
             self.k_bias = nnx.Param(jnp.zeros((k, h), jnp.float32))
             self.v_bias = nnx.Param(jnp.zeros((k, h), jnp.float32))
+        if cfg.qk_norm:  # only then: other models' parameter trees (and checkpoints) are unchanged
+            self.q_norm = nnx.Param(jnp.ones((h,), jnp.float32))
+            self.k_norm = nnx.Param(jnp.ones((h,), jnp.float32))
         self.mlp_norm = nnx.Param(jnp.ones((d,), jnp.float32))
         self.w_gate = nnx.Param(init(rngs.params(), (d, f), jnp.float32))
         self.w_up = nnx.Param(init(rngs.params(), (d, f), jnp.float32))
@@ -216,6 +223,9 @@ class Block(nnx.Module):
             v = jnp.einsum("btd,dkh->btkh", y, self.wv[...])
             if cfg.qkv_bias:
                 q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+            if cfg.qk_norm:  # over H of each head, before RoPE (Qwen3)
+                q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
+                k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
             inv_freq = rope_inv_freq(cfg)
             q, k = apply_rope(q, inv_freq, positions), apply_rope(k, inv_freq, positions)
             attn = attention(q, k, v, implementation=ex.attention, segment_ids=segment_ids,

@@ -40,6 +40,8 @@ ARCHS = {  # each exercises a different option
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(
         rope_theta=20000.0, rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6)),  # qkv bias
+    # q/k norms; an explicit head_dim (32) unlike hidden / heads (16)
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_theta=1e6)),
 }
 
 
@@ -151,14 +153,16 @@ def test_import_matches_transformers_logits_loss_and_grads(hf_dirs, arch):
     model, path = hf_dirs[arch]
     cfg = assert_matches_transformers(model, path, *batch())
     assert cfg.tie_embeddings == (arch == "llama") and cfg.qkv_bias == (arch == "qwen2")
-    assert cfg.rope_scaling == {"llama": "llama3", "mistral": "linear", "qwen2": ""}[arch]
+    assert cfg.qk_norm == (arch == "qwen3") and cfg.head_size == (32 if arch == "qwen3" else 16)
+    assert cfg.rope_scaling == {"llama": "llama3", "mistral": "linear"}.get(arch, "")
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps) == (4, 2, 1e-5)
-    assert cfg.sliding_window == {"llama": 0, "mistral": 4096, "qwen2": 0}[arch]
+    assert cfg.sliding_window == (4096 if arch == "mistral" else 0)
 
 
-# Every layer slides: Mistral always, Qwen2 from layer max_window_layers on.
+# Every layer slides: Mistral always, Qwen2 and Qwen3 from layer max_window_layers on.
 WINDOWED = {"mistral": dict(sliding_window=5),
-            "qwen2": dict(use_sliding_window=True, sliding_window=5, max_window_layers=0)}
+            "qwen2": dict(use_sliding_window=True, sliding_window=5, max_window_layers=0),
+            "qwen3": dict(use_sliding_window=True, sliding_window=5, max_window_layers=0)}
 
 
 @pytest.fixture(scope="module")
@@ -182,9 +186,9 @@ def test_sliding_window_matches_transformers_beyond_the_window(windowed_dirs, ar
 
 @pytest.mark.parametrize("arch", WINDOWED)
 def test_exported_config_means_the_same_window(hf_dirs, windowed_dirs, arch, tmp_path):
-    """config.json as export writes it, over a source config without a window (qwen2: its
-    layer_types and max_window_layers say "no layer slides"), reads back, in transformers and
-    here, as the window on every layer."""
+    """config.json as export writes it, over a source config without a window (qwen2, qwen3:
+    their layer_types and max_window_layers say "no layer slides"), reads back, in transformers
+    and here, as the window on every layer."""
     _, path = windowed_dirs[arch]
     cfg = hf.model_config_from_hf(path)
     out = tmp_path / "model"
@@ -194,10 +198,26 @@ def test_exported_config_means_the_same_window(hf_dirs, windowed_dirs, arch, tmp
     (out / "config.json").write_text(json.dumps(written))
     config = transformers.AutoConfig.from_pretrained(out)
     assert config.sliding_window == 5
-    if arch == "qwen2":
+    if arch != "mistral":
         assert config.layer_types == ["sliding_attention"] * cfg.num_layers
     assert dataclasses.replace(hf.model_config_from_hf(str(out)), from_hf="") == \
         dataclasses.replace(cfg, from_hf="")
+
+
+def test_export_config_of_a_qk_norm_model_is_qwen3(hf_dirs, tmp_path):
+    """With no source config, or one of another architecture, q/k norms export as Qwen3; no HF
+    architecture has both q/k/v biases and q/k norms, so that is refused."""
+    cfg = dataclasses.replace(hf.model_config_from_hf(hf_dirs["qwen3"][1]), from_hf="")
+    for base in (None, hf.read_hf_config(hf_dirs["llama"][1])):
+        written = hf.hf_config(cfg, dtype="float32", max_position_embeddings=64, base=base)
+        (tmp_path / "config.json").write_text(json.dumps(written))
+        config = transformers.AutoConfig.from_pretrained(tmp_path)
+        assert type(config).__name__ == "Qwen3Config"
+        assert config.architectures == ["Qwen3ForCausalLM"]
+        assert (config.head_dim, config.attention_bias, config.sliding_window) == (32, False, None)
+    with pytest.raises(hf.HFError, match=r"model\.qkv_bias.*model\.qk_norm"):
+        hf.hf_config(dataclasses.replace(cfg, qkv_bias=True), dtype="float32",
+                     max_position_embeddings=64)
 
 
 def test_sharded_checkpoint_has_several_shards(hf_dirs):
@@ -207,7 +227,7 @@ def test_sharded_checkpoint_has_several_shards(hf_dirs):
     assert len(set(index["weight_map"].values())) >= 3
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # tied embeddings; qkv biases
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # tied; qkv biases; q/k norms
 def test_one_streamed_adamw_step_equals_torch_adamw(hf_dirs, arch):
     _, path = hf_dirs[arch]
     model = make_hf_model(arch)  # a fresh copy: this test changes its weights
@@ -262,19 +282,34 @@ def save_checkpoint(run_dir, cfg, state, step):
 
 
 @pytest.fixture(scope="module")
-def run_dir(hf_dirs, tmp_path_factory):
-    """A run directory whose checkpoint (step 3) holds the imported qwen2 model, perturbed so the
-    export cannot pass by copying the source files, plus an older step 1."""
-    cfg, _, _, params = import_model(hf_dirs["qwen2"][1])
-    params = jax.tree.map(lambda p: p + 0.01 * jnp.sin(jnp.arange(p.size).reshape(p.shape)),
-                          params)
-    units = [params["stages"], *params["layers"]]
-    state = {"stages": {"params": units[0], "opt_state": optax.adam(1e-3).init(units[0])},
-             "layers": [{"params": u, "opt_state": optax.adam(1e-3).init(u)} for u in units[1:]]}
-    path = str(tmp_path_factory.mktemp("run"))
-    save_checkpoint(path, cfg, jax.tree.map(jnp.zeros_like, state), 1)
-    save_checkpoint(path, cfg, state, 3)
-    return path, cfg, as_hf(cfg, params)
+def run_dirs(hf_dirs, tmp_path_factory):
+    """arch -> a run directory whose checkpoint (step 3) holds the imported model of `arch`,
+    perturbed so the export cannot pass by copying the source files, plus an older step 1; made
+    on first use, as (path, cfg, {HF name: expected fp32 tensor})."""
+    made = {}
+
+    def make(arch):
+        if arch not in made:
+            cfg, _, _, params = import_model(hf_dirs[arch][1])
+            params = jax.tree.map(
+                lambda p: p + 0.01 * jnp.sin(jnp.arange(p.size).reshape(p.shape)), params)
+            units = [params["stages"], *params["layers"]]
+            state = {"stages": {"params": units[0], "opt_state": optax.adam(1e-3).init(units[0])},
+                     "layers": [{"params": u, "opt_state": optax.adam(1e-3).init(u)}
+                                for u in units[1:]]}
+            path = str(tmp_path_factory.mktemp(f"run_{arch}"))
+            save_checkpoint(path, cfg, jax.tree.map(jnp.zeros_like, state), 1)
+            save_checkpoint(path, cfg, state, 3)
+            made[arch] = path, cfg, as_hf(cfg, params)
+        return made[arch]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def run_dir(run_dirs):
+    """The qwen2 run directory (several shards, biases)."""
+    return run_dirs("qwen2")
 
 
 def export(*args):
@@ -285,18 +320,23 @@ def export(*args):
     return module.main(list(args))
 
 
-def test_export_from_pretrained_round_trip_is_exact(run_dir, tmp_path):
-    path, cfg, expected = run_dir
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_export_from_pretrained_round_trip_is_exact(run_dirs, arch, tmp_path):
+    path, cfg, expected = run_dirs(arch)
     out = str(tmp_path / "exported")
     assert export("--run-dir", path, "--out", out, "--shard-size", "30KB") == 0
     files = os.listdir(out)
     assert hf.INDEX_FILE in files and sum(f.endswith(".safetensors") for f in files) >= 3
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
-    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert type(model).__name__ == ARCHS[arch][1]
     loaded = torch_params(model)
     assert sorted(loaded) == sorted(expected)
     for name in expected:  # identical, not close: fp32 in, fp32 out
         np.testing.assert_array_equal(loaded[name], expected[name], err_msg=name)
+    if arch == "qwen3":  # the config means the same model too: transformers' logits are ours
+        assert model.config.head_dim == 32 and not model.config.attention_bias
+        model.config._attn_implementation = "eager"
+        assert_matches_transformers(model.eval(), out, *batch())
     # and our own importer reads the export back to the same config and weights
     cfg2, _, _, params2 = import_model(out)
     assert dataclasses.replace(cfg2, from_hf="") == dataclasses.replace(cfg, from_hf="")
@@ -359,9 +399,11 @@ def _break(path, how):
         index = json.load(open(os.path.join(path, hf.INDEX_FILE)))
         os.remove(os.path.join(path, sorted(set(index["weight_map"].values()))[1]))
     elif how in ("shape mismatch", "unsupported architecture", "unsupported rope",
-                 "window on some layers", "window on some layer_types"):
+                 "window on some layers", "window on some layer_types", "qwen3 attention_bias"):
         config = json.load(open(os.path.join(path, "config.json")))
-        if how.startswith("window on some"):  # qwen2: layer i slides iff i >= max_window_layers
+        if how == "qwen3 attention_bias":  # Qwen3's q/k/v/o biases: not supported
+            config["attention_bias"] = True
+        elif how.startswith("window on some"):  # qwen2: layer i slides iff i >= max_window_layers
             config.update(use_sliding_window=True, sliding_window=5, max_window_layers=1)
             if how == "window on some layers":
                 config.pop("layer_types", None)
@@ -386,7 +428,10 @@ BAD_DIRS = {"missing config.json": re.escape("config.json not found"),
             "missing shard": re.escape("is missing (listed in model.safetensors.index.json)"),
             "shape mismatch": r"model\.layers\.0\.mlp\.\w+_proj\.weight has shape \((96, 64|64, 96)\), "
                               r"config\.json implies \((128, 64|64, 128)\)",
-            "unsupported architecture": re.escape("unsupported architecture GPT2LMHeadModel"),
+            "unsupported architecture": re.escape(
+                "unsupported architecture GPT2LMHeadModel (supported: LlamaForCausalLM, "
+                "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"),
+            "qwen3 attention_bias": re.escape("config.json: attention_bias=true is not supported"),
             "unsupported rope": re.escape("rope scaling type 'yarn' is not supported"),
             "window on some layers": re.escape("use_sliding_window, max_window_layers give 1 of 2 "
                                                "layers a sliding window"),
@@ -398,7 +443,7 @@ BAD_DIRS = {"missing config.json": re.escape("config.json not found"),
 @pytest.mark.parametrize("how", BAD_DIRS)
 def test_bad_directory_is_one_line_exit_2(hf_dirs, tmp_path, capsys, how):
     path = str(tmp_path / "model")
-    shutil.copytree(hf_dirs["qwen2"][1], path)
+    shutil.copytree(hf_dirs["qwen3" if how.startswith("qwen3") else "qwen2"][1], path)
     _break(path, how)
     assert run_cli(lambda: load_config(None, [f"model.from_hf={path}"])) == 2
     err = capsys.readouterr().err.strip().splitlines()

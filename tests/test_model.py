@@ -139,6 +139,46 @@ def test_blockwise_attention_in_a_block_equals_xla(windowed_block):
     _assert_trees_close(_out_and_grads(blockwise, params, x, context, r), expected, 1e-5)
 
 
+def test_qk_norm_normalises_each_query_and_key_head():
+    """Qwen3's q/k norms: only a qk_norm block has them ((H,) each, counted by num_params), and
+    they are applied: the output differs from the same weights without them, depends on their
+    scales, and no longer depends on the size of any one query or key head."""
+    # H = 16, not hidden / heads; eps ~0, so that rescaling a head is undone exactly (fp32 rounding)
+    cfg = dataclasses.replace(CFG, qk_norm=True, head_dim=16, rms_norm_eps=1e-10)
+    plain_cfg = dataclasses.replace(cfg, qk_norm=False)
+    abstract, plain_abstract = (nnx.eval_shape(lambda c=c: make_block(c, 0, 0))
+                                for c in (cfg, plain_cfg))
+    params = nnx.to_pure_dict(_random_params(abstract, 0))
+    assert params["q_norm"].shape == params["k_norm"].shape == (16,)
+    plain_params = nnx.to_pure_dict(nnx.state(plain_abstract))
+    assert set(params) - set(plain_params) == {"q_norm", "k_norm"}
+    for c, a in ((cfg, abstract), (plain_cfg, plain_abstract)):
+        block = sum(x.size for x in jax.tree.leaves(nnx.state(a)))
+        stages = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(
+            lambda: make_stages(c, 0)))))
+        assert c.num_params() == c.num_layers * block + stages
+    assert cfg.num_params() - plain_cfg.num_params() == cfg.num_layers * 2 * 16
+
+    def run(a, p, x):
+        state = nnx.state(a)
+        nnx.replace_by_pure_dict(state, p)
+        return nnx.merge(nnx.graphdef(a), state)(x)
+
+    run = jax.jit(run, static_argnums=0)
+    x = _normal(7, 2, 9, cfg.hidden_size)
+    out = run(abstract, params, x)
+    without = {k: v for k, v in params.items() if k not in ("q_norm", "k_norm")}
+    assert np.abs(out - run(plain_abstract, without, x)).max() > 1e-2
+    for key in ("q_norm", "k_norm"):
+        assert np.abs(out - run(abstract, {**params, key: 2 * params[key]}, x)).max() > 1e-2
+    # one query head and one key head scaled: rms_norm over H undoes it (not over all heads)
+    scaled = {**params, "wq": params["wq"].at[:, 1].multiply(5.0),
+              "wk": params["wk"].at[:, 0].multiply(0.2)}
+    np.testing.assert_allclose(run(abstract, scaled, x), out, rtol=0, atol=1e-5)
+    assert np.abs(out - run(plain_abstract, {k: v for k, v in scaled.items()
+                                             if k in without}, x)).max() > 1e-2
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_head_returns_loss_sum_and_count_of_counted_tokens(tie):
     cfg = dataclasses.replace(CFG, tie_embeddings=tie)
