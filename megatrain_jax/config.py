@@ -7,6 +7,7 @@ message that names the key.
 """
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -23,11 +24,25 @@ class ConfigError(ValueError):
     pass
 
 
+SCHEDULES = ("cosine", "linear", "constant", "wsd")  # optimizer.schedule
+
+
+def did_you_mean(key: str, choices, prefix: str = "") -> str:
+    """` (did you mean <prefix><closest>?)` for the closest of choices to key, or ""."""
+    close = difflib.get_close_matches(key, list(choices), n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     learning_rate: float = 3e-3
-    warmup_steps: int = 10
-    min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio at train.steps
+    warmup_steps: int = 10  # linear warmup from 0 to learning_rate
+    # After the warmup: cosine or linear decay to learning_rate * min_lr_ratio at train.steps,
+    # constant, or wsd (warmup-stable-decay: constant, then a linear decay over the last
+    # decay_fraction of train.steps to learning_rate * min_lr_ratio).
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+    decay_fraction: float = 0.1  # wsd only
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
@@ -122,7 +137,8 @@ def _build(cls, data: dict, prefix: str):
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ConfigError(f"unknown config key: {prefix}{unknown[0]}")
+        raise ConfigError(f"unknown config key: {prefix}{unknown[0]}"
+                          f"{did_you_mean(unknown[0], fields, prefix)}")
     kwargs = {}
     for name, value in data.items():
         f = fields[name]
@@ -148,14 +164,21 @@ def _set_dotted(tree: dict, dotted: str, value):
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML with 1.2 floats and no duplicate keys. PyYAML implements YAML 1.1, whose floats need a
-    dot and a signed exponent (1.0e+30), so `2e-5` or `1e30` would load as strings."""
+    """YAML with 1.2 numbers and no duplicate keys. PyYAML implements YAML 1.1, whose floats need a
+    dot and a signed exponent (1.0e+30), so `2e-5` or `1e30` would load as strings, and whose ints
+    read `010` as octal 8 and `1:30` as 90."""
 
 
+_FLOAT, _INT = "tag:yaml.org,2002:float", "tag:yaml.org,2002:int"
 _Loader.yaml_implicit_resolvers = {
-    first: [r for r in resolvers if r[0] != "tag:yaml.org,2002:float"]
+    first: [r for r in resolvers if r[0] not in (_FLOAT, _INT)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"""^(?:
+# YAML 1.2 ints (decimal, 0x hex, 0o octal), with underscores as digit separators (1_000).
+_Loader.add_implicit_resolver(_INT, re.compile(r"^(?:[-+]?[0-9][0-9_]*|0x[0-9a-fA-F_]+|0o[0-7_]+)$"),
+                              list("-+0123456789"))
+_Loader.add_constructor(_INT, lambda loader, node: int(
+    loader.construct_scalar(node).replace("_", ""), 0 if node.value[:2] in ("0x", "0o") else 10))
+_Loader.add_implicit_resolver(_FLOAT, re.compile(r"""^(?:
     [-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
     |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
     |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
@@ -279,16 +302,23 @@ def _check(cfg: Config):
             ("b2", opt.b2, 0 <= opt.b2 < 1, "in [0, 1)"),
             ("eps", opt.eps, opt.eps >= 0, ">= 0"),
             ("weight_decay", opt.weight_decay, opt.weight_decay >= 0, ">= 0"),
-            ("min_lr_ratio", opt.min_lr_ratio, 0 <= opt.min_lr_ratio <= 1, "in [0, 1]")]:
+            ("min_lr_ratio", opt.min_lr_ratio, 0 <= opt.min_lr_ratio <= 1, "in [0, 1]"),
+            ("decay_fraction", opt.decay_fraction, 0 < opt.decay_fraction <= 1, "in (0, 1]")]:
         if not ok:
             raise ConfigError(f"optimizer.{key} must be {rule}, got {value}")
+    if opt.schedule not in SCHEDULES:
+        raise ConfigError(f"optimizer.schedule must be one of {', '.join(SCHEDULES)}, "
+                          f"got {opt.schedule!r}{did_you_mean(opt.schedule, SCHEDULES)}")
     if cfg.checkpoint.resume_step < -1:
         raise ConfigError(f"checkpoint.resume_step must be a step >= 0 or -1 (the latest), "
                           f"got {cfg.checkpoint.resume_step}")
     under = lambda key, keys: any(k == key or k.startswith(key + ".") for k in keys)
     for key in cfg.checkpoint.allow_changes:  # a key or a section, e.g. train.steps, optimizer
-        if not under(key, _flatten(to_dict(cfg))):
-            raise ConfigError(f"checkpoint.allow_changes: unknown config key {key}")
+        flat = _flatten(to_dict(cfg))
+        if not under(key, flat):
+            sections = {k.rpartition(".")[0] for k in flat} - {""}
+            raise ConfigError(f"checkpoint.allow_changes: unknown config key {key}"
+                              f"{did_you_mean(key, [*flat, *sections])}")
         if not under(key, resume_keys(cfg)):
             raise ConfigError(f"checkpoint.allow_changes: {key} is never compared on resume (it "
                               f"may change freely); compared: {', '.join(RESUME_KEYS)}")

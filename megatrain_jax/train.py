@@ -1,6 +1,6 @@
 """`train(config)`: the Llama-family model on the streamed engine, with a plain loop.
 
-scripts/train.py is a thin CLI over this module.
+scripts/train.py and `megatrain train` (megatrain_jax.commands) are a thin CLI over this module.
 """
 
 import contextlib
@@ -54,12 +54,46 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
-def build_optimizer(cfg, total_steps: int) -> optax.GradientTransformation:
-    """AdamW with linear warmup and cosine decay. Clipping is the engine's (`max_grad_norm`)."""
+def build_schedule(cfg, total_steps: int) -> optax.Schedule:
+    """The learning rate of optimizer update `count` (0 for the first), from cfg (an
+    OptimizerConfig): a linear warmup from 0 to learning_rate over warmup_steps, then
+    `cfg.schedule`:
+
+        cosine    cosine decay to learning_rate * min_lr_ratio at count total_steps
+        linear    linear decay to learning_rate * min_lr_ratio at count total_steps
+        constant  learning_rate
+        wsd       learning_rate, then a linear decay over the last decay_fraction of total_steps
+                  (at least one step; never into the warmup) to learning_rate * min_lr_ratio at
+                  count total_steps
+
+    The warmup is cut to total_steps - 1 steps when longer."""
+    lr, end = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=warmup,
-        decay_steps=max(total_steps, warmup + 1), end_value=cfg.learning_rate * cfg.min_lr_ratio)
+    last = max(total_steps, warmup + 1)  # the count at which a decay reaches `end`
+    if cfg.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0, peak_value=lr, warmup_steps=warmup, decay_steps=last, end_value=end)
+    if cfg.schedule == "linear":
+        parts = [(warmup, optax.linear_schedule(lr, end, last - warmup))]
+    elif cfg.schedule == "constant":
+        parts = [(warmup, optax.constant_schedule(lr))]
+    elif cfg.schedule == "wsd":
+        decay_start = max(warmup, last - max(1, round(cfg.decay_fraction * total_steps)))
+        parts = [(warmup, optax.constant_schedule(lr)),
+                 (decay_start, optax.linear_schedule(lr, end, last - decay_start))]
+    else:
+        raise ConfigError(f"optimizer.schedule: unknown schedule {cfg.schedule!r}")
+    if warmup:
+        parts.insert(0, (0, optax.linear_schedule(0.0, lr, warmup)))
+    parts = [(start, fn) for i, (start, fn) in enumerate(parts)  # drop empty segments
+             if i + 1 == len(parts) or parts[i + 1][0] > start]
+    return optax.join_schedules([fn for _, fn in parts], [start for start, _ in parts[1:]])
+
+
+def build_optimizer(cfg, total_steps: int) -> optax.GradientTransformation:
+    """AdamW with the learning-rate schedule of build_schedule. Clipping is the engine's
+    (`max_grad_norm`)."""
+    schedule = build_schedule(cfg, total_steps)
     return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                        weight_decay=cfg.weight_decay, mask=decay_mask)
 

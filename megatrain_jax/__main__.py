@@ -1,0 +1,6 @@
+"""`python -m megatrain_jax train|plan|export ...`: the same as the `megatrain` console script."""
+
+from megatrain_jax.commands import main
+
+if __name__ == "__main__":
+    main(prog="python -m megatrain_jax")

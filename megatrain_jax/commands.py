@@ -1,0 +1,206 @@
+"""The command line: `megatrain train|plan|export ...` (also `python -m megatrain_jax ...`).
+
+    megatrain train --config configs/tiny.yaml [key=value ...]       # = scripts/train.py
+    megatrain plan --config configs/llama3_8b.yaml [--device h100]   # = scripts/plan.py
+    megatrain export --run-dir runs/ft --out hf_out                  # = scripts/export_hf.py
+
+Each command is a function here, `fn(argv=None, prog=None) -> exit code`, that the scripts in
+scripts/ call too. Exit codes as in megatrain_jax.cli: 0 done, 2 bad input (one line on stderr,
+`error: ...`), 1 a fault during the run. The heavy imports (jax, the model) wait until a command
+runs, so `megatrain --help` is quick.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, like every other bad input
+        from megatrain_jax.config import ConfigError
+        raise ConfigError(message)
+
+
+def _run(parse, go) -> int:
+    """run_cli(go(parse())): a bad argument is a one-line error and exit 2 as well."""
+    from megatrain_jax.cli import run_cli
+    return run_cli(lambda: go(parse()))
+
+
+# ----------------------------------------------------------------------------- train
+
+TRAIN_HELP = "Train a model on the streamed engine."
+
+
+def train(argv=None, prog=None) -> int:
+    """`megatrain train --config FILE [key=value ...]`: overrides are dotted config keys,
+    e.g. `train.steps=20 run_dir=/tmp/run data.seq_len=256`."""
+    parser = _Parser(prog=prog, description=TRAIN_HELP,
+                     epilog="Overrides are dotted config keys: train.steps=20 run_dir=/tmp/run "
+                            "data.seq_len=256 (every key: megatrain_jax/config.py).")
+    parser.add_argument("--config", help="YAML config file (defaults apply without one)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+
+    def go(args):
+        from megatrain_jax.config import load_config
+        from megatrain_jax.train import train as train_run
+        train_run(load_config(args.config, args.overrides))
+
+    return _run(lambda: parser.parse_args(argv), go)
+
+
+# ----------------------------------------------------------------------------- plan
+
+PLAN_HELP = "Plan a run's host RAM and device memory before starting it."
+PLAN_EPILOG = """\
+--device is a preset (h100, h200, gh200; default h100) or `local`: this machine's first device.
+--sweep prints one row per sequence length instead of the full report. --json writes the plan
+(or the sweep's plans) as JSON. Nothing of the model is allocated; on a CPU it takes seconds to a
+minute for an 8B model (it compiles the step's functions to read their workspaces)."""
+
+
+def _machine(args):
+    from megatrain_jax.config import ConfigError
+    from megatrain_jax.plan import MACHINES, machine_from_device
+    if args.device == "local":
+        machine = machine_from_device(host_memory_gb=args.host_memory_gb)
+    elif args.device in MACHINES:
+        machine = MACHINES[args.device]
+    else:
+        raise ConfigError(f"--device {args.device!r}: expected local or one of "
+                          f"{', '.join(MACHINES)}")
+    for key in ("host_memory_gb", "device_memory_gb"):
+        value = getattr(args, key)
+        if value is not None:
+            if value <= 0:
+                raise ConfigError(f"--{key.replace('_', '-')} must be > 0, got {value:g}")
+            machine = dataclasses.replace(machine, **{key: value})
+    return machine
+
+
+def _seq_lens(text: str) -> list:
+    from megatrain_jax.config import ConfigError
+    try:
+        lens = [int(s) for s in text.split(",")]
+    except ValueError:
+        lens = []
+    if not lens or min(lens) < 1:
+        raise ConfigError(f"--sweep {text!r}: expected sequence lengths like 8192,32768")
+    return lens
+
+
+def _sweep_table(rows) -> str:
+    from megatrain_jax.plan import format_bytes
+    head = "| seq_len | host total | device peak | peak phase | offload | fits | largest seq |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for seq, p in rows:
+        lines.append(f"| {seq:,} | {format_bytes(p.host_total)} | {format_bytes(p.device_peak)} | "
+                     f"{p.peak_phase} | {'on' if p.offload_activations else 'off'} | "
+                     f"{'yes' if p.fits else 'no'} | {p.largest_seq_len:,} |")
+    return "\n".join(lines)
+
+
+def plan(argv=None, prog=None) -> int:
+    """`megatrain plan --config FILE [key=value ...] [--device h100] [--sweep 8192,32768]
+    [--json FILE]`: prints the memory plan of the run (megatrain_jax.plan)."""
+    parser = _Parser(prog=prog, description=PLAN_HELP, epilog=PLAN_EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config file (defaults apply without one)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    parser.add_argument("--device", default="h100", help="h100, h200, gh200 or local")
+    parser.add_argument("--host-memory-gb", type=float, help="host RAM the run may use (GB)")
+    parser.add_argument("--device-memory-gb", type=float, help="device memory the run may use (GB)")
+    parser.add_argument("--sweep", help="comma-separated data.seq_len values, one row each")
+    parser.add_argument("--json", help="write the plan(s) to this file")
+
+    def go(args):
+        from megatrain_jax.config import load_config
+        from megatrain_jax.plan import GB, format_bytes, plan as make_plan
+        machine = _machine(args)
+        if args.sweep:
+            seq_lens = _seq_lens(args.sweep)
+            rows = [(s, make_plan(load_config(args.config, [*args.overrides, f"data.seq_len={s}"]),
+                                  machine)) for s in seq_lens]
+            print(f"{machine.name}: device {format_bytes(machine.device_memory_gb * GB)}, "
+                  f"host {format_bytes(machine.host_memory_gb * GB)}")
+            print(_sweep_table(rows))
+            out = [{"seq_len": s, **p.to_dict()} for s, p in rows]
+        else:
+            p = make_plan(load_config(args.config, args.overrides), machine)
+            print(p.report())
+            out = p.to_dict()
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+
+    return _run(lambda: parser.parse_args(argv), go)
+
+
+# ----------------------------------------------------------------------------- export
+
+EXPORT_HELP = ("Export a checkpoint as a Hugging Face model directory (safetensors shards + index "
+               "+ config.json).")
+
+
+def export(argv=None, prog=None) -> int:
+    """`megatrain export --run-dir DIR --out HF_DIR [--step N] [--dtype bfloat16]
+    [--shard-size 2GB]`: reads only the parameters of the checkpoint, a shard at a time; needs no
+    GPU. The result loads with `transformers.AutoModelForCausalLM.from_pretrained(out)`."""
+    parser = _Parser(prog=prog, description=EXPORT_HELP,
+                     epilog="Reads only the parameters of the checkpoint, a shard at a time; needs "
+                            "no GPU. The result loads with "
+                            "transformers.AutoModelForCausalLM.from_pretrained(out).")
+    parser.add_argument("--run-dir", required=True, help="the run directory (holds checkpoints/)")
+    parser.add_argument("--out", required=True, help="the HF directory to write (new or empty)")
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    from megatrain_jax.hf import EXPORT_DTYPES
+    parser.add_argument("--dtype", default="float32", choices=list(EXPORT_DTYPES))
+    parser.add_argument("--shard-size", default="2GB", help="largest shard, e.g. 2GB, 500MB")
+
+    def go(args):
+        from megatrain_jax.hf import export_checkpoint
+        export_checkpoint(args.run_dir, args.out, step=args.step, dtype=args.dtype,
+                          shard_size=args.shard_size)
+
+    return _run(lambda: parser.parse_args(argv), go)
+
+
+# ----------------------------------------------------------------------------- megatrain
+
+COMMANDS = {"train": (train, TRAIN_HELP), "plan": (plan, PLAN_HELP),
+            "export": (export, EXPORT_HELP)}
+
+
+def usage(prog: str) -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"usage: {prog} {{{','.join(COMMANDS)}}} [options]", "",
+             "Train models larger than GPU memory on one GPU (megatrain_jax).", "", "commands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
+    lines += ["", f"`{prog} COMMAND --help` lists a command's options."]
+    return "\n".join(lines)
+
+
+def run(argv=None, prog: str = "megatrain") -> int:
+    """Dispatches `argv` (default sys.argv[1:]) to a command; returns its exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(prog), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        print(f"error: unknown command {name!r}{hint}; expected one of {', '.join(COMMANDS)} "
+              f"(`{prog} --help`)", file=sys.stderr)
+        return 2
+    return COMMANDS[name][0](rest, prog=f"{prog} {name}")
+
+
+def main(argv=None, prog: str = "megatrain"):
+    """The console script `megatrain` (and `python -m megatrain_jax`): exits with run()'s code."""
+    from megatrain_jax.cli import script_exit
+    script_exit(lambda: run(argv, prog))
