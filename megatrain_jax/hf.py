@@ -15,6 +15,10 @@ Layouts (HF stores Linear weights as (out, in)):
     o_proj (D, N*H) <-> wo (N, H, D)    gate_proj, up_proj (F, D) <-> w_gate, w_up (D, F)
     down_proj (D, F) <-> w_down (F, D)  lm_head (V, D) <-> w_out (D, V)    embed_tokens (V, D) as is
     q_norm, k_norm (H,) as is (Qwen3)
+Phi-3 stores q/k/v and gate/up fused, split on import and fused on export (see Fused):
+    qkv_proj ((N + 2K)*H, D) = q_proj, k_proj, v_proj rows    gate_up_proj (2F, D) = gate, up rows
+Its resid_pdrop, attention_dropout and embd_pdrop (0 in the public models) are ignored: training
+here runs without dropout, as for every architecture.
 """
 
 import json
@@ -38,7 +42,10 @@ class HFError(ValueError):
 
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "Phi3ForCausalLM": "phi3"}
+# Architectures whose every layer slides by `sliding_window` (null: none).
+WINDOWED = ("MistralForCausalLM", "Phi3ForCausalLM")
 # Architectures whose windows follow use_sliding_window / layer_types / max_window_layers.
 LAYERED_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 CONFIG_FILE, INDEX_FILE, SINGLE_FILE = "config.json", "model.safetensors.index.json", "model.safetensors"
@@ -80,8 +87,9 @@ def _rope_options(hf: dict, where: str) -> dict:
         raise HFError(f"{where}: per-layer rope parameters are not supported")
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
-    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise HFError(f"{where}: partial_rotary_factor is not supported")
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:  # Phi-4-mini's 0.75: RoPE on part of each head
+        raise HFError(f"{where}: partial_rotary_factor {partial} is not supported (only 1.0)")
     out = {"rope_theta": theta}
     if kind == "default":
         return out
@@ -134,13 +142,13 @@ def _check_types(hf: dict, where: str):
 def _sliding_window(hf: dict, arch: str, num_layers: int, where: str) -> int:
     """The sliding window of every layer (0: none), as transformers reads config.json.
 
-    Mistral slides every layer by `sliding_window` (null: none). Qwen2 and Qwen3 slide layer i by
-    `sliding_window` iff use_sliding_window and layer_types[i] == "sliding_attention", where
-    layer_types, when absent, is derived as i >= max_window_layers. ModelConfig has one window for
-    all layers, so a model whose layers differ is refused.
+    Mistral and Phi-3 slide every layer by `sliding_window` (null: none). Qwen2 and Qwen3 slide
+    layer i by `sliding_window` iff use_sliding_window and layer_types[i] == "sliding_attention",
+    where layer_types, when absent, is derived as i >= max_window_layers. ModelConfig has one
+    window for all layers, so a model whose layers differ is refused.
     """
     window = hf.get("sliding_window") or 0
-    if arch == "MistralForCausalLM":
+    if arch in WINDOWED:
         return window
     if arch not in LAYERED_WINDOWS or not hf.get("use_sliding_window") or not window:
         return 0
@@ -200,7 +208,8 @@ def model_config_from_hf(model_dir: str) -> ModelConfig:
         cfg = ModelConfig(
             **fields, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=0 if head_dim * num_heads == hidden else head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(hf.get("rms_norm_eps",  # the configs' defaults
+                                      1e-5 if arch == "Phi3ForCausalLM" else 1e-6)),
             qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             sliding_window=sliding, from_hf=model_dir, **_rope_options(hf, where))
@@ -218,7 +227,9 @@ def _architecture(cfg: ModelConfig, base: dict) -> str:
     arch = (base.get("architectures") or [None])[0]
     plain = not cfg.qkv_bias and not cfg.qk_norm
     fits = {"Qwen3ForCausalLM": cfg.qk_norm, "Qwen2ForCausalLM": cfg.qkv_bias,
-            "MistralForCausalLM": plain, "LlamaForCausalLM": plain and not cfg.sliding_window}
+            "MistralForCausalLM": plain, "LlamaForCausalLM": plain and not cfg.sliding_window,
+            # transformers' Phi3Config refuses rope scaling other than longrope
+            "Phi3ForCausalLM": plain and not cfg.rope_scaling}
     if fits.get(arch):
         return arch
     return ("Qwen3ForCausalLM" if cfg.qk_norm else "Qwen2ForCausalLM" if cfg.qkv_bias else
@@ -250,7 +261,7 @@ def hf_config(cfg: ModelConfig, *, dtype: str, max_position_embeddings: int,
         max_position_embeddings=out.get("max_position_embeddings", max_position_embeddings))
     if arch == "LlamaForCausalLM":
         out.update(attention_bias=False, mlp_bias=False)
-    elif arch == "MistralForCausalLM":
+    elif arch in WINDOWED:
         out["sliding_window"] = cfg.sliding_window or None
     else:  # Qwen2/3: transformers slides layer i iff use_sliding_window and i >= max_window_layers
         if arch == "Qwen3ForCausalLM":
@@ -267,6 +278,16 @@ def hf_config(cfg: ModelConfig, *, dtype: str, max_position_embeddings: int,
 # the tensor map: one table, read both ways
 
 
+class Fused(tuple):
+    """The key of a HF tensor that holds several of our parameters, stacked along its rows:
+    ((key, first row, end row), ...). Phi-3's qkv_proj and gate_up_proj."""
+
+
+def parts(key, hf_shape) -> list:
+    """[(key, first row, end row)] of a tensor map entry: one part, all the rows, unless Fused."""
+    return list(key) if isinstance(key, Fused) else [(key, 0, hf_shape[0])]
+
+
 def stage_tensors(cfg: ModelConfig) -> list:
     """[(HF name, HF shape, path in the stages' pure dict, transpose)] in HF file order."""
     v, d = cfg.vocab_size, cfg.hidden_size
@@ -277,16 +298,23 @@ def stage_tensors(cfg: ModelConfig) -> list:
     return out
 
 
-def block_tensors(cfg: ModelConfig, layer: int) -> list:
-    """[(HF name, HF shape, key in the block's pure dict, transpose)] for layer `layer`."""
+def block_tensors(cfg: ModelConfig, layer: int, arch: str | None = None) -> list:
+    """[(HF name, HF shape, key in the block's pure dict or a Fused, transpose)] for layer
+    `layer`, as architecture `arch` stores it."""
     d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_size
     n, k = cfg.num_heads, cfg.num_kv_heads
     p = f"model.layers.{layer}."
-    out = [(p + "input_layernorm.weight", (d,), "attn_norm", False),
-           (p + "self_attn.q_proj.weight", (n * h, d), "wq", True),
-           (p + "self_attn.k_proj.weight", (k * h, d), "wk", True),
-           (p + "self_attn.v_proj.weight", (k * h, d), "wv", True),
-           (p + "self_attn.o_proj.weight", (d, n * h), "wo", True)]
+    fused = arch == "Phi3ForCausalLM"
+    out = [(p + "input_layernorm.weight", (d,), "attn_norm", False)]
+    if fused:
+        out.append((p + "self_attn.qkv_proj.weight", ((n + 2 * k) * h, d), Fused((
+            ("wq", 0, n * h), ("wk", n * h, (n + k) * h), ("wv", (n + k) * h, (n + 2 * k) * h))),
+            True))
+    else:
+        out += [(p + "self_attn.q_proj.weight", (n * h, d), "wq", True),
+                (p + "self_attn.k_proj.weight", (k * h, d), "wk", True),
+                (p + "self_attn.v_proj.weight", (k * h, d), "wv", True)]
+    out.append((p + "self_attn.o_proj.weight", (d, n * h), "wo", True))
     if cfg.qkv_bias:
         out += [(p + "self_attn.q_proj.bias", (n * h,), "q_bias", False),
                 (p + "self_attn.k_proj.bias", (k * h,), "k_bias", False),
@@ -294,20 +322,25 @@ def block_tensors(cfg: ModelConfig, layer: int) -> list:
     if cfg.qk_norm:
         out += [(p + "self_attn.q_norm.weight", (h,), "q_norm", False),
                 (p + "self_attn.k_norm.weight", (h,), "k_norm", False)]
-    out += [(p + "post_attention_layernorm.weight", (d,), "mlp_norm", False),
-            (p + "mlp.gate_proj.weight", (f, d), "w_gate", True),
-            (p + "mlp.up_proj.weight", (f, d), "w_up", True),
-            (p + "mlp.down_proj.weight", (d, f), "w_down", True)]
+    out.append((p + "post_attention_layernorm.weight", (d,), "mlp_norm", False))
+    if fused:
+        out.append((p + "mlp.gate_up_proj.weight", (2 * f, d),
+                    Fused((("w_gate", 0, f), ("w_up", f, 2 * f))), True))
+    else:
+        out += [(p + "mlp.gate_proj.weight", (f, d), "w_gate", True),
+                (p + "mlp.up_proj.weight", (f, d), "w_up", True)]
+    out.append((p + "mlp.down_proj.weight", (d, f), "w_down", True))
     return out
 
 
-def all_tensors(cfg: ModelConfig) -> list:
-    """Every HF tensor of the model, in HF order, as (name, shape, unit, key, transpose); unit 0 is
-    the stages, unit 1 + i layer i (the engine's numbering)."""
+def all_tensors(cfg: ModelConfig, arch: str | None = None) -> list:
+    """Every HF tensor of the model as `arch` stores it, in HF order, as (name, shape, unit, key,
+    transpose); unit 0 is the stages, unit 1 + i layer i (the engine's numbering)."""
     stages = stage_tensors(cfg)
     out = [(name, shape, 0, key, t) for name, shape, key, t in stages[:1]]
     for i in range(cfg.num_layers):
-        out += [(name, shape, 1 + i, key, t) for name, shape, key, t in block_tensors(cfg, i)]
+        out += [(name, shape, 1 + i, key, t)
+                for name, shape, key, t in block_tensors(cfg, i, arch)]
     return out + [(name, shape, 0, key, t) for name, shape, key, t in stages[1:]]
 
 
@@ -331,10 +364,13 @@ def to_hf_layout(x, hf_shape, transpose: bool, dtype) -> np.ndarray:
 
 
 class HFSource:
-    """The safetensors weights of a HF model directory: which file holds which tensor."""
+    """The safetensors weights of a HF model directory: which file holds which tensor, and (from
+    config.json) the architecture, which says how they are laid out (fused or not)."""
 
     def __init__(self, model_dir: str):
         self.dir = model_dir
+        archs = read_hf_config(model_dir).get("architectures")
+        self.arch = archs[0] if isinstance(archs, list) and len(archs) == 1 else None
         index_path = os.path.join(model_dir, INDEX_FILE)
         if os.path.isfile(index_path):
             weight_map = _read_json(index_path, "index").get("weight_map")
@@ -364,7 +400,7 @@ class HFSource:
 
     def check(self, cfg: ModelConfig):
         """Every tensor cfg needs is present with its shape and a float dtype; nothing else is."""
-        expected = {name: shape for name, shape, *_ in all_tensors(cfg)}
+        expected = {name: shape for name, shape, *_ in all_tensors(cfg, self.arch)}
         for name in self.files:
             if name not in expected and not IGNORED_TENSOR.match(name) and not (
                     cfg.tie_embeddings and name == "lm_head.weight"):
@@ -395,8 +431,9 @@ class HFSource:
     def read(self, tensors, shapes) -> dict:
         """{key: fp32 host-layout array} for [(HF name, _, key, transpose)] and {key: our shape}.
 
-        Each tensor is read, converted and dropped before the next, and each shard is closed
-        (unmapped) after the tensors asked for, so the transient memory is about one tensor."""
+        Each tensor is read, converted (a Fused one part by part) and dropped before the next, and
+        each shard is closed (unmapped) after the tensors asked for, so the transient memory is
+        about one tensor."""
         by_shard = {}
         for name, _, key, transpose in tensors:
             by_shard.setdefault(self.files[name], []).append((name, key, transpose))
@@ -405,22 +442,25 @@ class HFSource:
             with self._open(shard) as f:
                 for name, key, transpose in items:
                     src = f.get_tensor(name)
-                    host = to_host_layout(src, shapes[key], transpose)
-                    # min and max: NaN propagates, inf shows; no temporary array
-                    if not (np.isfinite(host.min()) and np.isfinite(host.max())):
-                        at = tuple(int(i) for i in np.argwhere(~np.isfinite(
-                            src.astype(np.float32)))[0])
-                        raise HFError(f"{os.path.join(self.dir, shard)}: tensor {name} holds "
-                                      f"{float(src[at])} at index {at}; refusing to train from "
-                                      f"non-finite weights")
+                    for part, lo, hi in parts(key, src.shape):
+                        host = to_host_layout(src[lo:hi], shapes[part], transpose)
+                        # min and max: NaN propagates, inf shows; no temporary array
+                        if not (np.isfinite(host.min()) and np.isfinite(host.max())):
+                            at = tuple(int(i) for i in np.argwhere(~np.isfinite(
+                                src[lo:hi].astype(np.float32)))[0])
+                            at = (at[0] + lo, *at[1:])  # the index in the HF tensor
+                            raise HFError(f"{os.path.join(self.dir, shard)}: tensor {name} holds "
+                                          f"{float(src[at])} at index {at}; refusing to train "
+                                          f"from non-finite weights")
+                        # jnp.asarray copies into an XLA buffer on the default device (the host
+                        # while the engine builds a block); the numpy buffers die right after, so
+                        # the transient is this tensor as stored plus two fp32 copies of it (of
+                        # one part of a Fused one). (A zero-copy device_put of the numpy buffer
+                        # would save one, but would hand the engine an externally owned buffer to
+                        # donate.)
+                        out[part] = jnp.asarray(host)
+                        del host
                     del src
-                    # jnp.asarray copies into an XLA buffer on the default device (the host
-                    # while the engine builds a block); the numpy buffers die right after, so the
-                    # transient is this tensor as stored plus two fp32 copies of it. (A zero-copy
-                    # device_put of the numpy buffer would save one, but would hand the engine
-                    # an externally owned buffer to donate.)
-                    out[key] = jnp.asarray(host)
-                    del host
         return out
 
 
@@ -448,7 +488,7 @@ def load_block(cfg: ModelConfig, source: HFSource, layer: int,
     """Layer `layer`'s Block holding the HF weights: a drop-in for model.make_block."""
     abstract = nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0), execution=execution))
     shapes = {k: v.shape for k, v in nnx.to_pure_dict(nnx.split(abstract)[1]).items()}
-    return _load_module(abstract, source.read(block_tensors(cfg, layer), shapes))
+    return _load_module(abstract, source.read(block_tensors(cfg, layer, source.arch), shapes))
 
 
 # -----------------------------------------------------------------------------
@@ -500,7 +540,8 @@ def _write_shards(manager, step, tree, tmp, shards, names, np_dtype, where) -> i
     limit = float(ml_dtypes.finfo(np_dtype).max)
     total = 0
     for shard, file_name in zip(shards, names):
-        wanted = {_state_path(unit, key) for _, _, unit, key, _ in shard}
+        wanted = {_state_path(unit, part) for _, shape, unit, key, _ in shard
+                  for part, _, _ in parts(key, shape)}
         target = jax.tree_util.tree_map_with_path(
             lambda p, leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
             if checkpoint.path_str(p) in wanted else ocp.PLACEHOLDER, tree)
@@ -518,19 +559,29 @@ def _write_shards(manager, step, tree, tmp, shards, names, np_dtype, where) -> i
         del state
         out = {}
         for name, shape, unit, key, transpose in shard:
-            # pop: each fp32 leaf is freed as soon as its converted copy exists
-            leaf = restored.pop(_state_path(unit, key))
-            lo, hi = float(np.min(leaf)), float(np.max(leaf))  # NaN propagates; no temporaries
-            if not (math.isfinite(lo) and math.isfinite(hi)):
-                raise HFError(f"{where}: {_state_path(unit, key)} ({name}) holds NaN or inf; "
-                              f"refusing to export it")
-            if max(-lo, hi) > limit:
-                raise HFError(f"{where}: {_state_path(unit, key)} ({name}) holds "
-                              f"{max(-lo, hi):.4g}, beyond {np.dtype(np_dtype).name}'s largest "
-                              f"value ({limit:.4g}); export with --dtype float32")
-            out[name] = to_hf_layout(leaf, shape, transpose, np_dtype)
-            total += out[name].nbytes
-            del leaf
+            pieces = parts(key, shape)  # a Fused tensor is written part by part into one buffer
+            tensor = np.empty(shape, np_dtype) if len(pieces) > 1 else None
+            for part, first, end in pieces:
+                path = _state_path(unit, part)
+                # pop: each fp32 leaf is freed as soon as its converted copy exists
+                leaf = restored.pop(path)
+                lo, hi = float(np.min(leaf)), float(np.max(leaf))  # NaN propagates; no temporaries
+                if not (math.isfinite(lo) and math.isfinite(hi)):
+                    raise HFError(f"{where}: {path} ({name}) holds NaN or inf; refusing to export "
+                                  f"it")
+                if max(-lo, hi) > limit:
+                    raise HFError(f"{where}: {path} ({name}) holds {max(-lo, hi):.4g}, beyond "
+                                  f"{np.dtype(np_dtype).name}'s largest value ({limit:.4g}); "
+                                  f"export with --dtype float32")
+                piece = to_hf_layout(leaf, (end - first, *shape[1:]), transpose, np_dtype)
+                if tensor is None:
+                    tensor = piece
+                else:
+                    tensor[first:end] = piece
+                del leaf, piece
+            out[name] = tensor
+            total += tensor.nbytes
+            del tensor
         try:
             save_file(out, os.path.join(tmp, file_name), metadata={"format": "pt"})
         except Exception as e:  # safetensors raises its own type for a full disk
@@ -570,8 +621,7 @@ def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None,
         tree = getattr(tree, "tree", tree)  # a TreeMetadata wraps the plain nested dict
         saved = {checkpoint.path_str(p): leaf
                  for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
-        tensors = all_tensors(cfg)
-        for name, shape, unit, key, _ in tensors:
+        for name, shape, unit, key, _ in all_tensors(cfg):  # every parameter, unfused
             leaf = saved.get(_state_path(unit, key))
             if leaf is None or math.prod(leaf.shape) != math.prod(shape):
                 raise HFError(f"{where} does not match its config: {_state_path(unit, key)} "
@@ -584,6 +634,7 @@ def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None,
         max_positions = meta.get("config", {}).get("data", {}).get("seq_len", 2048)
         # before any shard is written: a model no HF architecture describes fails here
         config = hf_config(cfg, dtype=dtype, max_position_embeddings=max_positions, base=base)
+        tensors = all_tensors(cfg, config["architectures"][0])  # Phi-3: fused
         np_dtype = EXPORT_DTYPES[dtype]
         shards = _plan_shards(tensors, np.dtype(np_dtype).itemsize, shard_bytes)
         names = ([SINGLE_FILE] if len(shards) == 1 else
