@@ -63,6 +63,11 @@ class DataConfig:
     # Packed documents attend only within themselves (segment ids from the EOS positions) and
     # their RoPE positions restart at each document.
     document_mask: bool = False
+    # Held-out evaluation data (see train.eval_every): a separate file in any data.path format, or
+    # the fraction in (0, 0.5] of data.path's tokens taken from its end and never trained on.
+    # At most one of the two; "" and 0: no evaluation.
+    eval_path: str = ""
+    eval_fraction: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +87,10 @@ class TrainConfig:
     loss_chunk: int = 2048  # tokens per chunk of the cross-entropy (the logits never exist whole)
     loss_vocab_chunk: int = 0  # vocabulary chunk of the cross-entropy; 0: the whole vocabulary
     max_bad_steps: int = 3  # consecutive steps with a non-finite gradient before the run stops
+    # With data.eval_path or data.eval_fraction: evaluate every eval_every steps (0: only at the
+    # end; always at the last step) on the first eval_batches batches of the held-out tokens.
+    eval_every: int = 0
+    eval_batches: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,7 +333,19 @@ def _check(cfg: Config):
                               f"may change freely); compared: {', '.join(RESUME_KEYS)}")
     if not cfg.run_dir:
         raise ConfigError("run_dir must not be empty")
+    data = cfg.data
+    if data.eval_path and data.eval_fraction:
+        raise ConfigError(f"data.eval_path ({data.eval_path!r}) and data.eval_fraction "
+                          f"({data.eval_fraction}) are both set; give one held-out split")
+    if data.eval_fraction and not 0 < data.eval_fraction <= 0.5:
+        raise ConfigError(f"data.eval_fraction must be 0 (none) or in (0, 0.5], "
+                          f"got {data.eval_fraction}")
     train = cfg.train
+    if train.eval_every < 0:
+        raise ConfigError(f"train.eval_every must be >= 0 (0: only at the end), "
+                          f"got {train.eval_every}")
+    if train.eval_batches < 1:
+        raise ConfigError(f"train.eval_batches must be >= 1, got {train.eval_batches}")
     if train.offload_activations not in (True, False, "auto"):
         raise ConfigError(f"train.offload_activations must be true, false or auto, "
                           f"got {train.offload_activations!r}")
@@ -340,13 +361,15 @@ def _check(cfg: Config):
 
 
 # What a resumed run must share with the checkpoint it resumes from: the keys that fix the model,
-# the token stream (file, tokenization, batch shape, shuffling seed), the optimizer and the schedule
+# the token stream (file, tokenization, batch shape, shuffling seed, the held-out split, which
+# changes what is trained on), the optimizer and the schedule
 # (train.steps sets its length). A section name covers every key under it. A key listed here that
 # this version does not have is skipped. Everything else (dtypes, prefetch and other execution
 # options, logging, checkpoint cadence, run_dir) may change between a run and its resume.
 RESUME_KEYS = ("model", "optimizer", "data.path", "data.text_field", "data.tokenizer",
                "data.eos_token", "data.token_dtype", "data.seq_len", "data.batch_size",
-               "data.micro_batches", "data.document_mask", "train.seed", "train.steps")
+               "data.micro_batches", "data.document_mask", "data.eval_path", "data.eval_fraction",
+               "train.seed", "train.steps")
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -352,3 +352,39 @@ class PackedDataset:
             raise DataError(f"bad data state {state!r} for {self.num_windows} windows")
         self._set_epoch(epoch)
         self.index = index
+
+
+# -----------------------------------------------------------------------------
+# held-out evaluation data
+
+
+def split_tail(tokens, fraction: float) -> tuple:
+    """(train, held_out): the last `fraction` of `tokens` held out (views, so a memory-mapped
+    corpus stays on disk). Training windows are built from `train` alone, so their inputs and
+    targets never reach a held-out token."""
+    cut = len(tokens) - int(len(tokens) * fraction)
+    return tokens[:cut], tokens[cut:]
+
+
+def eval_batches(tokens, *, seq_len: int, batch_size: int, num_micro_batches: int, num_batches: int,
+                 what: str) -> list:
+    """The first `num_batches` batches (fewer if the tokens hold fewer) of consecutive windows of
+    `tokens`, in order: [(inputs, targets)], int32, each (num_micro_batches, batch_size, seq_len)
+    like PackedDataset's. The same every evaluation. `what` names the data in the error raised
+    when it is too small for one batch."""
+    windows_per_batch = batch_size * num_micro_batches
+    num_windows = (len(tokens) - 1) // seq_len if len(tokens) else 0
+    if num_windows < windows_per_batch:
+        need = windows_per_batch * seq_len + 1
+        raise DataError(
+            f"{what}: too small for one eval batch: {len(tokens):,} tokens make {num_windows} "
+            f"windows of data.seq_len={seq_len} tokens, one batch takes data.batch_size x "
+            f"data.micro_batches = {windows_per_batch} windows ({need:,} tokens)")
+    out = []
+    for b in range(min(num_batches, num_windows // windows_per_batch)):
+        starts = (b * windows_per_batch + np.arange(windows_per_batch)) * seq_len
+        windows = np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)]).astype(np.int32)
+        windows = windows.reshape(num_micro_batches, batch_size, seq_len + 1)
+        out.append((np.ascontiguousarray(windows[..., :-1]),
+                    np.ascontiguousarray(windows[..., 1:])))
+    return out

@@ -130,15 +130,50 @@ def build_engine(cfg: Config, *, offload_activations: bool | None = None,
 
 
 def load_dataset(cfg: Config) -> data_lib.PackedDataset:
-    tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer, eos_token=cfg.data.eos_token or None)
+    """The training batches (without the tokens data.eval_fraction holds out)."""
+    return load_data(cfg)[0]
+
+
+def load_data(cfg: Config) -> tuple:
+    """(the training PackedDataset, the held-out eval batches: a list of (inputs, targets,
+    context), or None when neither data.eval_path nor data.eval_fraction is set)."""
+    d = cfg.data
+    tokenizer = data_lib.load_tokenizer(d.tokenizer, eos_token=d.eos_token or None)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
-                          f"tokenizer's ({tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer})")
-    tokens = data_lib.load_tokens(cfg.data.path, tokenizer, vocab_size=cfg.model.vocab_size,
-                                  text_field=cfg.data.text_field, token_dtype=cfg.data.token_dtype)
-    return data_lib.PackedDataset(tokens, seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size,
-                                  seed=cfg.train.seed, num_micro_batches=cfg.data.micro_batches,
-                                  eos_id=tokenizer.eos_id)
+                          f"tokenizer's ({tokenizer.vocab_size}, data.tokenizer={d.tokenizer})")
+    load = lambda path: data_lib.load_tokens(path, tokenizer, vocab_size=cfg.model.vocab_size,
+                                             text_field=d.text_field, token_dtype=d.token_dtype)
+    tokens = load(d.path)
+    held_out, what = None, None
+    if d.eval_fraction:  # split before the training windows are built: never trained on
+        tokens, held_out = data_lib.split_tail(tokens, d.eval_fraction)
+        what = f"data.eval_fraction={d.eval_fraction} ({len(held_out):,} tokens of {d.path})"
+    elif d.eval_path:
+        try:
+            held_out = load(d.eval_path)
+        except data_lib.DataError as e:
+            raise data_lib.DataError(f"data.eval_path: {e}") from None
+        what = f"data.eval_path={d.eval_path}"
+    dataset = data_lib.PackedDataset(tokens, seq_len=d.seq_len, batch_size=d.batch_size,
+                                     seed=cfg.train.seed, num_micro_batches=d.micro_batches,
+                                     eos_id=tokenizer.eos_id)
+    if held_out is None:
+        return dataset, None
+    batches = data_lib.eval_batches(held_out, seq_len=d.seq_len, batch_size=d.batch_size,
+                                    num_micro_batches=d.micro_batches,
+                                    num_batches=cfg.train.eval_batches, what=what)
+    context = lambda inputs: (data_lib.document_context(inputs, tokenizer.eos_id)
+                              if d.document_mask else None)
+    return dataset, [(x, t, context(x)) for x, t in batches]
+
+
+def evaluate(engine: StreamedEngine, batches) -> float:
+    """The mean loss per counted token over the eval batches [(inputs, targets, context)]."""
+    outs = [engine.evaluate(x, t, c) for x, t, c in batches]  # dispatched, then read
+    loss_sum = sum(float(o["loss_sum"]) for o in outs)
+    weight = sum(float(o["weight"]) for o in outs)
+    return loss_sum / weight if weight > 0 else math.nan
 
 
 def prepare_run_dir(run_dir: str):
@@ -240,7 +275,7 @@ def train(cfg: Config, *, log=print) -> list[dict]:
     Resumes from the latest complete checkpoint in `<run_dir>/checkpoints` (or the step
     `checkpoint.resume_step`) when there is one. Saves every `checkpoint.every` steps, at the last
     step, and on SIGTERM/SIGINT (then returns early). Holds `<run_dir>/train.lock` throughout."""
-    dataset = load_dataset(cfg)  # validate all inputs before anything is written
+    dataset, eval_set = load_data(cfg)  # validate all inputs before anything is written
     try:  # freed layer-sized buffers go back to the kernel: ~22 -> ~14 B/param of RSS, see
         hostmem.set_mmap_threshold(1 << 20)  # docs/benchmarks.md "Host memory per parameter"
     except OSError:  # not glibc: nothing to tune
@@ -249,7 +284,7 @@ def train(cfg: Config, *, log=print) -> list[dict]:
     prepare_run_dir(cfg.run_dir)
     try:
         with RunLock(cfg.run_dir, log=log):
-            return _train_locked(cfg, dataset, log)
+            return _train_locked(cfg, dataset, eval_set, log)
     except BaseException:
         if created:  # refused before writing anything (a first step out of memory too): no trace
             for directory in (os.path.join(cfg.run_dir, "checkpoints"), cfg.run_dir):
@@ -272,7 +307,7 @@ def _out_of_memory_line(e: BaseException, step: int, run_plan) -> str:
             f"train.offload_activations=true (python scripts/plan.py shows what fits)")
 
 
-def _train_locked(cfg: Config, dataset, log) -> list[dict]:
+def _train_locked(cfg: Config, dataset, eval_set, log) -> list[dict]:
     resume_step = resume_point(cfg, log)
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
     if os.path.isdir(ckpt_dir):  # else run_dir was just checked; make_manager creates it
@@ -297,6 +332,11 @@ def _train_locked(cfg: Config, dataset, log) -> list[dict]:
     log(f"model: {cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.num_layers} layers | "
         f"{dataset.tokens_per_batch} tokens/step | compute {jax.devices()[0].platform}")
     log(run_plan.summary())
+    if eval_set:
+        when = (f"every {cfg.train.eval_every} steps and at the end" if cfg.train.eval_every
+                else "at the end")
+        log(f"eval: {len(eval_set)} batches of {dataset.tokens_per_batch} tokens from "
+            f"{_eval_source(cfg)}, {when}")
     if start:
         log(f"resumed from checkpoint step {start} ({manager.directory})")
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
@@ -325,6 +365,13 @@ def _train_locked(cfg: Config, dataset, log) -> list[dict]:
             bad_steps = 0 if math.isfinite(grad_norm) else bad_steps + 1
             if bad_steps:
                 record["skipped"] = True
+            # Forward only: reads the weights (after this step's update), changes nothing.
+            evaluating = bool(eval_set) and (
+                (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == cfg.train.steps)
+            if evaluating:
+                eval_loss = evaluate(engine, eval_set)
+                record["eval_loss"] = eval_loss
+                record["eval_ppl"] = math.exp(eval_loss) if eval_loss < 700 else math.inf
             history.append(record)
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
@@ -342,6 +389,9 @@ def _train_locked(cfg: Config, dataset, log) -> list[dict]:
             elif step % cfg.train.log_every == 0 or step == cfg.train.steps:
                 log(f"step {step:5d} | loss {loss:.4f} | grad norm {grad_norm:.3f} | "
                     f"{record['tokens_per_sec']:,.0f} tok/s | {dt * 1000:.0f} ms")
+            if evaluating:
+                log(f"step {step:5d} | eval loss {record['eval_loss']:.4f} | "
+                    f"ppl {record['eval_ppl']:.2f}")
             if (ckpt.every and step % ckpt.every == 0) or step == cfg.train.steps or stop.received:
                 if step in manager.all_steps():  # only after resume_step: never overwrite one
                     log(f"checkpoint step {step} already exists in {manager.directory}; kept as is")
@@ -359,6 +409,12 @@ def _train_locked(cfg: Config, dataset, log) -> list[dict]:
     if start >= cfg.train.steps:
         log(f"nothing to do: checkpoint step {start} reached train.steps={cfg.train.steps}")
     return history
+
+
+def _eval_source(cfg: Config) -> str:
+    if cfg.data.eval_path:
+        return cfg.data.eval_path
+    return f"the last {cfg.data.eval_fraction:g} of {cfg.data.path} (data.eval_fraction)"
 
 
 def _write_config(cfg: Config):

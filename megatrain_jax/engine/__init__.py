@@ -6,8 +6,9 @@ State lives in host memory, one *unit* at a time: unit 0 holds the first and las
 share a unit, so tied weights stay tied), unit 1 + i holds layer i.
 
 Modules, by concern:
-  streamed.py   StreamedEngine: construction, train_step, reading and loading state
+  streamed.py   StreamedEngine: construction, train_step, evaluate, reading and loading state
   step.py       the schedule of one step, top to bottom
+  evaluate.py   forward-only evaluation (the loss at the current weights)
   stream.py     transfers with back-pressure, activation offload, counters
   host.py       host state: master weights, optax state, bus copies, the update thread
   functions.py  the jitted device functions

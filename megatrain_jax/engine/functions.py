@@ -79,7 +79,8 @@ class DeviceFunctions:
     """Every function the step runs on the compute device, jitted once per shape.
 
     Stage weights come as flat leaf lists of one part (StageParts): `embed` and `embed_bwd` take
-    the `first` part, `head` the `last` part. Accumulators are fp32 and donated."""
+    the `first` part, `head` and `head_loss` (the loss without gradients, for evaluation) the
+    `last` part. Accumulators are fp32 and donated."""
 
     def __init__(self, stages_def, stages_treedef, parts: StageParts, block_def, grad_dtype):
         n = stages_treedef.num_leaves
@@ -101,6 +102,10 @@ class DeviceFunctions:
                                                               has_aux=True)(w, x)
             return loss_sum, weight, dx, tree_add(acc, dw)
 
+        def head_loss(w, x, targets):
+            """The loss alone, for evaluation: (loss_sum, weight), no gradient."""
+            return split_loss(merge_stages("last", w)[1](x, targets))
+
         def embed_bwd(w, inputs, dx, acc):
             # Differentiated at fp32 weights with an fp32 cotangent, so that the embedding's
             # scatter-add of a frequent token's many rows accumulates in fp32, not in bf16.
@@ -120,6 +125,7 @@ class DeviceFunctions:
 
         self.embed = jax.jit(embed)
         self.head = jax.jit(head, donate_argnums=(3,))
+        self.head_loss = jax.jit(head_loss)
         self.embed_bwd = jax.jit(embed_bwd, donate_argnums=(3,))
         self.block_fwd = jax.jit(block_fwd)
         self.block_bwd = jax.jit(block_bwd, donate_argnums=(3, 4))

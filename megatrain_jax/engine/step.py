@@ -45,22 +45,30 @@ def _norm_and_scale(layers_sq, stages_grads, weight):
     return jnp.sqrt(sum(layers_sq) + stages_sq) * scale, scale, stages_sq
 
 
+def fetch_unit(engine, u, part=None):
+    """Unit u's bus copy (or one stage part of it, as a flat list of leaves) put on the compute
+    device, once u's pending host update has finished."""
+    bus = engine.host.bus(u)
+    if part is not None:
+        bus = engine.parts.take(part, jax.tree.leaves(bus))
+    engine.counters.bytes_h2d += nbytes(bus)
+    return jax.device_put(bus, engine.compute)
+
+
+def fetched_copy(engine, w):
+    """What a step may delete of a fetch: with state and compute on one device (no accelerator),
+    a fetch is the bus copy itself, which must live on."""
+    return w if engine.compute != engine.host.bus_sharding else ()
+
+
 def run(engine, inputs, targets, contexts) -> dict:
     """One step of `engine` (a StreamedEngine) over M micro-batches already on the device."""
     f, host, acts = engine.functions, engine.host, engine.activations
     M, L = len(inputs), engine.num_layers
     hook = engine.on_phase or (lambda phase, layer=None: None)
 
-    def fetch(u, part=None):
-        bus = host.bus(u)
-        if part is not None:  # a stage part, as a flat list of leaves
-            bus = engine.parts.take(part, jax.tree.leaves(bus))
-        engine.counters.bytes_h2d += nbytes(bus)
-        return jax.device_put(bus, engine.compute)
-
-    # With state and compute on one device (no accelerator), a fetch is the bus copy itself.
-    fetch_copies = engine.compute != host.bus_sharding
-    fetched = lambda w: w if fetch_copies else ()  # what the step may delete of a fetch
+    fetch = functools.partial(fetch_unit, engine)
+    fetched = functools.partial(fetched_copy, engine)  # what the step may delete of a fetch
 
     def to_host(grads):
         """(the gradient on the host, the device arrays to free once it has arrived there)."""

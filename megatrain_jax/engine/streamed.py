@@ -1,4 +1,5 @@
-"""`StreamedEngine`: the public face of the engine (construction, one step, reading state)."""
+"""`StreamedEngine`: the public face of the engine (construction, one step, evaluation, reading
+state)."""
 
 from typing import Callable, Optional
 
@@ -7,6 +8,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from megatrain_jax.engine import evaluate as evaluate_lib
 from megatrain_jax.engine import step
 from megatrain_jax.engine.functions import DeviceFunctions, stage_parts
 from megatrain_jax.engine.host import HostState
@@ -122,12 +124,7 @@ class StreamedEngine:
         """
         if self._broken:
             raise RuntimeError(f"the engine is unusable: {self._broken}")
-        num_micro = len(inputs)
-        put = lambda x: jax.device_put(x, self.compute)
-        inputs = [put(x) for x in inputs]
-        targets = [put(t) for t in targets]
-        contexts = ([None] * num_micro if context is None else
-                    [put(jax.tree.map(lambda c: c[m], context)) for m in range(num_micro)])
+        inputs, targets, contexts = self._put_batch(inputs, targets, context)
         self.device_functions(inputs[0], targets[0])
         try:
             return step.run(self, inputs, targets, contexts)
@@ -136,6 +133,34 @@ class StreamedEngine:
             if any(u.pending is not None for u in self.host.units):  # updates of this step queued
                 self._broken = f"a host update failed ({type(e).__name__}: {e})"
             raise
+
+    def evaluate(self, inputs, targets, context=None) -> dict:
+        """The loss of M micro-batches at the current weights, forward only (shapes as in
+        `train_step`): `{"loss_sum", "weight", "loss"}` with loss = sum(loss_sum) / sum(weight),
+        scalars still being computed.
+
+        The weights stream layer by layer as in a step's forward (each unit once its pending host
+        update has finished); no gradient, no saved activations, and params and optimizer state
+        are left exactly as they were. Reuses the step's compiled functions: nothing compiles
+        after the first evaluation."""
+        if self._broken:
+            raise RuntimeError(f"the engine is unusable: {self._broken}")
+        inputs, targets, contexts = self._put_batch(inputs, targets, context)
+        self.device_functions(inputs[0], targets[0])
+        try:
+            return evaluate_lib.run(self, inputs, targets, contexts)
+        except BaseException as e:
+            if any(u.pending is not None for u in self.host.units):  # a host update failed
+                self._broken = f"a host update failed ({type(e).__name__}: {e})"
+            raise
+
+    def _put_batch(self, inputs, targets, context):
+        """(inputs, targets, contexts) as per-micro-batch lists on the compute device."""
+        num_micro = len(inputs)
+        put = lambda x: jax.device_put(x, self.compute)
+        contexts = ([None] * num_micro if context is None else
+                    [put(jax.tree.map(lambda c: c[m], context)) for m in range(num_micro)])
+        return [put(x) for x in inputs], [put(t) for t in targets], contexts
 
     def nonfinite_units(self) -> list:
         """Units whose gradient in the last step was not finite: "stages" or a layer index."""

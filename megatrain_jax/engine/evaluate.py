@@ -1,0 +1,49 @@
+"""Forward-only evaluation: the loss of M micro-batches at the current weights.
+
+    embed     fetch the first stage's weights; x_0[m] = first(inputs[m])
+    forward   for layer i (weights prefetched, at most prefetch + 1 resident, as in a step):
+                x_{i+1}[m] = block_i(x_i[m]); x_i[m] is freed once layer i is done
+    loss      fetch the last stage's weights; loss_sum[m], weight[m] = last(x_L[m])
+
+No gradient, no saved activations, no optimizer state: the params and optax state are only read.
+Each unit is fetched once its pending host update (of the step before) has finished, so the loss is
+that of the weights after every step so far. It reuses the step's jitted embed and block forward
+(and `head_loss`, compiled at the first evaluation), so nothing compiles after the first.
+"""
+
+import functools
+
+import jax
+
+from megatrain_jax.engine.step import fetch_unit, fetched_copy
+from megatrain_jax.engine.stream import LayerStream, delete
+
+
+def run(engine, inputs, targets, contexts) -> dict:
+    """{"loss_sum", "weight", "loss"} over M micro-batches already on the device; scalars still
+    being computed. loss = sum(loss_sum) / sum(weight), as a training step's loss."""
+    f, L = engine.functions, engine.num_layers
+    fetch = functools.partial(fetch_unit, engine)
+    fetched = functools.partial(fetched_copy, engine)
+
+    # ---- embed
+    w = fetch(0, "first")
+    xs = [f.embed(w, x) for x in inputs]
+    delete(fetched(w))
+
+    # ---- forward: each layer's input is freed once its output is computed
+    stream = LayerStream(range(L), lambda i: fetch(1 + i), engine.prefetch)
+    for i, w in stream:
+        ys = [f.block_fwd(w, x, c) for x, c in zip(xs, contexts)]
+        kept = {id(y) for y in ys}  # a jitted identity may hand its input back
+        stream.done(ys, (fetched(w), [x for x in xs if id(x) not in kept]))
+        xs = ys
+
+    # ---- loss
+    w = fetch(0, "last")
+    out = [f.head_loss(w, x, t) for x, t in zip(xs, targets)]
+    delete((fetched(w), xs))
+    loss_sum = f.total([s for s, _ in out])
+    weight = f.total([n for _, n in out])
+    loss = loss_sum / jax.numpy.where(weight > 0, weight, 1.0)
+    return {"loss_sum": loss_sum, "weight": weight, "loss": loss}
