@@ -122,17 +122,7 @@ class StreamedEngine:
         point. When `grad_norm` is not finite the step leaves params and optimizer state unchanged
         (`nonfinite_units()` then says where). If the step raises, the state is as before it.
         """
-        if self._broken:
-            raise RuntimeError(f"the engine is unusable: {self._broken}")
-        inputs, targets, contexts = self._put_batch(inputs, targets, context)
-        self.device_functions(inputs[0], targets[0])
-        try:
-            return step.run(self, inputs, targets, contexts)
-        except BaseException as e:
-            self.activations.clear()
-            if any(u.pending is not None for u in self.host.units):  # updates of this step queued
-                self._broken = f"a host update failed ({type(e).__name__}: {e})"
-            raise
+        return self._run(step.run, inputs, targets, context)
 
     def evaluate(self, inputs, targets, context=None) -> dict:
         """The loss of M micro-batches at the current weights, forward only (shapes as in
@@ -143,14 +133,21 @@ class StreamedEngine:
         update has finished); no gradient, no saved activations, and params and optimizer state
         are left exactly as they were. Reuses the step's compiled functions: nothing compiles
         after the first evaluation."""
+        return self._run(evaluate_lib.run, inputs, targets, context)
+
+    def _run(self, schedule, inputs, targets, context):
+        """schedule(self, inputs, targets, contexts) on the batch put on the device. If it raises,
+        the saved activations are dropped and the state is as before; an exception with host
+        updates still queued (one failed on the host thread) leaves the engine unusable."""
         if self._broken:
             raise RuntimeError(f"the engine is unusable: {self._broken}")
         inputs, targets, contexts = self._put_batch(inputs, targets, context)
         self.device_functions(inputs[0], targets[0])
         try:
-            return evaluate_lib.run(self, inputs, targets, contexts)
+            return schedule(self, inputs, targets, contexts)
         except BaseException as e:
-            if any(u.pending is not None for u in self.host.units):  # a host update failed
+            self.activations.clear()
+            if any(u.pending is not None for u in self.host.units):
                 self._broken = f"a host update failed ({type(e).__name__}: {e})"
             raise
 
