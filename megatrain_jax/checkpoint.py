@@ -23,6 +23,7 @@ delays the interpreter's exit: scripts exit with os._exit after reporting it, se
 
 import json
 import os
+import re
 import tempfile
 import weakref
 
@@ -76,8 +77,14 @@ def error_line(e: BaseException) -> str:
             e.__cause__ or e.__context__) is not None:
         e = e.__cause__ or e.__context__
     text = (str(e).split("See full TensorStore details")[0].strip().splitlines() or [""])[0]
-    if len(text) > 300:  # tensorstore puts the OS error ("File too large") last: keep both ends
+    # tensorstore names the OS error by number ([os_error_code='27']) and, in some versions only,
+    # by its text somewhere in a long line: lead with the OS's own words for it.
+    code = re.search(r"os_error_code='?(\d+)", str(e))
+    reason = os.strerror(int(code.group(1))) if code else ""
+    if len(text) > 300:
         text = f"{text[:120]} ... {text[-160:]}"
+    if reason and reason not in text:
+        text = f"{reason}: {text}"
     return f"{type(e).__name__}: {text}".rstrip(": ")
 
 
