@@ -43,9 +43,10 @@ class HFError(ValueError):
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "Phi3ForCausalLM": "phi3"}
+                 "Phi3ForCausalLM": "phi3", "MixtralForCausalLM": "mixtral",
+                 "Qwen3MoeForCausalLM": "qwen3_moe"}
 # Architectures whose every layer slides by `sliding_window` (null: none).
-WINDOWED = ("MistralForCausalLM", "Phi3ForCausalLM")
+WINDOWED = ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM")
 # Architectures whose windows follow use_sliding_window / layer_types / max_window_layers.
 LAYERED_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 CONFIG_FILE, INDEX_FILE, SINGLE_FILE = "config.json", "model.safetensors.index.json", "model.safetensors"
@@ -115,6 +116,11 @@ _INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
 _FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
                  "partial_rotary_factor")
 _BOOL_FIELDS = ("tie_word_embeddings", "use_sliding_window", "attention_bias", "mlp_bias")
+# Mixture-of-experts fields (Mixtral, Qwen3-MoE)
+_INT_FIELDS += ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "decoder_sparse_step")
+_FLOAT_FIELDS += ("router_aux_loss_coef", "router_jitter_noise")
+_BOOL_FIELDS += ("norm_topk_prob",)
 
 
 def _check_types(hf: dict, where: str):
@@ -150,6 +156,8 @@ def _sliding_window(hf: dict, arch: str, num_layers: int, where: str) -> int:
     window = hf.get("sliding_window") or 0
     if arch in WINDOWED:
         return window
+    if arch == MOE_QWEN3:  # every layer or none (Qwen3MoeConfig drops the window unless used)
+        return window if hf.get("use_sliding_window") else 0
     if arch not in LAYERED_WINDOWS or not hf.get("use_sliding_window") or not window:
         return 0
     layer_types = hf.get("layer_types")
@@ -204,13 +212,17 @@ def model_config_from_hf(model_dir: str) -> ModelConfig:
     # Qwen3Config defaults head_dim to 128 (not hidden/heads) when config.json leaves it out
     head_dim = hf.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else 0)
     sliding = _sliding_window(hf, arch, fields["num_layers"], where)
+    if arch in MOE_ARCHITECTURES:
+        fields.update(_moe_options(hf, arch, fields["num_layers"], where))
     try:
         cfg = ModelConfig(
             **fields, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=0 if head_dim * num_heads == hidden else head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps",  # the configs' defaults
-                                      1e-5 if arch == "Phi3ForCausalLM" else 1e-6)),
-            qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
+                                      1e-5 if arch in ("Phi3ForCausalLM", MOE_MIXTRAL)
+                                      else 1e-6)),
+            qkv_bias=arch == "Qwen2ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", MOE_QWEN3),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             sliding_window=sliding, from_hf=model_dir, **_rope_options(hf, where))
     except (ValueError, TypeError) as e:
@@ -225,6 +237,8 @@ def _architecture(cfg: ModelConfig, base: dict) -> str:
         raise HFError("export: no Hugging Face architecture has q/k/v biases (model.qkv_bias) "
                       "and q/k norms (model.qk_norm) together")
     arch = (base.get("architectures") or [None])[0]
+    if cfg.num_experts:
+        return _moe_architecture(cfg)
     plain = not cfg.qkv_bias and not cfg.qk_norm
     fits = {"Qwen3ForCausalLM": cfg.qk_norm, "Qwen2ForCausalLM": cfg.qkv_bias,
             "MistralForCausalLM": plain, "LlamaForCausalLM": plain and not cfg.sliding_window,
@@ -271,6 +285,90 @@ def hf_config(cfg: ModelConfig, *, dtype: str, max_position_embeddings: int,
         if cfg.sliding_window:
             out["max_window_layers"] = 0
         out.pop("layer_types", None)  # transformers derives it from the two above
+    if arch in MOE_ARCHITECTURES:
+        out.update(_moe_config(cfg, arch, base))
+    return out
+
+
+# -----------------------------------------------------------------------------
+# mixture of experts (Mixtral, Qwen3-MoE): config.json fields and the experts' tensors
+
+MOE_MIXTRAL, MOE_QWEN3 = "MixtralForCausalLM", "Qwen3MoeForCausalLM"
+MOE_ARCHITECTURES = (MOE_MIXTRAL, MOE_QWEN3)
+
+
+def _moe_options(hf: dict, arch: str, num_layers: int, where: str) -> dict:
+    """ModelConfig fields of a MoE config.json; an option with no equivalent here is refused."""
+    if arch == MOE_MIXTRAL:
+        num_experts, renormalize = hf.get("num_local_experts", 8), True
+        size = hf.get("intermediate_size")
+        if hf.get("router_jitter_noise"):  # multiplicative noise on the router's input in training
+            raise HFError(f"{where}: router_jitter_noise={hf['router_jitter_noise']} is not "
+                          f"supported (only 0)")
+    else:  # Qwen3MoeConfig maps num_experts to num_local_experts; config.json may hold either
+        num_experts = hf.get("num_experts", hf.get("num_local_experts", 128))
+        renormalize = bool(hf.get("norm_topk_prob", False))
+        size = hf.get("moe_intermediate_size", 768)
+        step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+        sparse = [i for i in range(num_layers) if i not in dense and (i + 1) % max(step, 1) == 0]
+        if len(sparse) != num_layers:
+            raise HFError(f"{where}: decoder_sparse_step={step}, mlp_only_layers={dense} give "
+                          f"{num_layers - len(sparse)} of {num_layers} layers a dense MLP; only "
+                          f"all-sparse models are supported (decoder_sparse_step 1, no "
+                          f"mlp_only_layers)")
+    if size is None:
+        raise HFError(f"{where}: missing 'intermediate_size'")
+    return dict(num_experts=num_experts, experts_per_token=hf.get("num_experts_per_tok", 2),
+                moe_renormalize=renormalize, intermediate_size=size,
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+
+
+def _moe_architecture(cfg: ModelConfig) -> str:
+    """Qwen3-MoE where the layers have q/k norms, else Mixtral (whose router always
+    renormalises the top-k weights)."""
+    if cfg.qkv_bias:
+        raise HFError("export: no Hugging Face MoE architecture has q/k/v biases (model.qkv_bias)")
+    if cfg.qk_norm:
+        return MOE_QWEN3
+    if not cfg.moe_renormalize:
+        raise HFError("export: a MoE model without q/k norms exports as Mixtral, whose router "
+                      "always renormalises (model.moe_renormalize=false has no HF architecture)")
+    return MOE_MIXTRAL
+
+
+def _moe_config(cfg: ModelConfig, arch: str, base: dict) -> dict:
+    common = dict(num_experts_per_tok=cfg.experts_per_token, output_router_logits=False,
+                  router_aux_loss_coef=cfg.router_aux_loss_coef)
+    if arch == MOE_MIXTRAL:
+        return dict(common, num_local_experts=cfg.num_experts, router_jitter_noise=0.0)
+    out = dict(common, num_experts=cfg.num_experts, moe_intermediate_size=cfg.intermediate_size,
+               norm_topk_prob=cfg.moe_renormalize, decoder_sparse_step=1, mlp_only_layers=[],
+               attention_bias=False, sliding_window=cfg.sliding_window or None,
+               use_sliding_window=bool(cfg.sliding_window),
+               # the dense MLP's size (unused: every layer is sparse); the source's if any
+               intermediate_size=base.get("intermediate_size", cfg.intermediate_size))
+    return out
+
+
+class Expert(tuple):
+    """The key of a HF tensor that is one expert's matrix of one of our (E, ...) parameters:
+    (key, expert). HF checkpoints store each expert's Linear weights separately."""
+
+
+def moe_tensors(cfg: ModelConfig, prefix: str, arch: str) -> list:
+    """A MoE layer's MLP tensors as block_tensors lists them, for `arch`'s names (Mixtral:
+    block_sparse_moe.gate, experts.{e}.w1 (gate), w3 (up), w2 (down); Qwen3-MoE: mlp.gate,
+    experts.{e}.gate_proj, up_proj, down_proj); any other arch is written as Qwen3-MoE's."""
+    d, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
+    if arch == MOE_MIXTRAL:
+        p, names = prefix + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        p, names = prefix + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    out = [(p + "gate.weight", (e, d), "w_router", True)]
+    for i in range(e):
+        out += [(f"{p}experts.{i}.{names[0]}.weight", (f, d), Expert(("experts_gate", i)), True),
+                (f"{p}experts.{i}.{names[1]}.weight", (f, d), Expert(("experts_up", i)), True),
+                (f"{p}experts.{i}.{names[2]}.weight", (d, f), Expert(("experts_down", i)), True)]
     return out
 
 
@@ -323,6 +421,8 @@ def block_tensors(cfg: ModelConfig, layer: int, arch: str | None = None) -> list
         out += [(p + "self_attn.q_norm.weight", (h,), "q_norm", False),
                 (p + "self_attn.k_norm.weight", (h,), "k_norm", False)]
     out.append((p + "post_attention_layernorm.weight", (d,), "mlp_norm", False))
+    if cfg.num_experts:
+        return out + moe_tensors(cfg, p, arch)
     if fused:
         out.append((p + "mlp.gate_up_proj.weight", (2 * f, d),
                     Fused((("w_gate", 0, f), ("w_up", f, 2 * f))), True))
@@ -437,13 +537,20 @@ class HFSource:
         by_shard = {}
         for name, _, key, transpose in tensors:
             by_shard.setdefault(self.files[name], []).append((name, key, transpose))
-        out = {}
+        out, experts = {}, {}  # experts: (E, ...) numpy buffers filled one expert at a time
         for shard, items in by_shard.items():
             with self._open(shard) as f:
                 for name, key, transpose in items:
                     src = f.get_tensor(name)
                     for part, lo, hi in parts(key, src.shape):
-                        host = to_host_layout(src[lo:hi], shapes[part], transpose)
+                        if isinstance(part, Expert):
+                            if part[0] not in experts:
+                                experts[part[0]] = np.empty(shapes[part[0]], np.float32)
+                            experts[part[0]][part[1]] = to_host_layout(
+                                src, shapes[part[0]][1:], transpose)
+                            host = experts[part[0]][part[1]]
+                        else:
+                            host = to_host_layout(src[lo:hi], shapes[part], transpose)
                         # min and max: NaN propagates, inf shows; no temporary array
                         if not (np.isfinite(host.min()) and np.isfinite(host.max())):
                             at = tuple(int(i) for i in np.argwhere(~np.isfinite(
@@ -458,9 +565,12 @@ class HFSource:
                         # one part of a Fused one). (A zero-copy device_put of the numpy buffer
                         # would save one, but would hand the engine an externally owned buffer to
                         # donate.)
-                        out[part] = jnp.asarray(host)
+                        if not isinstance(part, Expert):
+                            out[part] = jnp.asarray(host)
                         del host
                     del src
+        for key in list(experts):  # a layer's experts: one (E, ...) fp32 copy transient
+            out[key] = jnp.asarray(experts.pop(key))
         return out
 
 
@@ -525,6 +635,8 @@ def _state_path(unit: int, key) -> str:
     checkpoint.path_str."""
     if unit == 0:
         return f"stages/params/{key[0]}/{key[1]}"
+    if isinstance(key, Expert):  # one expert of an (E, ...) parameter
+        key = key[0]
     return f"layers/{unit - 1}/params/{key}"
 
 
@@ -563,8 +675,9 @@ def _write_shards(manager, step, tree, tmp, shards, names, np_dtype, where) -> i
             tensor = np.empty(shape, np_dtype) if len(pieces) > 1 else None
             for part, first, end in pieces:
                 path = _state_path(unit, part)
-                # pop: each fp32 leaf is freed as soon as its converted copy exists
-                leaf = restored.pop(path)
+                # pop: each fp32 leaf is freed as soon as its converted copy exists (an (E, ...)
+                # expert parameter once the shard is written)
+                leaf = restored[path][part[1]] if isinstance(part, Expert) else restored.pop(path)
                 lo, hi = float(np.min(leaf)), float(np.max(leaf))  # NaN propagates; no temporaries
                 if not (math.isfinite(lo) and math.isfinite(hi)):
                     raise HFError(f"{where}: {path} ({name}) holds NaN or inf; refusing to export "
@@ -623,7 +736,8 @@ def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None,
                  for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
         for name, shape, unit, key, _ in all_tensors(cfg):  # every parameter, unfused
             leaf = saved.get(_state_path(unit, key))
-            if leaf is None or math.prod(leaf.shape) != math.prod(shape):
+            size = math.prod(shape) * (cfg.num_experts if isinstance(key, Expert) else 1)
+            if leaf is None or math.prod(leaf.shape) != size:
                 raise HFError(f"{where} does not match its config: {_state_path(unit, key)} "
                               f"({name}) is {'absent' if leaf is None else tuple(leaf.shape)}")
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from megatrain_jax import moe
 from megatrain_jax.attention import attention
 from megatrain_jax.loss import chunked_cross_entropy
 
@@ -46,6 +47,15 @@ class ModelConfig:
     # Mistral/Qwen2 sliding-window attention, one window for all layers: 0 = none, else query i
     # sees key j iff 0 <= i - j < sliding_window (HF's semantics).
     sliding_window: int = 0
+    # Mixture of experts (Mixtral, Qwen3-MoE; megatrain_jax.moe), when num_experts > 0: every
+    # layer's MLP is num_experts SwiGLU experts of intermediate_size, each token routed to
+    # experts_per_token of them; moe_renormalize rescales the top-k router weights to sum to 1
+    # (Mixtral always, Qwen3-MoE's norm_topk_prob); router_aux_loss_coef weighs the
+    # load-balancing loss added to the training loss.
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_renormalize: bool = True
+    router_aux_loss_coef: float = 0.001
     from_hf: str = ""  # a local Hugging Face model directory to initialise from (megatrain_jax.hf)
 
     def __post_init__(self):
@@ -71,6 +81,12 @@ class ModelConfig:
                              f"and < model.rope_high_freq_factor ({self.rope_high_freq_factor})")
         if self.sliding_window < 0:
             raise ValueError(f"model.sliding_window must be >= 0, got {self.sliding_window}")
+        if self.num_experts < 0:
+            raise ValueError(f"model.num_experts must be >= 0 (0: a dense MLP), got "
+                             f"{self.num_experts}")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"model.experts_per_token ({self.experts_per_token}) must be in 1.."
+                             f"model.num_experts ({self.num_experts})")
 
     @property
     def head_size(self) -> int:
@@ -81,9 +97,15 @@ class ModelConfig:
         n, k = self.num_heads, self.num_kv_heads
         attn = (d * n * h * 2 + d * k * h * 2 + (n + 2 * k) * h * self.qkv_bias
                 + 2 * h * self.qk_norm)
-        block = attn + 3 * d * f + 2 * d
+        block = attn + 3 * d * f * max(1, self.num_experts) + d * self.num_experts + 2 * d
         embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.num_layers * block + d + (embed if include_embeddings else 0)
+
+    def num_active_params(self, *, include_embeddings: bool = True) -> int:
+        """Parameters a token computes with: a MoE layer's routed experts only (FLOPs, MFU)."""
+        idle = self.num_experts - self.experts_per_token if self.num_experts else 0
+        return (self.num_params(include_embeddings=include_embeddings)
+                - self.num_layers * idle * 3 * self.hidden_size * self.intermediate_size)
 
 
 ROPE_SCALING_TYPES = ("", "linear", "llama3")
@@ -103,13 +125,14 @@ class Execution:
     tile_size: int = 0  # tokens per MLP tile in the block (0: no tiling)
     loss_chunk: int = 4096  # tokens per chunk of the chunked cross-entropy
     loss_vocab_chunk: int = 0  # vocabulary chunk of the loss (0: whole vocabulary)
+    expert_tile: int = 128  # routed rows per grouped matmul tile of a MoE layer (moe.py)
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"train.attention must be one of "
                              f"{', '.join(ATTENTION_IMPLEMENTATIONS)} (resolve 'auto' with "
                              f"attention.choose_implementation), got {self.attention!r}")
-        for key in ("attention_block", "loss_chunk"):
+        for key in ("attention_block", "loss_chunk", "expert_tile"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"train.{key} must be positive, got {getattr(self, key)}")
         for key in ("tile_size", "loss_vocab_chunk"):
@@ -203,9 +226,20 @@ class Block(nnx.Module):
             self.q_norm = nnx.Param(jnp.ones((h,), jnp.float32))
             self.k_norm = nnx.Param(jnp.ones((h,), jnp.float32))
         self.mlp_norm = nnx.Param(jnp.ones((d,), jnp.float32))
+        if cfg.num_experts:
+            self._init_experts(cfg, init, rngs)
+            return
         self.w_gate = nnx.Param(init(rngs.params(), (d, f), jnp.float32))
         self.w_up = nnx.Param(init(rngs.params(), (d, f), jnp.float32))
         self.w_down = nnx.Param(init(rngs.params(), (f, d), jnp.float32))
+
+    def _init_experts(self, cfg: ModelConfig, init, rngs: nnx.Rngs):
+        """A MoE layer's MLP (instead of w_gate, w_up, w_down): the router and E experts."""
+        d, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
+        self.w_router = nnx.Param(init(rngs.params(), (d, e), jnp.float32))
+        self.experts_gate = nnx.Param(init(rngs.params(), (e, d, f), jnp.float32))
+        self.experts_up = nnx.Param(init(rngs.params(), (e, d, f), jnp.float32))
+        self.experts_down = nnx.Param(init(rngs.params(), (e, f, d), jnp.float32))
 
     def __call__(self, x, context=None):
         """(B, T, D) -> (B, T, D). `context` is None (one sequence per row, positions 0..T-1) or
@@ -231,12 +265,27 @@ class Block(nnx.Module):
             attn = attention(q, k, v, implementation=ex.attention, segment_ids=segment_ids,
                              window=cfg.sliding_window, block_size=ex.attention_block)
             x = x + jnp.einsum("btnh,nhd->btd", attn, self.wo[...])
+        if cfg.num_experts:
+            return self._moe(x)
         with jax.named_scope("mlp"):
             weights = (self.mlp_norm[...], self.w_gate[...], self.w_up[...], self.w_down[...])
             mlp = functools.partial(swiglu_mlp, eps=cfg.rms_norm_eps)
             if ex.tile_size and x.shape[1] > ex.tile_size:
                 return over_tiles(mlp, x, weights, ex.tile_size)
             return mlp(x, weights)
+
+    def _moe(self, x):
+        """x + the sparse MLP of norm(x), and this layer's router statistics: the block returns
+        (x, stats), the engine sums the stats over layers for moe.load_balancing_loss."""
+        cfg = self.cfg
+        with jax.named_scope("moe"):
+            y = rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
+            weights = (self.w_router[...], self.experts_gate[...], self.experts_up[...],
+                       self.experts_down[...])
+            out, stats = moe.moe_mlp(y, weights, top_k=cfg.experts_per_token,
+                                     renormalize=cfg.moe_renormalize,
+                                     tile=self.execution.expert_tile)
+            return x + out, stats
 
 
 class Embed(nnx.Module):
