@@ -109,3 +109,11 @@ def load_balancing_loss(stats, num_experts: int):
     E * sum_e (assignments_e / rows) * (prob_sum_e / rows), rows counting each layer's tokens."""
     rows = stats["rows"]
     return num_experts * jnp.sum(stats["expert_counts"] / rows * (stats["router_prob_sum"] / rows))
+
+
+def aux_loss(cfg):
+    """The engine's `aux_loss` for a model config: router_aux_loss_coef times the load-balancing
+    loss of the summed router statistics; None for a dense model."""
+    if not cfg.num_experts:
+        return None
+    return lambda stats: cfg.router_aux_loss_coef * load_balancing_loss(stats, cfg.num_experts)

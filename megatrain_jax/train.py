@@ -20,6 +20,7 @@ from megatrain_jax import attention, checkpoint
 from megatrain_jax import data as data_lib
 from megatrain_jax import hf
 from megatrain_jax import hostmem
+from megatrain_jax import moe
 from megatrain_jax import plan as plan_lib
 from megatrain_jax.config import Config, ConfigError, resume_changes, to_dict
 from megatrain_jax.engine import StreamedEngine
@@ -124,7 +125,7 @@ def build_engine(cfg: Config, *, offload_activations: bool | None = None,
             max_grad_norm=cfg.optimizer.max_grad_norm or None,
             compute_dtype=jnp.dtype(cfg.train.compute_dtype), prefetch=cfg.train.prefetch,
             grad_dtype=jnp.dtype(cfg.train.grad_dtype), offload_activations=offload_activations,
-            **engine_kwargs)
+            aux_loss=moe.aux_loss(model), **engine_kwargs)
     except ValueError as e:  # e.g. offload asked on a device without host memory kinds
         raise ConfigError(str(e)) from None
 
@@ -362,6 +363,8 @@ def _train_locked(cfg: Config, dataset, eval_set, log) -> list[dict]:
                 metrics_file = files.enter_context(open(metrics_path, "a"))
             record = {"step": step, "loss": loss, "grad_norm": grad_norm,
                       "tokens_per_sec": dataset.tokens_per_batch / dt, "step_time_s": dt}
+            if "aux_loss" in out:  # a mixture of experts' load balancing, included in loss
+                record["aux_loss"] = float(out["aux_loss"])
             bad_steps = 0 if math.isfinite(grad_norm) else bad_steps + 1
             if bad_steps:
                 record["skipped"] = True

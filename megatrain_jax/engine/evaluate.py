@@ -5,6 +5,8 @@
                 x_{i+1}[m] = block_i(x_i[m]); x_i[m] is freed once layer i is done
     loss      fetch the last stage's weights; loss_sum[m], weight[m] = last(x_L[m])
 
+The loss is the last stage's alone: a block's auxiliary statistics (a mixture of experts'
+load balancing) are dropped, so a MoE model's evaluation loss is its language-model loss.
 No gradient, no saved activations, no optimizer state: the params and optax state are only read.
 Each unit is fetched once its pending host update (of the step before) has finished, so the loss is
 that of the weights after every step so far. It reuses the step's jitted embed and block forward
@@ -34,7 +36,7 @@ def run(engine, inputs, targets, contexts) -> dict:
     # ---- forward: each layer's input is freed once its output is computed
     stream = LayerStream(range(L), lambda i: fetch(1 + i), engine.prefetch)
     for i, w in stream:
-        ys = [f.block_fwd(w, x, c) for x, c in zip(xs, contexts)]
+        ys = [f.block_fwd(w, x, c)[0] for x, c in zip(xs, contexts)]  # aux: not evaluated
         kept = {id(y) for y in ys}  # a jitted identity may hand its input back
         stream.done(ys, (fetched(w), [x for x in xs if id(x) not in kept]))
         xs = ys

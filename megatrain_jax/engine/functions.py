@@ -1,12 +1,20 @@
 """The jitted device functions of one step, built from the graphdefs of the streamed modules.
 
 The engine calls user modules in three shapes: `first(inputs) -> x`, `block(x)` or
-`block(x, context)` (when the step has a context, e.g. document masks), and `last(x, targets)`,
+`block(x, context)` (when the step has a context, e.g. document masks), returning x or
+`(x, aux)` (see below), and `last(x, targets)`,
 which returns either a scalar mean loss or a pair `(loss_sum, weight)` (a sum over counted tokens
 and how many were counted). A step's loss is `sum(loss_sum) / sum(weight)` over its micro-batches
 (a scalar mean counts as weight 1), so micro-batches with different numbers of counted tokens
 still give the gradient of one big batch. The device functions differentiate the unnormalised
 sums; the host scales every gradient by `1 / sum(weight)` before the update.
+
+Auxiliary losses (a mixture of experts' load balancing): a block may return `(x, aux)`, aux a
+pytree of fp32 statistics that add up over tokens (sums, counts). The step sums them over layers
+and micro-batches and adds `aux_loss(total)` to its loss; the cotangent of every layer's aux is
+then `grad(aux_loss)(total)`, known once the forward is done, times `sum(weight)` (the host's
+`1 / sum(weight)` scaling undoes it). A total over all tokens is what one forward over the big
+batch computes, so micro-batches still equal one big batch.
 """
 
 import dataclasses
@@ -82,7 +90,8 @@ class DeviceFunctions:
     the `first` part, `head` and `head_loss` (the loss without gradients, for evaluation) the
     `last` part. Accumulators are fp32 and donated."""
 
-    def __init__(self, stages_def, stages_treedef, parts: StageParts, block_def, grad_dtype):
+    def __init__(self, stages_def, stages_treedef, parts: StageParts, block_def, grad_dtype,
+                 aux_loss=None):
         n = stages_treedef.num_leaves
 
         def merge_stages(part: str, leaves):
@@ -114,14 +123,24 @@ class DeviceFunctions:
             return tree_add(acc, vjp(dx.astype(jnp.float32))[0])
 
         def block_fwd(w, x, context):
+            """(y, aux): aux None for a block that returns y alone."""
             block = nnx.merge(block_def, w)
-            return block(x) if context is None else block(x, context)
+            out = block(x) if context is None else block(x, context)
+            return tuple(out) if isinstance(out, (tuple, list)) else (out, None)
 
-        def block_bwd(w, x, context, dy, acc):
+        def block_bwd(w, x, context, dy, acc, daux=None):
             # Recompute the block from its saved input, then differentiate it.
-            _, vjp = jax.vjp(lambda w, x: block_fwd(w, x, context), w, x)
-            dw, dx = vjp(dy)
+            (_, aux), vjp = jax.vjp(lambda w, x: block_fwd(w, x, context), w, x)
+            if daux is None:  # e.g. compiled alone for its memory: a zero cotangent
+                daux = jax.tree.map(jnp.zeros_like, aux)
+            dw, dx = vjp((dy, daux))
             return dx, tree_add(acc, dw)
+
+        def aux_grad(total, weight):
+            """(aux_loss(total), its gradient times the loss weight: every layer's cotangent)."""
+            value, grad = jax.value_and_grad(lambda t: jnp.asarray(aux_loss(t), jnp.float32))(
+                total)
+            return value, jax.tree.map(lambda g: g * weight, grad)
 
         self.embed = jax.jit(embed)
         self.head = jax.jit(head, donate_argnums=(3,))
@@ -129,6 +148,9 @@ class DeviceFunctions:
         self.embed_bwd = jax.jit(embed_bwd, donate_argnums=(3,))
         self.block_fwd = jax.jit(block_fwd)
         self.block_bwd = jax.jit(block_bwd, donate_argnums=(3, 4))
+        self.aux_loss = aux_loss
+        self.aux_grad = jax.jit(aux_grad) if aux_loss is not None else None
+        self.tree_total = jax.jit(lambda trees: jax.tree.map(lambda *xs: sum(xs), *trees))
         self.zeros = jax.jit(lambda w: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), w))
         self.cast_grads = jax.jit(lambda g: jax.tree.map(lambda x: x.astype(grad_dtype), g))
         self.sum_squares = jax.jit(sum_squares)

@@ -2,11 +2,13 @@
 
     embed     fetch the first stage's weights; x_0[m] = first(inputs[m])
     forward   for layer i (weights prefetched, at most prefetch + 1 resident):
-                x_{i+1}[m] = block_i(x_i[m]); save x_i[m] (on the device, or offloaded to host)
+                x_{i+1}[m] (, aux_i[m]) = block_i(x_i[m]); save x_i[m] (on the device, or
+                offloaded to host)
     loss      fetch the last stage's weights; loss_sum[m], weight[m], dx[m] = grad(last)(x_L[m])
-              its gradient goes to the host
+              its gradient goes to the host; with aux: aux loss and daux = grad(aux_loss) of
+              the sum of every aux_i[m] (see functions.py)
     backward  for layer i in reverse (weights and saved inputs fetched ahead):
-                dx[m], dW_i += vjp(block_i)(x_i[m], dx[m])   (the block is recomputed)
+                dx[m], dW_i += vjp(block_i)(x_i[m], (dx[m], daux))   (the block is recomputed)
               dW_i goes to the host
     embed     fetch the first stage's weights; dW_first += vjp(first)(inputs[m], dx[m])
     update    on the host: global norm, scale 1 / sum(weight), clip, one optax update per unit
@@ -89,9 +91,12 @@ def run(engine, inputs, targets, contexts) -> dict:
     hook("embed")
 
     # ---- forward
+    auxs = []  # every layer's and micro-batch's aux statistics (blocks that return them)
     stream = LayerStream(range(L), lambda i: fetch(1 + i), engine.prefetch)
     for i, w in stream:
-        ys = [f.block_fwd(w, x, c) for x, c in zip(xs, contexts)]
+        outs = [f.block_fwd(w, x, c) for x, c in zip(xs, contexts)]
+        ys = [y for y, _ in outs]
+        auxs += [aux for _, aux in outs if aux is not None]
         transfers, free = acts.save(i, xs)
         stream.done((ys, transfers), (fetched(w), free))
         xs = ys
@@ -108,6 +113,13 @@ def run(engine, inputs, targets, contexts) -> dict:
         dxs.append(dx)
     delete((fetched(w), xs))
     last_grads, head_device = to_host(acc)  # freed once it has arrived, at the first retire
+    total_weight = f.total(weights)
+    aux_loss, daux = None, None
+    if auxs or f.aux_loss is not None:
+        if not auxs or f.aux_loss is None:
+            raise ValueError("the blocks return (x, aux) but the engine has no aux_loss" if auxs
+                             else "aux_loss is set but the blocks return no (x, aux)")
+        aux_loss, daux = f.aux_grad(f.tree_total(auxs), total_weight)
     hook("loss")
 
     # ---- backward
@@ -116,7 +128,7 @@ def run(engine, inputs, targets, contexts) -> dict:
     for i, (w, xs) in stream:
         dw = f.zeros(w)
         for m in range(M):
-            dxs[m], dw = f.block_bwd(w, xs[m], contexts[m], dxs[m], dw)
+            dxs[m], dw = f.block_bwd(w, xs[m], contexts[m], dxs[m], dw, daux)
         layer_sq.append(f.sum_squares(dw))
         layer_grads[1 + i], device_grads = to_host(dw)
         host.release_bus(1 + i)
@@ -140,7 +152,6 @@ def run(engine, inputs, targets, contexts) -> dict:
     stage_grads = _merge_stage_grads(first_grads, last_grads, engine.parts.first, engine.parts.last,
                                      stage_leaves, host.grad_dtype)
     on_host = lambda x: jax.device_put(x, engine.host_sharding)
-    total_weight = f.total(weights)
     grad_norm, scale, stages_sq = _norm_and_scale(on_host(layer_sq), stage_grads,
                                                   on_host(total_weight))
     engine.unit_sq = [stages_sq] + layer_sq[::-1]  # per unit, for nonfinite_units()
@@ -148,4 +159,6 @@ def run(engine, inputs, targets, contexts) -> dict:
     for u in range(1, L + 1):  # in the order the next forward needs them
         host.submit(u, layer_grads.pop(u), grad_norm, scale)
     loss = f.total(loss_sums) / jnp.where(total_weight > 0, total_weight, 1.0)
-    return {"loss": loss, "grad_norm": grad_norm}
+    if aux_loss is None:
+        return {"loss": loss, "grad_norm": grad_norm}
+    return {"loss": loss + aux_loss, "grad_norm": grad_norm, "aux_loss": aux_loss}

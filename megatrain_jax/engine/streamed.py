@@ -35,7 +35,12 @@ class StreamedEngine:
       make_block: `make_block(i) -> nnx.Module`, layer i's block, all of one structure, called as
         `block(x)`, or `block(x, context)` when `train_step` is given a context. Called once per
         layer at construction, under the host device, so the stack is never built whole on the
-        accelerator. Blocks (and stages) may hold only `nnx.Param` state.
+        accelerator. Blocks (and stages) may hold only `nnx.Param` state. A block may return
+        `(x, aux)`, aux a pytree of per-layer fp32 statistics that add up over tokens (e.g. a
+        mixture of experts' router counts): then `aux_loss` is required.
+      aux_loss: `aux_loss(total) -> scalar`, total the sum of every layer's aux over the layers
+        and micro-batches (so micro-batches equal one big batch); added to the step's loss and
+        differentiated into each layer's backward (see engine/functions.py).
       num_layers: how many blocks.
       optimizer: any optax GradientTransformation, applied unit by unit on the host. Do not put
         `optax.clip_by_global_norm` in it: a per-unit norm is not the global one; use
@@ -61,7 +66,7 @@ class StreamedEngine:
                  num_layers: int, optimizer: optax.GradientTransformation,
                  max_grad_norm: Optional[float] = None, compute_dtype=jnp.bfloat16, prefetch: int = 1,
                  compute_device=None, host_device=None, grad_dtype=jnp.float32,
-                 offload_activations: bool = False):
+                 offload_activations: bool = False, aux_loss: Optional[Callable] = None):
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         if prefetch < 0:
@@ -99,6 +104,7 @@ class StreamedEngine:
         self.parts = self.functions = None  # built at the first step, from its shapes
         self.unit_sq = None
         self._broken = None
+        self.aux_loss = aux_loss
 
     # ----------------------------------------------------------------- one step
     def device_functions(self, inputs, targets) -> DeviceFunctions:
@@ -108,7 +114,8 @@ class StreamedEngine:
             stages = self.host.units[0].params
             self.parts = stage_parts(self._stages_def, stages, inputs, targets)
             self.functions = DeviceFunctions(self._stages_def, jax.tree.structure(stages),
-                                             self.parts, self._block_def, self.host.grad_dtype)
+                                             self.parts, self._block_def, self.host.grad_dtype,
+                                             self.aux_loss)
         return self.functions
 
     def train_step(self, inputs, targets, context=None) -> dict:
@@ -119,7 +126,8 @@ class StreamedEngine:
         The loss is sum(loss_sum) / sum(weight) over the micro-batches (see `last`), so the step
         equals one step on the concatenated batch. Returns `loss` and `grad_norm` (the global norm
         before clipping) as scalars still being computed; reading them is the caller's only sync
-        point. When `grad_norm` is not finite the step leaves params and optimizer state unchanged
+        point. With an `aux_loss`, `loss` includes it and `aux_loss` holds it alone. When
+        `grad_norm` is not finite the step leaves params and optimizer state unchanged
         (`nonfinite_units()` then says where). If the step raises, the state is as before it.
         """
         return self._run(step.run, inputs, targets, context)
