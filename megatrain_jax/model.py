@@ -132,7 +132,9 @@ class Execution:
             raise ValueError(f"train.attention must be one of "
                              f"{', '.join(ATTENTION_IMPLEMENTATIONS)} (resolve 'auto' with "
                              f"attention.choose_implementation), got {self.attention!r}")
-        for key in ("attention_block", "loss_chunk", "expert_tile"):
+        if self.expert_tile <= 0:
+            raise ValueError(f"Execution.expert_tile must be positive, got {self.expert_tile}")
+        for key in ("attention_block", "loss_chunk"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"train.{key} must be positive, got {getattr(self, key)}")
         for key in ("tile_size", "loss_vocab_chunk"):
@@ -242,7 +244,8 @@ class Block(nnx.Module):
         self.experts_down = nnx.Param(init(rngs.params(), (e, f, d), jnp.float32))
 
     def __call__(self, x, context=None):
-        """(B, T, D) -> (B, T, D). `context` is None (one sequence per row, positions 0..T-1) or
+        """(B, T, D) -> (B, T, D), or with experts (cfg.num_experts) ((B, T, D), the router
+        statistics of moe.moe_mlp). `context` is None (one sequence per row, positions 0..T-1) or
         data.document_context's {"segment_ids", "positions"}, each (B, T) int32, for packed
         documents: attention stays within a document and RoPE restarts at each one."""
         cfg, ex = self.cfg, self.execution

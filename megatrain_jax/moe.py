@@ -10,7 +10,10 @@ through XLA's own expansion, as a masked dot over all E groups: E times the FLOP
 temporary. Here each expert's rows are padded to a multiple of `tile` and a loop over tiles
 computes one expert's SwiGLU per tile (one dynamic slice of that expert's weights), so the FLOPs
 are those of the routed rows plus at most one partly filled tile per expert, the temporaries are
-one tile's, and empty tiles (the static bound's slack) are skipped.
+one tile's, and empty tiles (the static bound's slack) are skipped. Each tile saves its matmul
+outputs for the backward and recomputes the rest (`dots_saveable`), as a dense MLP would keep
+them. (XLA's cost_analysis counts a loop's body once, so its FLOPs figure for this block is that
+of one tile; tests/test_moe.py counts the matmuls of the jaxpr instead.)
 """
 
 import jax
@@ -72,7 +75,8 @@ def experts_swiglu(rows, expert_ids, w_gate, w_up, w_down, tile: int):
 
         return lax.cond(j < used, compute, jnp.zeros_like, x)
 
-    out = lax.map(jax.checkpoint(one_tile), jnp.arange(num_tiles))  # (J, tile, D)
+    out = lax.map(jax.checkpoint(one_tile, policy=jax.checkpoint_policies.dots_saveable),
+                  jnp.arange(num_tiles))  # (J, tile, D)
     out_sorted = out.reshape(num_tiles * tile, d)[dest]  # (M, D), rows in sorted order
     return jnp.zeros_like(out_sorted).at[order].set(out_sorted)  # back to routed-row order
 

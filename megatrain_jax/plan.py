@@ -160,7 +160,8 @@ class _Counts:
     compute: int  # bytes per element: streamed weights, activations
     grad: int  # bytes per element of a gradient on the host (train.grad_dtype)
     context: bool  # document masks: segment ids and positions beside every micro-batch
-    layer: int  # parameters of one block
+    layer: int  # parameters of one block (a MoE block: all its experts, which all stream)
+    active_layer: int  # parameters of one block a token computes with (MoE: routed experts only)
     first: int  # parameters the first stage reads (embedding)
     last: int  # parameters the last stage reads (final norm, head)
     stages: int  # parameters of the stages unit
@@ -252,7 +253,8 @@ def _tokens_to_hide(model: ModelConfig, counts: _Counts, seq: int, machine: Mach
                     offload: bool) -> int:
     """Tokens per step (all micro-batches pass a layer while its weights are there) for which a
     layer's compute takes as long as its transfers, in both directions and both passes, at
-    ASSUMED_MFU of the bf16 peak. Per token and layer: forward 2 FLOPs per parameter plus causal
+    ASSUMED_MFU of the bf16 peak. Per token and layer: forward 2 FLOPs per active parameter (a
+    mixture of experts' routed experts, not all of them) plus causal
     attention (QK^T and PV, 4 * N * H per visible key); backward 6 per parameter (the block's
     recompute 2, its gradients 4) plus 3.5x the forward's attention (recompute 2 matmuls,
     flash backward 5). Transfers per layer: its weights in, each pass; in the backward its
@@ -265,7 +267,8 @@ def _tokens_to_hide(model: ModelConfig, counts: _Counts, seq: int, machine: Mach
     attention = 4 * model.num_heads * model.head_size * visible
     flops_per_byte = machine.bf16_tflops * 1e12 * ASSUMED_MFU / (machine.host_device_gbps * 1e9)
     act = counts.hidden * counts.compute if offload else 0  # bytes per token
-    forward, backward = 2 * counts.layer + attention, 6 * counts.layer + 3.5 * attention
+    forward = 2 * counts.active_layer + attention
+    backward = 6 * counts.active_layer + 3.5 * attention
     weights, grads = counts.layer * counts.compute, counts.layer * counts.grad
     needed = 0.0
     # (bytes per layer, bytes per token, FLOPs per token) for each pass and direction
@@ -312,6 +315,7 @@ class Plan:
     micro_batch: tuple  # (micro-batches, batch, seq_len)
     tokens_to_hide_transfers: int  # 0: nothing crosses a bus; -1: no number of tokens does it
     notes: tuple  # what the figures rest on, where it matters
+    counts: _Counts = dataclasses.field(repr=False, compare=False)  # parameter counts per unit
     _largest: Callable = dataclasses.field(repr=False, compare=False)
 
     @functools.cached_property
@@ -377,7 +381,8 @@ class Plan:
                  f"{m.host_device_gbps:g} GB/s each way",
                  f"step: {M} micro-batch(es) of {B} x {T:,} tokens = {self.tokens_per_step:,}; "
                  f"attention {self.attention} ({self.attention_reason}); offload activations "
-                 f"{'on' if self.offload_activations else 'off'} ({self.offload_reason})", "",
+                 f"{'on' if self.offload_activations else 'off'} ({self.offload_reason})",
+                 self.layer_line(), "",
                  f"host RAM ({host_unit})"]
         lines += [f"  {kind:<14}{v / host_size:>12.2f}" for kind, v in self.host.items()]
         lines += [f"  {'total':<14}{self.host_total / host_size:>12.2f} of "
@@ -402,6 +407,15 @@ class Plan:
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
+    def layer_line(self) -> str:
+        """What one layer streams: its weights (every expert of a MoE layer), and what a token
+        computes with (the routed experts: the FLOPs of tokens_to_hide_transfers)."""
+        c = self.counts
+        active = ("" if c.active_layer == c.layer else
+                  f"; {c.active_layer / 1e6:,.2f}M active per token (routed experts)")
+        return (f"per layer: {c.layer / 1e6:,.2f}M parameters, "
+                f"{format_bytes(c.layer * c.compute)} over the bus per pass{active}")
+
     def to_dict(self) -> dict:
         """Plain data, for JSON."""
         names = ("host", "host_total", "device", "device_peak", "peak_phase", "fits",
@@ -410,7 +424,16 @@ class Plan:
                  "tokens_to_hide_transfers")
         return {"machine": dataclasses.asdict(self.machine), "micro_batch": list(self.micro_batch),
                 "execution": dataclasses.asdict(self.execution), "notes": list(self.notes),
+                "layer_params": self.counts.layer, "layer_bus_bytes":
+                self.counts.layer * self.counts.compute,
+                "active_layer_params": self.counts.active_layer,
                 **{name: getattr(self, name) for name in names}}
+
+
+def _idle_expert_params(model: ModelConfig) -> int:
+    """Parameters of one MoE layer's experts a token is not routed to."""
+    idle = model.num_experts - model.experts_per_token if model.num_experts else 0
+    return idle * 3 * model.hidden_size * model.intermediate_size
 
 
 def _counts(cfg: Config, execution: Execution, machine: Machine) -> _Counts:
@@ -427,7 +450,8 @@ def _counts(cfg: Config, execution: Execution, machine: Machine) -> _Counts:
         micro_batches=cfg.data.micro_batches, hidden=cfg.model.hidden_size,
         compute=jnp.dtype(cfg.train.compute_dtype).itemsize,
         grad=jnp.dtype(cfg.train.grad_dtype).itemsize, context=cfg.data.document_mask,
-        layer=size(block), first=size(parts.take("first", leaves)),
+        layer=size(block), active_layer=size(block) - _idle_expert_params(cfg.model),
+        first=size(parts.take("first", leaves)),
         last=size(parts.take("last", leaves)), stages=size(stages),
         optimizer=optimizer_bytes(stages) + cfg.model.num_layers * optimizer_bytes(block),
         accelerator=not machine.compute_on_host)
@@ -502,4 +526,4 @@ def plan(cfg: Config, machine: Machine) -> Plan:
                 attention=execution.attention, attention_reason=attention_reason,
                 execution=execution, machine=machine, workspace=workspace, micro_batch=(M, B, T),
                 tokens_to_hide_transfers=_tokens_to_hide(cfg.model, counts, T, machine, offload),
-                notes=tuple(notes), _largest=largest)
+                notes=tuple(notes), counts=counts, _largest=largest)

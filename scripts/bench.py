@@ -104,14 +104,15 @@ def bench(args):
     m = cfg.model
     M, B, T = cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len
     tokens = M * B * T
-    n_params = m.num_params(include_embeddings=False) + m.hidden_size * m.vocab_size  # + the head
+    # + the head; a mixture of experts counts the routed experts only (FLOPs, MFU)
+    n_params = m.num_active_params(include_embeddings=False) + m.hidden_size * m.vocab_size
     attn = 12 * m.num_layers * m.num_heads * m.head_size * T  # per token, full T x T
     flops = {"matmul_per_step": 6 * n_params * tokens, "attention_per_step": attn * tokens,
              "per_step": (6 * n_params + attn) * tokens,
              "per_step_causal_only": (6 * n_params + attn / 2) * tokens}
     state_gb = m.num_params() * 12 / GB  # fp32 master + Adam m and v
     print(f"{dev.device_kind} ({dev.platform}) | jax {jax.__version__} | "
-          f"{m.num_params() / 1e6:,.1f}M params ({n_params / 1e6:,.1f}M in matmuls) | "
+          f"{m.num_params() / 1e6:,.1f}M params ({n_params / 1e6:,.1f}M active in matmuls) | "
           f"{tokens:,} tokens/step ({M} x {B} x {T}) | training state {state_gb:.3g} GB")
 
     rng = np.random.default_rng(cfg.train.seed)

@@ -2,6 +2,7 @@
 loss), one streamed AdamW step with the aux loss over two micro-batches, export -> from_pretrained
 round trip, the compiled block's memory and FLOPs against the number of experts, bad configs."""
 
+import dataclasses
 import json
 import os
 import re
@@ -25,6 +26,7 @@ from megatrain_jax.config import load_config  # noqa: E402
 from megatrain_jax.engine import StreamedEngine  # noqa: E402
 from megatrain_jax.model import Block, Execution, ModelConfig  # noqa: E402
 from megatrain_jax.train import decay_mask  # noqa: E402
+from test_engine import count_compiles  # noqa: E402
 from test_hf import assert_close, export, save_checkpoint  # noqa: E402
 
 V = 101
@@ -157,7 +159,10 @@ def engine_step(path, optimizer, inputs, targets):
         compute_device=jax.devices("cpu")[0], host_device=jax.devices("cpu")[1])
     out = engine.train_step(inputs, targets)
     out = {k: float(v) for k, v in out.items()}
-    params = as_hf(cfg, engine.params(), hf.HFSource(path).arch)
+    params = as_hf(cfg, engine.params(), hf.HFSource(path).arch)  # copies
+    with count_compiles() as compiles:  # the aux loss's functions too compile once
+        float(engine.train_step(inputs, targets)["aux_loss"])
+    assert compiles == []
     engine.close()
     return out, params
 
@@ -209,3 +214,164 @@ def test_one_streamed_adamw_step_with_aux_loss_equals_torch(hf_dirs, arch, tmp_p
     assert_close(ours, after, 1e-4)
     for name in after:  # the step moved every tensor (else the comparison proves little)
         assert not np.allclose(after[name], before[name]), name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_export_from_pretrained_round_trip_is_exact(hf_dirs, arch, tmp_path):
+    """A checkpoint of the imported model (perturbed, so the export cannot pass by copying the
+    source files) exports to a directory transformers loads as `arch`, with our logits, in the
+    per-expert layout save_pretrained writes; our importer reads it back bit for bit."""
+    cfg, _, _, params = import_model(hf_dirs[arch][1])
+    params = jax.tree.map(lambda p: p + 0.01 * jnp.sin(jnp.arange(p.size).reshape(p.shape)),
+                          params)
+    units = [params["stages"], *params["layers"]]
+    state = {"stages": {"params": units[0], "opt_state": {}},
+             "layers": [{"params": u, "opt_state": {}} for u in units[1:]]}
+    save_checkpoint(str(tmp_path / "run"), cfg, state, 3)
+    out = str(tmp_path / "exported")
+    assert export("--run-dir", str(tmp_path / "run"), "--out", out, "--shard-size", "100KB") == 0
+    expected = as_hf(cfg, params, ARCHS[arch][1])
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(model).__name__ == ARCHS[arch][1]
+    model.config._attn_implementation = "eager"
+    written = {}
+    for name in os.listdir(out):
+        if name.endswith(".safetensors"):
+            written.update(load_file(os.path.join(out, name)))
+    assert len(written) == len(expected) and sum(".experts." in n for n in written) == 2 * 4 * 3
+    for name in expected:  # identical, not close: fp32 in, fp32 out
+        np.testing.assert_array_equal(written[name], expected[name], err_msg=name)
+    cfg2, stages, blocks, params2 = import_model(out)
+    assert dataclasses.replace(cfg2, from_hf="") == dataclasses.replace(cfg, from_hf="")
+    assert_close(as_hf(cfg2, params2, ARCHS[arch][1]), expected, 0.0)
+    inputs, _ = batch(seed=7)
+    with torch.no_grad():
+        ref = model(torch.tensor(inputs, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(forward(stages, blocks, inputs)[0], ref, rtol=0, atol=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# the compiled block against the number of experts
+
+
+def matmul_flops(jaxpr) -> int:
+    """FLOPs of every dot_general in a jaxpr, a scan's body counted `length` times, a cond's
+    costliest branch. (XLA's cost_analysis counts a while loop's body once, whatever its trip
+    count, so it cannot see the tiles of moe.experts_swiglu.)"""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2 * np.prod(eqn.outvars[0].aval.shape) * np.prod([lhs[d] for d in contract])
+        elif eqn.primitive.name == "cond":
+            total += max(matmul_flops(b.jaxpr) for b in eqn.params["branches"])
+        else:
+            assert eqn.primitive.name != "while", "a loop of unknown trip count"
+            times = eqn.params["length"] if eqn.primitive.name == "scan" else 1
+            for value in eqn.params.values():
+                sub = getattr(value, "jaxpr", value)
+                if hasattr(sub, "eqns"):
+                    total += times * matmul_flops(sub)
+    return int(total)
+
+
+def block_backward(num_experts: int, intermediate: int, tokens: int, tile: int):
+    """(weight bytes, jitted vjp of one block, its example args) on (1, tokens, 64)."""
+    cfg = ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=intermediate, num_layers=1,
+                      num_heads=4, num_kv_heads=2, num_experts=num_experts, experts_per_token=2)
+    abstract = nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0),
+                                            execution=Execution(expert_tile=tile)))
+    graphdef, params = nnx.split(abstract)
+
+    def backward(params, x):
+        out, vjp = jax.vjp(lambda p, x: nnx.merge(graphdef, p)(x), params, x)
+        return vjp(jax.tree.map(jnp.ones_like, out))
+
+    weight_bytes = sum(4 * np.prod(p.shape) for p in jax.tree.leaves(params))
+    return weight_bytes, jax.jit(backward), (params, jax.ShapeDtypeStruct((1, tokens, 64),
+                                                                          jnp.float32))
+
+
+def test_compiled_moe_block_grows_with_experts_only_by_their_weights():
+    """4 vs 16 experts at top-2 (2048 routed rows): the compiled forward + backward's temporary
+    memory grows by the added weights' gradient and the padding tiles' saved matmul outputs,
+    where a dense compute of every expert would add (E, rows, F) activations; the matmul FLOPs
+    grow only by the padding of each expert's rows to a tile and the router's columns, and equal
+    those of a dense SwiGLU as wide as the routed experts plus the router and those."""
+    tokens, tile, d, f = 1024, 64, 64, 96
+    small, large = (block_backward(e, f, tokens, tile) for e in (4, 16))
+    temp = [fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+            for _, fn, args in (small, large)]
+    added_weights = large[0] - small[0]
+    padding_tiles = (16 - 4) * tile * (2 * d + 2 * f) * 4  # inputs, outputs, gate and up
+    dense_activations = (16 - 4) * 2 * tokens * f * 4  # one (E, rows, F) fp32 buffer's growth
+    assert temp[1] - temp[0] <= 2 * added_weights + padding_tiles < dense_activations, \
+        (temp, added_weights)
+
+    flops = [matmul_flops(jax.make_jaxpr(fn)(*args).jaxpr) for _, fn, args in (small, large)]
+    swiglu_tile = tile * 3 * 2 * d * f
+    router = lambda e: 2 * tokens * d * e
+    # the backward: 3 x the forward's matmuls (the forward, and two for its gradients)
+    assert flops[1] - flops[0] <= 3 * ((16 - 4) * swiglu_tile + router(16) - router(4)), flops
+    # the same block with a dense SwiGLU as wide as the routed experts (top-2 x F), no router
+    _, dense, args = block_backward(0, 2 * f, tokens, tile)
+    dense_flops = matmul_flops(jax.make_jaxpr(dense)(*args).jaxpr)
+    combine = 2 * tokens * 2 * d  # the top-2 outputs weighted and summed
+    assert dense_flops < flops[0] <= dense_flops + 3 * (router(4) + combine + 4 * swiglu_tile)
+    # the counter agrees with XLA's where there is no loop (XLA adds the elementwise work)
+    xla = dense.lower(*args).cost_analysis()["flops"]
+    assert dense_flops <= xla <= 1.2 * dense_flops, (dense_flops, xla)
+
+
+def test_plan_streams_every_expert_and_counts_flops_of_the_routed_ones():
+    """The plan's bus bytes per layer are the whole block's (every expert streams with the
+    layer); its FLOPs per token (for the tokens needed to hide the transfers) count the routed
+    experts only, so hiding a MoE layer's transfers takes more tokens than if every expert
+    computed."""
+    from megatrain_jax import plan as plan_lib
+    from megatrain_jax.config import Config, DataConfig
+
+    d, f, e, k = 64, 96, 16, 2
+    moe_cfg = ModelConfig(vocab_size=V, hidden_size=d, intermediate_size=f, num_layers=2,
+                          num_heads=4, num_kv_heads=2, num_experts=e, experts_per_token=k)
+    machine = plan_lib.MACHINES["h100"]
+    counts = plan_lib._counts(Config(model=moe_cfg, data=DataConfig(seq_len=64)), Execution(),
+                              machine)
+    block = nnx.eval_shape(lambda: Block(moe_cfg, rngs=nnx.Rngs(0)))
+    assert counts.layer == sum(p.size for p in jax.tree.leaves(nnx.state(block)))
+    assert counts.active_layer == counts.layer - (e - k) * 3 * d * f
+    assert moe_cfg.num_params(include_embeddings=False) == 2 * counts.layer + d  # + final norm
+    assert moe_cfg.num_active_params(include_embeddings=False) == 2 * counts.active_layer + d
+    line = plan_lib.Plan.layer_line(type("P", (), {"counts": counts})())
+    assert f"{plan_lib.format_bytes(2 * counts.layer)} over the bus per pass" in line  # bf16
+    assert f"{counts.active_layer / 1e6:,.2f}M active per token" in line
+    hide = plan_lib._tokens_to_hide(moe_cfg, counts, 64, machine, False)
+    every_expert = dataclasses.replace(counts, active_layer=counts.layer)
+    assert hide > 2 * plan_lib._tokens_to_hide(moe_cfg, every_expert, 64, machine, False) > 0
+
+
+BAD_CONFIGS = {  # arch, config.json change, the line's text
+    "decoder_sparse_step": ("qwen3_moe", dict(decoder_sparse_step=2), re.escape(
+        "decoder_sparse_step=2, mlp_only_layers=[] give 1 of 2 layers a dense MLP; only "
+        "all-sparse models are supported")),
+    "mlp_only_layers": ("qwen3_moe", dict(mlp_only_layers=[1]), re.escape(
+        "decoder_sparse_step=1, mlp_only_layers=[1] give 1 of 2 layers a dense MLP")),
+    "router_jitter_noise": ("mixtral", dict(router_jitter_noise=0.01), re.escape(
+        "router_jitter_noise=0.01 is not supported (only 0)")),
+    "num_experts_per_tok": ("mixtral", dict(num_experts_per_tok=5), re.escape(
+        "model.experts_per_token (5) must be in 1..model.num_experts (4)")),
+}
+
+
+@pytest.mark.parametrize("how", BAD_CONFIGS)
+def test_unsupported_moe_option_is_one_line_exit_2(hf_dirs, tmp_path, capsys, how):
+    arch, change, message = BAD_CONFIGS[how]
+    path = str(tmp_path / "model")
+    shutil.copytree(hf_dirs[arch][1], path)
+    config = json.load(open(os.path.join(path, "config.json")))
+    json.dump({**config, **change}, open(os.path.join(path, "config.json"), "w"))
+    assert run_cli(lambda: load_config(None, [f"model.from_hf={path}"])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and path in err[0], err
+    assert re.search(message, err[0]), err[0]
