@@ -19,6 +19,11 @@ Phi-3 stores q/k/v and gate/up fused, split on import and fused on export (see F
     qkv_proj ((N + 2K)*H, D) = q_proj, k_proj, v_proj rows    gate_up_proj (2F, D) = gate, up rows
 Its resid_pdrop, attention_dropout and embd_pdrop (0 in the public models) are ignored: training
 here runs without dropout, as for every architecture.
+Mixtral and Qwen3-MoE (see moe_tensors): the router gate.weight (E, D) <-> w_router (D, E); each
+expert's gate/up (F, D) and down (D, F) <-> one slice of experts_gate, experts_up (E, D, F) and
+experts_down (E, F, D), as save_pretrained writes them (one tensor per expert); a directory holding
+transformers 5's in-memory layout (experts.gate_up_proj (E, 2F, D), experts.down_proj (E, D, F))
+is read too. Export writes the per-expert layout.
 """
 
 import json
@@ -355,11 +360,29 @@ class Expert(tuple):
     (key, expert). HF checkpoints store each expert's Linear weights separately."""
 
 
+class ExpertsFused(tuple):
+    """The key of a 3-D HF tensor holding every expert, (E, rows, in), as transformers 5 holds
+    them in memory (experts.gate_up_proj, experts.down_proj): ((key, first row, end row), ...),
+    each part our (E, in, rows) parameter."""
+
+
+# HFSource.arch's suffix for a directory whose experts are stored as transformers 5 holds them
+# (a state_dict saved directly); save_pretrained writes one tensor per expert, as export does.
+FUSED_EXPERTS = "/fused-experts"
+
+
 def moe_tensors(cfg: ModelConfig, prefix: str, arch: str) -> list:
     """A MoE layer's MLP tensors as block_tensors lists them, for `arch`'s names (Mixtral:
     block_sparse_moe.gate, experts.{e}.w1 (gate), w3 (up), w2 (down); Qwen3-MoE: mlp.gate,
     experts.{e}.gate_proj, up_proj, down_proj); any other arch is written as Qwen3-MoE's."""
     d, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
+    if arch and arch.endswith(FUSED_EXPERTS):
+        p = prefix + "mlp."
+        return [(p + "gate.weight", (e, d), "w_router", True),
+                (p + "experts.gate_up_proj", (e, 2 * f, d),
+                 ExpertsFused((("experts_gate", 0, f), ("experts_up", f, 2 * f))), True),
+                (p + "experts.down_proj", (e, d, f), ExpertsFused((("experts_down", 0, d),)),
+                 True)]
     if arch == MOE_MIXTRAL:
         p, names = prefix + "block_sparse_moe.", ("w1", "w3", "w2")
     else:
@@ -489,6 +512,9 @@ class HFSource:
             if not os.path.isfile(os.path.join(model_dir, shard)):
                 raise HFError(f"model.from_hf {model_dir}: shard {shard} is missing "
                               f"(listed in {INDEX_FILE})")
+        if self.arch in MOE_ARCHITECTURES and any(
+                name.endswith(".mlp.experts.gate_up_proj") for name in self.files):
+            self.arch += FUSED_EXPERTS
 
     def _open(self, shard: str):
         from safetensors import safe_open
@@ -528,6 +554,12 @@ class HFSource:
                         raise HFError(f"{os.path.join(self.dir, shard)}: {name} has dtype {dtype} "
                                       f"(supported: {', '.join(FLOAT_DTYPES)})")
 
+    def _finite(self, host: np.ndarray, name: str, shard: str) -> np.ndarray:
+        if not (np.isfinite(host.min()) and np.isfinite(host.max())):
+            raise HFError(f"{os.path.join(self.dir, shard)}: tensor {name} holds NaN or inf; "
+                          f"refusing to train from non-finite weights")
+        return host
+
     def read(self, tensors, shapes) -> dict:
         """{key: fp32 host-layout array} for [(HF name, _, key, transpose)] and {key: our shape}.
 
@@ -542,6 +574,11 @@ class HFSource:
             with self._open(shard) as f:
                 for name, key, transpose in items:
                     src = f.get_tensor(name)
+                    if isinstance(key, ExpertsFused):  # (E, rows, in) -> each part (E, in, rows)
+                        for part, lo, hi in key:
+                            out[part] = jnp.asarray(self._finite(np.ascontiguousarray(
+                                np.swapaxes(src[:, lo:hi], 1, 2), np.float32), name, shard))
+                        continue
                     for part, lo, hi in parts(key, src.shape):
                         if isinstance(part, Expert):
                             if part[0] not in experts:

@@ -146,6 +146,26 @@ def test_import_matches_transformers_logits_and_aux_loss(hf_dirs, arch):
                                ref_aux.item(), rtol=1e-6)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_import_of_experts_as_transformers_holds_them_in_memory(hf_dirs, arch, tmp_path):
+    """A directory holding the model's state_dict as transformers 5 keeps it (each layer's experts
+    in two 3-D tensors, experts.gate_up_proj and experts.down_proj; transformers loads it too)
+    imports to the same weights as the per-expert layout save_pretrained writes."""
+    from safetensors.torch import save_file
+
+    model, path = hf_dirs[arch]
+    state = {n: t.contiguous() for n, t in model.state_dict().items()}
+    assert any(n.endswith("mlp.experts.gate_up_proj") and t.ndim == 3 for n, t in state.items())
+    save_file(state, str(tmp_path / hf.SINGLE_FILE), metadata={"format": "pt"})
+    shutil.copy(os.path.join(path, "config.json"), tmp_path / "config.json")
+    assert hf.HFSource(str(tmp_path)).arch == ARCHS[arch][1] + hf.FUSED_EXPERTS
+    _, _, _, fused = import_model(str(tmp_path))
+    _, _, _, per_expert = import_model(path)
+    for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(per_expert)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert jax.tree.structure(fused) == jax.tree.structure(per_expert)
+
+
 def engine_step(path, optimizer, inputs, targets):
     """(step output, params after it as {HF name: array}) of one engine step on `path`'s model
     over M = len(inputs) micro-batches."""
