@@ -270,6 +270,24 @@ def test_export_from_pretrained_round_trip_is_exact(hf_dirs, arch, tmp_path):
     np.testing.assert_allclose(forward(stages, blocks, inputs)[0], ref, rtol=0, atol=1e-5)
 
 
+def test_engine_without_aux_loss_refuses_blocks_that_return_aux(hf_dirs):
+    """Blocks returning (x, aux) with no aux_loss to turn them into a loss: one line, and the
+    engine stays usable (nothing was submitted)."""
+    path = hf_dirs["mixtral"][1]
+    cfg = hf.model_config_from_hf(path)
+    source = hf.HFSource(path)
+    first, last = hf.load_stages(cfg, source)
+    engine = StreamedEngine(
+        first=first, last=last, make_block=lambda i: hf.load_block(cfg, source, i),
+        num_layers=cfg.num_layers, compute_dtype=jnp.float32, optimizer=optax.sgd(0.1),
+        compute_device=jax.devices("cpu")[0], host_device=jax.devices("cpu")[1])
+    inputs, targets = batch(seed=2)
+    with pytest.raises(ValueError, match=r"return \(x, aux\) but the engine has no aux_loss"):
+        engine.train_step(inputs[:, None], targets[:, None])
+    assert np.isfinite(float(engine.evaluate(inputs[:, None], targets[:, None])["loss"]))
+    engine.close()
+
+
 # -----------------------------------------------------------------------------
 # the compiled block against the number of experts
 

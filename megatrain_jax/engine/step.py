@@ -102,6 +102,10 @@ def run(engine, inputs, targets, contexts) -> dict:
         xs = ys
         hook("forward", i)
 
+    if bool(auxs) != (f.aux_loss is not None):
+        raise ValueError("the blocks return (x, aux) but the engine has no aux_loss" if auxs
+                         else "the engine has an aux_loss but the blocks return no (x, aux)")
+
     # ---- loss
     w = fetch(0, "last")
     acc = f.zeros(w)
@@ -113,13 +117,9 @@ def run(engine, inputs, targets, contexts) -> dict:
         dxs.append(dx)
     delete((fetched(w), xs))
     last_grads, head_device = to_host(acc)  # freed once it has arrived, at the first retire
-    total_weight = f.total(weights)
     aux_loss, daux = None, None
-    if auxs or f.aux_loss is not None:
-        if not auxs or f.aux_loss is None:
-            raise ValueError("the blocks return (x, aux) but the engine has no aux_loss" if auxs
-                             else "aux_loss is set but the blocks return no (x, aux)")
-        aux_loss, daux = f.aux_grad(f.tree_total(auxs), total_weight)
+    if auxs:  # every layer's gets the same cotangent: the gradient at the total
+        aux_loss, daux = f.aux_grad(f.tree_total(auxs), f.total(weights))
     hook("loss")
 
     # ---- backward
@@ -152,6 +152,7 @@ def run(engine, inputs, targets, contexts) -> dict:
     stage_grads = _merge_stage_grads(first_grads, last_grads, engine.parts.first, engine.parts.last,
                                      stage_leaves, host.grad_dtype)
     on_host = lambda x: jax.device_put(x, engine.host_sharding)
+    total_weight = f.total(weights)
     grad_norm, scale, stages_sq = _norm_and_scale(on_host(layer_sq), stage_grads,
                                                   on_host(total_weight))
     engine.unit_sq = [stages_sq] + layer_sq[::-1]  # per unit, for nonfinite_units()
