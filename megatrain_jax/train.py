@@ -390,7 +390,8 @@ def _train_locked(cfg: Config, dataset, eval_set, log) -> list[dict]:
                         f"{where}); no update and no checkpoint was made from them; lower "
                         f"optimizer.learning_rate or check the data")
             elif step % cfg.train.log_every == 0 or step == cfg.train.steps:
-                log(f"step {step:5d} | loss {loss:.4f} | grad norm {grad_norm:.3f} | "
+                aux = f" (aux {record['aux_loss']:.4f})" if "aux_loss" in record else ""
+                log(f"step {step:5d} | loss {loss:.4f}{aux} | grad norm {grad_norm:.3f} | "
                     f"{record['tokens_per_sec']:,.0f} tok/s | {dt * 1000:.0f} ms")
             if evaluating:
                 log(f"step {step:5d} | eval loss {record['eval_loss']:.4f} | "
