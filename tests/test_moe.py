@@ -166,42 +166,49 @@ def test_import_of_experts_as_transformers_holds_them_in_memory(hf_dirs, arch, t
     assert jax.tree.structure(fused) == jax.tree.structure(per_expert)
 
 
+def keep_gradient() -> optax.GradientTransformation:
+    """Passes the update through and keeps it as its state: first in a chain, the gradient."""
+    return optax.GradientTransformation(lambda params: jax.tree.map(jnp.zeros_like, params),
+                                        lambda updates, state, params=None: (updates, updates))
+
+
 def engine_step(path, optimizer, inputs, targets):
-    """(step output, params after it as {HF name: array}) of one engine step on `path`'s model
-    over M = len(inputs) micro-batches."""
+    """(step output, params after it, the gradient), the last two as {HF name: array}, of one
+    engine step on `path`'s model over M = len(inputs) micro-batches with
+    optax.chain(keep_gradient(), optimizer); then a second step must compile nothing."""
     cfg = hf.model_config_from_hf(path)
     source = hf.HFSource(path)
     first, last = hf.load_stages(cfg, source)
     engine = StreamedEngine(
         first=first, last=last, make_block=lambda i: hf.load_block(cfg, source, i),
         num_layers=cfg.num_layers, compute_dtype=jnp.float32, max_grad_norm=None,
-        optimizer=optimizer, aux_loss=moe.aux_loss(cfg),
+        optimizer=optax.chain(keep_gradient(), optimizer), aux_loss=moe.aux_loss(cfg),
         compute_device=jax.devices("cpu")[0], host_device=jax.devices("cpu")[1])
     out = engine.train_step(inputs, targets)
     out = {k: float(v) for k, v in out.items()}
-    params = as_hf(cfg, engine.params(), hf.HFSource(path).arch)  # copies
+    state = engine.state()
+    params = as_hf(cfg, engine.params(), source.arch)  # copies
+    grads = as_hf(cfg, {"stages": state["stages"]["opt_state"][0],
+                        "layers": [u["opt_state"][0] for u in state["layers"]]}, source.arch)
     with count_compiles() as compiles:  # the aux loss's functions too compile once
         float(engine.train_step(inputs, targets)["aux_loss"])
     assert compiles == []
     engine.close()
-    return out, params
+    return out, params, grads
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_one_streamed_adamw_step_with_aux_loss_equals_torch(hf_dirs, arch, tmp_path):
     """Two micro-batches through the engine = one torch step on both rows, whose loss is CE +
     coef * aux over the whole batch (the router statistics add up over micro-batches): the loss,
-    every gradient (an SGD step of rate 1) and the weights after one AdamW step."""
+    every gradient and the weights after one AdamW step."""
     _, path = hf_dirs[arch]
     model = make_hf_model(arch)  # a fresh copy: this test changes its weights
     lr, betas, eps, wd = 1e-3, (0.9, 0.95), 1e-8, 0.1
     inputs, targets = batch(seed=2)
     micro = inputs[:, None], targets[:, None]  # M = 2 micro-batches of one row
-    out, ours = engine_step(path, optax.adamw(lr, b1=betas[0], b2=betas[1], eps=eps,
-                                              weight_decay=wd, mask=decay_mask), *micro)
-    # SGD at rate 1e4: (before - after) / 1e4 is the gradient, free of the cancellation a rate of
-    # 1 would leave in fp32 where the gradient is small next to the weight
-    _, sgd = engine_step(path, optax.sgd(1e4), *micro)
+    out, ours, our_grads = engine_step(path, optax.adamw(
+        lr, b1=betas[0], b2=betas[1], eps=eps, weight_decay=wd, mask=decay_mask), *micro)
 
     named = list(model.named_parameters())
     opt = torch.optim.AdamW(
@@ -219,7 +226,7 @@ def test_one_streamed_adamw_step_with_aux_loss_equals_torch(hf_dirs, arch, tmp_p
         for _, p in named:
             p.copy_(p.grad)
     grads = saved_tensors(model, tmp_path / "grads")
-    assert_close({n: (before[n] - sgd[n]) / 1e4 for n in sgd}, grads, 1e-5)
+    assert_close(our_grads, grads, 1e-5)
     with torch.no_grad():  # back to the weights, for the AdamW step
         for n, p in named:
             p.copy_(weights[n])
@@ -339,7 +346,9 @@ def test_compiled_moe_block_grows_with_experts_only_by_their_weights():
     those of a dense SwiGLU as wide as the routed experts plus the router and those."""
     tokens, tile, d, f = 1024, 64, 64, 96
     small, large = (block_backward(e, f, tokens, tile) for e in (4, 16))
-    temp = [fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    # XLA:CPU's LLVM optimisation level does not change buffer assignment (as plan.py uses it)
+    options = {"xla_backend_optimization_level": 0}
+    temp = [fn.lower(*args).compile(compiler_options=options).memory_analysis().temp_size_in_bytes
             for _, fn, args in (small, large)]
     added_weights = large[0] - small[0]
     padding_tiles = (16 - 4) * tile * (2 * d + 2 * f) * 4  # inputs, outputs, gate and up
