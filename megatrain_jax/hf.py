@@ -346,7 +346,10 @@ def _moe_config(cfg: ModelConfig, arch: str, base: dict) -> dict:
                   router_aux_loss_coef=cfg.router_aux_loss_coef)
     if arch == MOE_MIXTRAL:
         return dict(common, num_local_experts=cfg.num_experts, router_jitter_noise=0.0)
-    out = dict(common, num_experts=cfg.num_experts, moe_intermediate_size=cfg.intermediate_size,
+    # the Hub's configs write num_experts, transformers 5 num_local_experts (its attribute_map):
+    # both, equal, so a source config's one cannot contradict the other
+    out = dict(common, num_experts=cfg.num_experts, num_local_experts=cfg.num_experts,
+               moe_intermediate_size=cfg.intermediate_size,
                norm_topk_prob=cfg.moe_renormalize, decoder_sparse_step=1, mlp_only_layers=[],
                attention_bias=False, sliding_window=cfg.sliding_window or None,
                use_sliding_window=bool(cfg.sliding_window),
