@@ -247,7 +247,7 @@ def measure_resident_compute(jax, engine, batch, step_s, on_gpu) -> dict:
 
     def layer():  # forward of all micro-batches, then backward (recompute + vjp), as in a step
         dw = f.zeros(w_layer)
-        dys = [f.block_fwd(w_layer, x, None) for x in xs]
+        dys = [f.block_fwd(w_layer, x, None)[0] for x in xs]  # (y, aux)
         for i, x in enumerate(xs):
             dys[i], dw = f.block_bwd(w_layer, x, None, dys[i], dw)
         return dys, f.sum_squares(dw)
