@@ -46,9 +46,22 @@ def train(argv=None, prog=None) -> int:
     def go(args):
         from megatrain_jax.config import load_config
         from megatrain_jax.train import train as train_run
-        train_run(load_config(args.config, args.overrides))
+        cfg = load_config(args.config, args.overrides)
+        train_run(cfg, console=_terminal_console())
 
     return _run(lambda: parser.parse_args(argv), go)
+
+
+def _terminal_console():
+    """A rich Console on stdout when stdout is a terminal and rich is installed (the live
+    progress bar), else None (plain lines only: CI, nohup, a pipe)."""
+    if not sys.stdout.isatty():
+        return None
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    return Console()
 
 
 # ----------------------------------------------------------------------------- plan

@@ -105,12 +105,28 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    # TensorBoard event files under <run_dir>/tb, when tensorboardX is installed (the extra
+    # `tensorboard`); false: none.
+    tensorboard: bool = True
+    # Weights & Biases (the extra `wandb`): the run's metrics and config; `mode: offline` (or
+    # WANDB_MODE=offline) writes under <run_dir>/wandb with no network, `wandb sync` uploads later.
+    wandb: bool = False
+    wandb_project: str = "megatrain_jax"
+    wandb_mode: str = "online"  # online or offline
+    # The device's bf16 dense peak in TFLOPS, the denominator of MFU; 0: from the table of known
+    # devices (megatrain_jax.plan.PEAK_BF16_TFLOPS), and no MFU on a device not in it (a CPU).
+    peak_tflops: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = ModelConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
     run_dir: str = "runs/tiny"
 
 
@@ -331,6 +347,12 @@ def _check(cfg: Config):
         if not under(key, resume_keys(cfg)):
             raise ConfigError(f"checkpoint.allow_changes: {key} is never compared on resume (it "
                               f"may change freely); compared: {', '.join(RESUME_KEYS)}")
+    if cfg.logging.peak_tflops < 0:
+        raise ConfigError(f"logging.peak_tflops must be >= 0 (0: from the device's name), "
+                          f"got {cfg.logging.peak_tflops}")
+    if cfg.logging.wandb_mode not in ("online", "offline"):
+        raise ConfigError(f"logging.wandb_mode must be online or offline, "
+                          f"got {cfg.logging.wandb_mode!r}")
     if not cfg.run_dir:
         raise ConfigError("run_dir must not be empty")
     data = cfg.data

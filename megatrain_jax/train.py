@@ -13,6 +13,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import yaml
 
@@ -20,7 +21,9 @@ from megatrain_jax import attention, checkpoint
 from megatrain_jax import data as data_lib
 from megatrain_jax import hf
 from megatrain_jax import hostmem
+from megatrain_jax import metrics_log
 from megatrain_jax import plan as plan_lib
+from megatrain_jax import progress
 from megatrain_jax.config import Config, ConfigError, resume_changes, to_dict
 from megatrain_jax.engine import StreamedEngine
 from megatrain_jax.model import Execution, make_block, make_stages
@@ -269,13 +272,18 @@ def resume_point(cfg: Config, log=print) -> int | None:
     return step
 
 
-def train(cfg: Config, *, log=print) -> list[dict]:
+def train(cfg: Config, *, log=print, console=None) -> list[dict]:
     """Trains up to cfg.train.steps (the total) steps; returns the per-step metrics it logged.
+
+    `log` takes the run's lines: a line per `train.log_every` steps (progress.line), evaluations,
+    checkpoints. `console`, a rich Console, adds a live progress bar under them (the command line
+    passes one when stdout is a terminal).
 
     Resumes from the latest complete checkpoint in `<run_dir>/checkpoints` (or the step
     `checkpoint.resume_step`) when there is one. Saves every `checkpoint.every` steps, at the last
     step, and on SIGTERM/SIGINT (then returns early). Holds `<run_dir>/train.lock` throughout."""
     dataset, eval_set = load_data(cfg)  # validate all inputs before anything is written
+    metrics_log.check(cfg)
     try:  # freed layer-sized buffers go back to the kernel: ~22 -> ~14 B/param of RSS, see
         hostmem.set_mmap_threshold(1 << 20)  # docs/benchmarks.md "Host memory per parameter"
     except OSError:  # not glibc: nothing to tune
@@ -284,7 +292,7 @@ def train(cfg: Config, *, log=print) -> list[dict]:
     prepare_run_dir(cfg.run_dir)
     try:
         with RunLock(cfg.run_dir, log=log):
-            return _train_locked(cfg, dataset, eval_set, log)
+            return _train_locked(cfg, dataset, eval_set, log, console)
     except BaseException:
         if created:  # refused before writing anything (a first step out of memory too): no trace
             for directory in (os.path.join(cfg.run_dir, "checkpoints"), cfg.run_dir):
@@ -307,7 +315,18 @@ def _out_of_memory_line(e: BaseException, step: int, run_plan) -> str:
             f"train.offload_activations=true (python scripts/plan.py shows what fits)")
 
 
-def _train_locked(cfg: Config, dataset, eval_set, log) -> list[dict]:
+def _peak_flops(cfg: Config, device) -> tuple[float | None, str]:
+    """(the bf16 dense peak FLOP/s that MFU is measured against, or None, and where it is from)."""
+    if cfg.logging.peak_tflops:
+        return (cfg.logging.peak_tflops * 1e12,
+                f"MFU against logging.peak_tflops={cfg.logging.peak_tflops:g}")
+    tflops = plan_lib.peak_bf16_tflops(device.device_kind)
+    if tflops is None:
+        return None, f"no MFU: {device.device_kind} has no known peak (set logging.peak_tflops)"
+    return tflops * 1e12, f"MFU against {tflops:g} bf16 TFLOPS ({device.device_kind})"
+
+
+def _train_locked(cfg: Config, dataset, eval_set, log, console) -> list[dict]:
     resume_step = resume_point(cfg, log)
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
     if os.path.isdir(ckpt_dir):  # else run_dir was just checked; make_manager creates it
@@ -329,8 +348,10 @@ def _train_locked(cfg: Config, dataset, eval_set, log) -> list[dict]:
         start = meta["step"]
 
     log(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
+    peak_flops, peak_source = _peak_flops(cfg, engine.compute_device)
     log(f"model: {cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.num_layers} layers | "
-        f"{dataset.tokens_per_batch} tokens/step | compute {jax.devices()[0].platform}")
+        f"{dataset.tokens_per_batch} tokens/step | compute {engine.compute_device.platform} | "
+        f"{peak_source}")
     log(run_plan.summary())
     if eval_set:
         when = (f"every {cfg.train.eval_every} steps and at the end" if cfg.train.eval_every
@@ -341,7 +362,17 @@ def _train_locked(cfg: Config, dataset, eval_set, log) -> list[dict]:
         log(f"resumed from checkpoint step {start} ({manager.directory})")
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     history, bad_steps = [], 0
+    with jax.default_device(jax.devices("cpu")[0]):  # each step's learning rate, for the log
+        lrs = np.asarray(build_schedule(cfg.optimizer, cfg.train.steps)(np.arange(cfg.train.steps)))
+    meter = progress.Meter(total_steps=cfg.train.steps, start_step=start,
+                           tokens_per_step=dataset.tokens_per_batch,
+                           flops_per_token=plan_lib.flops_per_token(cfg.model, cfg.data.seq_len),
+                           peak_flops=peak_flops, device=engine.compute_device)
     with _StopSignals() as stop, contextlib.ExitStack() as files:
+        live = None
+        if console is not None and console.is_terminal and start < cfg.train.steps:
+            live = files.enter_context(progress.LiveDisplay(
+                console, total_steps=cfg.train.steps, start_step=start))
         metrics_file = None
         for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
@@ -360,8 +391,11 @@ def _train_locked(cfg: Config, dataset, eval_set, log) -> list[dict]:
                 _write_config(cfg)
                 _keep_metrics_through(metrics_path, start)
                 metrics_file = files.enter_context(open(metrics_path, "a"))
+                sinks = metrics_log.Sinks.open(cfg, start, log)  # TensorBoard, W&B
+                files.callback(sinks.close)
             record = {"step": step, "loss": loss, "grad_norm": grad_norm,
-                      "tokens_per_sec": dataset.tokens_per_batch / dt, "step_time_s": dt}
+                      "tokens_per_sec": dataset.tokens_per_batch / dt, "step_time_s": dt,
+                      "lr": float(lrs[step - 1])}
             bad_steps = 0 if math.isfinite(grad_norm) else bad_steps + 1
             if bad_steps:
                 record["skipped"] = True
@@ -372,9 +406,13 @@ def _train_locked(cfg: Config, dataset, eval_set, log) -> list[dict]:
                 eval_loss = evaluate(engine, eval_set)
                 record["eval_loss"] = eval_loss
                 record["eval_ppl"] = math.exp(eval_loss) if eval_loss < 700 else math.inf
+            record.update(meter.measure(step, loss, dt))
+            if live is not None:
+                live.update(record)
             history.append(record)
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
+            sinks.write(record)
             if bad_steps:
                 where = ", ".join(map(str, engine.nonfinite_units())) or "the loss"
                 log(f"step {step:5d} | non-finite gradient (in {where}): skipped, weights and "
@@ -387,8 +425,7 @@ def _train_locked(cfg: Config, dataset, eval_set, log) -> list[dict]:
                         f"{where}); no update and no checkpoint was made from them; lower "
                         f"optimizer.learning_rate or check the data")
             elif step % cfg.train.log_every == 0 or step == cfg.train.steps:
-                log(f"step {step:5d} | loss {loss:.4f} | grad norm {grad_norm:.3f} | "
-                    f"{record['tokens_per_sec']:,.0f} tok/s | {dt * 1000:.0f} ms")
+                log(progress.line(record, total_steps=cfg.train.steps))
             if evaluating:
                 log(f"step {step:5d} | eval loss {record['eval_loss']:.4f} | "
                     f"ppl {record['eval_ppl']:.2f}")
