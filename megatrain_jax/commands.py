@@ -1,8 +1,9 @@
-"""The command line: `megatrain train|plan|export ...` (also `python -m megatrain_jax ...`).
+"""The command line: `megatrain train|plan|export|plot ...` (also `python -m megatrain_jax ...`).
 
     megatrain train --config configs/tiny.yaml [key=value ...]       # = scripts/train.py
     megatrain plan --config configs/llama3_8b.yaml [--device h100]   # = scripts/plan.py
     megatrain export --run-dir runs/ft --out hf_out                  # = scripts/export_hf.py
+    megatrain plot runs/a runs/b --out runs.png                      # = scripts/plot.py
 
 Each command is a function here, `fn(argv=None, prog=None) -> exit code`, that the scripts in
 scripts/ call too. Exit codes as in megatrain_jax.cli: 0 done, 2 bad input (one line on stderr,
@@ -181,10 +182,32 @@ def export(argv=None, prog=None) -> int:
     return _run(lambda: parser.parse_args(argv), go)
 
 
+# ----------------------------------------------------------------------------- plot
+
+PLOT_HELP = "Plot runs' train and eval loss and tokens/s against the step, overlaid."
+
+
+def plot(argv=None, prog=None) -> int:
+    """`megatrain plot RUN_DIR [RUN_DIR ...] [--out PNG]`: a PNG of the runs' metrics.jsonl
+    (megatrain_jax.plot); default out: RUN_DIR/metrics.png for one run, metrics.png for several."""
+    parser = _Parser(prog=prog, description=PLOT_HELP,
+                     epilog="Needs matplotlib: pip install 'megatrain-jax[plot]'.")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory")
+    parser.add_argument("--out", help="the PNG to write")
+
+    def go(args):
+        from megatrain_jax.plot import plot_runs
+        out = args.out or (os.path.join(args.run_dirs[0], "metrics.png")
+                           if len(args.run_dirs) == 1 else "metrics.png")
+        print(f"wrote {plot_runs(args.run_dirs, out)}")
+
+    return _run(lambda: parser.parse_args(argv), go)
+
+
 # ----------------------------------------------------------------------------- megatrain
 
 COMMANDS = {"train": (train, TRAIN_HELP), "plan": (plan, PLAN_HELP),
-            "export": (export, EXPORT_HELP)}
+            "export": (export, EXPORT_HELP), "plot": (plot, PLOT_HELP)}
 
 
 def usage(prog: str) -> str:
