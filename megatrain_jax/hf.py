@@ -51,6 +51,11 @@ LAYERED_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 CONFIG_FILE, INDEX_FILE, SINGLE_FILE = "config.json", "model.safetensors.index.json", "model.safetensors"
 FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+# What an export copies from the source model's directory beside the weights, when present, so
+# that AutoTokenizer and generate() work on the export as on the source.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja", "chat_template.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 EXPORT_OLDER = "export an older one with --step {step}"  # the hint for a damaged checkpoint
 # Buffers some older checkpoints saved next to the weights; recomputed, so skipped.
 IGNORED_TENSOR = re.compile(r".*\.rotary_emb\.inv_freq$")
@@ -658,6 +663,7 @@ def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None,
                               indent=2)
             with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
                 json.dump(config, f, indent=2)
+            copied = _copy_tokenizer_files(meta.get("config", {}), tmp)
             # mkdtemp makes the directory private (0700); give the result the usual permissions.
             umask = os.umask(0)
             os.umask(umask)
@@ -676,4 +682,31 @@ def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None,
         manager.close()
     log(f"exported {where} to {out_dir}: {len(tensors)} tensors, {total / 1e6:,.1f} MB {dtype} "
         f"in {len(shards)} shard{'s' * (len(shards) > 1)}")
+    log(copied)
     return out_dir
+
+
+def _copy_tokenizer_files(run_config: dict, out_dir: str) -> str:
+    """Copies TOKENIZER_FILES from the run's model.from_hf directory into out_dir (and, when that
+    holds no tokenizer.json, the run's data.tokenizer file if it is one); returns a line saying
+    what was copied from where."""
+    source = run_config.get("model", {}).get("from_hf") or ""
+    copied = []
+    if source and os.path.isdir(source):
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(source, name)):
+                shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
+                copied.append(name)
+    tokenizer = run_config.get("data", {}).get("tokenizer") or ""
+    extra = ("tokenizer.json" not in copied and tokenizer.endswith(".json")
+             and os.path.isfile(tokenizer))
+    if extra:
+        shutil.copyfile(tokenizer, os.path.join(out_dir, "tokenizer.json"))
+    found = [f"{', '.join(copied)} from {source}"] if copied else []
+    found += [f"tokenizer.json from data.tokenizer={tokenizer}"] if extra else []
+    if found:
+        return f"copied {'; '.join(found)}"
+    if source and not os.path.isdir(source):
+        return (f"no tokenizer files copied: model.from_hf={source} of the run is not there "
+                f"(copy them from the source model by hand)")
+    return "no tokenizer files copied: the run names no HF model directory or tokenizer.json"

@@ -68,13 +68,14 @@ class Sinks:
         return cls(tensorboard, wandb_run)
 
     def write(self, record: dict):
-        values = scalars(record)
+        """Every finite scalar of the record (a skipped step's NaN loss is not drawn; its
+        train/skipped is)."""
+        values = {k: v for k, v in scalars(record).items() if math.isfinite(v)}
         if self.tensorboard is not None:
             for name, value in values.items():
                 self.tensorboard.add_scalar(name, value, record["step"])
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in values.items() if math.isfinite(v)},
-                               step=record["step"])
+            self.wandb_run.log(values, step=record["step"])
 
     def close(self):
         if self.tensorboard is not None:
