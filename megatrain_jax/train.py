@@ -4,6 +4,7 @@ scripts/train.py and `megatrain train` (megatrain_jax.commands) are a thin CLI o
 """
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -17,7 +18,7 @@ import numpy as np
 import optax
 import yaml
 
-from megatrain_jax import attention, checkpoint
+from megatrain_jax import advice, attention, checkpoint
 from megatrain_jax import data as data_lib
 from megatrain_jax import hf
 from megatrain_jax import hostmem
@@ -326,6 +327,9 @@ def _peak_flops(cfg: Config, device) -> tuple[float | None, str]:
     return tflops * 1e12, f"MFU against {tflops:g} bf16 TFLOPS ({device.device_kind})"
 
 
+ADVICE_AFTER = 3  # steps into a run: the first compiles, the next two are measured
+
+
 def _train_locked(cfg: Config, dataset, eval_set, log, console) -> list[dict]:
     resume_step = resume_point(cfg, log)
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
@@ -387,6 +391,10 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console) -> list[dict]:
                     raise ConfigError(_out_of_memory_line(e, step, run_plan)) from None
                 raise
             dt = time.perf_counter() - t0
+            if step == start + 1:  # after the compiling step: advice measures the next ones
+                counted, timed = dataclasses.replace(engine.counters), []
+            elif step <= start + ADVICE_AFTER:
+                timed.append(dt)
             if metrics_file is None:  # the first step ran: now the run writes its files
                 _write_config(cfg)
                 _keep_metrics_through(metrics_path, start)
@@ -426,6 +434,9 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console) -> list[dict]:
                         f"optimizer.learning_rate or check the data")
             elif step % cfg.train.log_every == 0 or step == cfg.train.steps:
                 log(progress.line(record, total_steps=cfg.train.steps))
+            if step == start + ADVICE_AFTER:
+                for line in advice.for_run(cfg, engine, run_plan.machine, counted, timed):
+                    log(line)
             if evaluating:
                 log(f"step {step:5d} | eval loss {record['eval_loss']:.4f} | "
                     f"ppl {record['eval_ppl']:.2f}")

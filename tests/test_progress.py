@@ -162,6 +162,10 @@ def test_plain_lines_every_log_every_steps(run):
         assert field in steps[-1]
     assert [x for x in lines if x.startswith("model: ")][0].endswith(
         "| compute cpu | MFU against logging.peak_tflops=0.001")
+    # after step 3 (the first compiles, the next two are measured): advice, once
+    advice = [i for i, x in enumerate(lines) if x.startswith("advice: steps are bound by ")]
+    assert len(advice) == 1
+    assert lines.index(steps[0]) < advice[0] < lines.index(steps[1])  # after step 3's line
 
 
 def test_live_display_on_a_terminal(run):
