@@ -7,6 +7,7 @@ import json
 import math
 import os
 import struct
+import sys
 
 import jax
 import numpy as np
@@ -267,3 +268,23 @@ def test_the_command_line_shows_the_bar_only_on_a_terminal(monkeypatch):
 def test_bad_peak_is_one_line():
     with pytest.raises(Exception, match="logging.peak_tflops must be >= 0"):
         tiny_config("logging.peak_tflops=-1")
+
+
+def test_missing_writer_packages(tmp_path, monkeypatch):
+    """W&B asked for but not installed: one line, before anything is written; TensorBoard not
+    installed: a log line, and the run goes on."""
+    from megatrain_jax import metrics_log
+    from megatrain_jax.config import ConfigError
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)
+    with pytest.raises(ConfigError, match=r"^logging.wandb=true needs the wandb package: pip "
+                                          r"install 'megatrain-jax\[wandb\]'"):
+        metrics_log.check(tiny_config("logging.wandb=true"))
+    metrics_log.check(tiny_config())  # not asked: fine
+    lines = []
+    sinks = metrics_log.Sinks.open(tiny_config(f"run_dir={tmp_path}"), 0, lines.append)
+    assert lines == ["tensorboard: not written (pip install 'megatrain-jax[tensorboard]' for "
+                     "tensorboardX; logging.tensorboard=false hides this line)"]
+    sinks.write({"step": 1, "loss": 1.0})
+    sinks.close()
+    assert os.listdir(tmp_path) == []
