@@ -150,9 +150,13 @@ class LiveDisplay:
     def __init__(self, console, *, total_steps: int, start_step: int):
         from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                    TimeElapsedColumn)
+        from rich.table import Column
         self.progress = Progress(
-            TextColumn("step", markup=False), MofNCompleteColumn(), BarColumn(),
-            TimeElapsedColumn(), TextColumn("{task.fields[status]}", markup=False),
+            TextColumn("step", markup=False), MofNCompleteColumn(), BarColumn(bar_width=24),
+            TimeElapsedColumn(),
+            # the figures wrap on a narrow terminal, rather than squeezing the bar and the time
+            TextColumn("{task.fields[status]}", markup=False,
+                       table_column=Column(no_wrap=False, overflow="fold")),
             console=console, refresh_per_second=4)
         self.task = self.progress.add_task("train", total=total_steps, completed=start_step,
                                            status="the first step compiles")
