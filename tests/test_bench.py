@@ -124,10 +124,3 @@ def test_bench_long_context_tiny(tmp_path):
     for fn in ("block_bwd", "head"):  # the dense path needs more: T x T scores, T x V logits
         assert 0 < est["long_context"][fn]["temp_bytes"] < est["dense"][fn]["temp_bytes"], fn
 
-
-def test_gpu_checklist_script_parses_and_refuses_an_unknown_part(tmp_path):
-    script = os.path.join(ROOT, "scripts", "gpu_checklist.sh")
-    assert subprocess.run(["bash", "-n", script]).returncode == 0
-    proc = subprocess.run(["bash", script, "9"], capture_output=True, text=True, cwd=ROOT,
-                          env=dict(os.environ, OUT=str(tmp_path)))
-    assert proc.returncode == 2 and "unknown part 9" in proc.stderr
