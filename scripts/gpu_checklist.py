@@ -93,13 +93,13 @@ def long_context(name, seq, attention, steps, timeout) -> Step:
                 json=f"{name}.json", env=(("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92"),))
 
 
-def step_time(name, config, bench_json, timeout=40, smoke_config=TINY) -> Step:
-    """The plan's step-time prediction from the rates measured in this part (transfer.json,
-    the bench's matmul and device compute, the host update), set against the bench's measured
-    step."""
-    tail = ("--step-time", "--rates", "{out}", "--compare", "{out}/" + bench_json)
+def step_time(name, config, timeout=40) -> Step:
+    """The plan's step-time prediction from the rates measured in this part (transfer.json, the
+    bench's device compute, optimizer.json's host update), set against the bench's measured step
+    (`scripts/plan.py --step-time --rates DIR` finds the bench of the same step there)."""
+    tail = ("--step-time", "--rates", "{out}")
     return Step(name, timeout, ("scripts/plan.py", "--config", config, *tail),
-                smoke=("scripts/plan.py", *smoke_config, *tail), json=f"{name}.json")
+                smoke=("scripts/plan.py", *TINY, *tail), json=f"{name}.json")
 
 
 STEPS = {
@@ -114,6 +114,7 @@ STEPS = {
         # the engine's own update path with clipping, all cores: the host-update rate
         Step("optimizer", 50, ("scripts/bench_optimizer.py", "--clip", "--reps", "3"),
              smoke=("scripts/bench_optimizer.py", "--clip", *TINY_OPTIMIZER), json="optimizer.json"),
+        step_time("step_time_1b", "configs/bench_1b.yaml"),
         # last: a first check that the engine's tests pass on this jax (CPU devices, as in CI)
         Step("engine tests", 100, ("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                                    "tests/test_streaming.py", "tests/test_engine.py"),
@@ -143,7 +144,7 @@ STEPS = {
                                       "--reps", "2"),
              smoke=("scripts/bench_optimizer.py", "--clip", "--cores", "1", *TINY_OPTIMIZER),
              json="optimizer_1_core.json"),
-        ],
+        step_time("step_time_4b", "configs/bench_4b.yaml")],
 }
 
 

@@ -1,7 +1,7 @@
 """scripts/gpu_checklist.py: each part fits one device call (timeouts within the budget, few result
 files, every script and config it names exists), and --smoke runs its steps end to end on the CPU.
 
-The smoke test runs a representative subset of part 1 (the machine and transfer steps; see
+The smoke test runs a representative subset of part 1 (the machine, transfer and step-time steps; see
 test_smoke_subset_of_part_1) through the same code path as the whole list: the full smoke of all
 three parts (`python scripts/gpu_checklist.py 1 2 3 --smoke`) takes ~3-5 minutes on a 2-core box,
 over this suite's budget. The benchmarks it leaves out run at the same tiny sizes in
@@ -47,21 +47,27 @@ def test_each_part_fits_one_device_call():
 def test_smoke_subset_of_part_1(tmp_path):
     out = tmp_path / "results"
     proc = run("1", "--smoke", "--out", str(out), "--only",
-               "nvidia-smi,memory and cores,versions,transfer")
+               "nvidia-smi,memory and cores,versions,transfer,step_time_1b")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "part1.json").read_text())
     assert summary["kind"] == "gpu_checklist" and summary["smoke"] is True
     steps = {s["name"]: s for s in summary["steps"]}
-    assert list(steps) == ["nvidia-smi", "memory and cores", "versions", "transfer"]
+    assert list(steps) == ["nvidia-smi", "memory and cores", "versions", "transfer", "step_time_1b"]
     assert "needs a GPU" in steps["nvidia-smi"]["skipped"]
-    for name in ("memory and cores", "versions", "transfer"):
+    for name in ("memory and cores", "versions", "transfer", "step_time_1b"):
         assert steps[name]["rc"] == 0 and not steps[name]["timed_out"], name
     # the transfer step wrote its JSON where the summary says, at its smoke size
     transfer = json.loads((out / steps["transfer"]["json"]).read_text())
     assert transfer["kind"] == "transfer" and transfer["buffer_bytes"] == 4_000_000
+    # the prediction took the bus rates this part measured (no bench ran: no comparison)
+    prediction = json.loads((out / "step_time_1b.json").read_text())
+    assert prediction["rates"]["h2d_gbps"] == next(
+        p["gb_per_s"] for p in transfer["paths"] if p["path"] == "pinned_host -> device")
+    assert "transfer.json" in prediction["rate_sources"]["d2h_gbps"] and "compare" not in prediction
     log = (out / "part1.txt").read_text()
     assert "scripts/bench_transfer.py --mb 4" in log and "jax" in log
-    assert sorted(p.name for p in out.iterdir()) == ["part1.json", "part1.txt", "transfer.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["part1.json", "part1.txt", "step_time_1b.json",
+                                                     "transfer.json"]
     assert "part 1  transfer" in proc.stdout
 
 
