@@ -34,6 +34,12 @@ def test_each_part_fits_one_device_call():
         assert sum(s.timeout_s for s in steps) <= checklist.PART_BUDGET_S, part
         files = checklist.files_of(part)
         assert len(files) <= checklist.MAX_FILES and len(set(files)) == len(files), part
+        names = [s.name for s in steps]
+        assert len(set(names)) == len(names), part
+    # one session's parts are copied into one folder (docs/results/<date>-<gpu>/): no clashes
+    every = [f for part in checklist.STEPS for f in checklist.files_of(part)]
+    assert len(set(every)) == len(every)
+    for part, steps in checklist.STEPS.items():
         for step in steps:
             for smoke in (False, True):
                 cmd = step.command(smoke, "/results")
