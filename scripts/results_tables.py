@@ -41,7 +41,7 @@ def gb(n, spec=".3g"):
 
 def table(head, rows, right=()) -> list:
     """A markdown table; the columns numbered in `right` are right-aligned."""
-    line = lambda cells: ("| " + " | ".join(str(c) for c in cells) + " |").replace("|  |", "| |")
+    line = lambda cells: re.sub(r"\|  (?=\|)", "| ", "| " + " | ".join(map(str, cells)) + " |")
     rule = "|" + "".join("---:|" if i in right else "---|" for i in range(len(head)))
     return [line(head), rule] + [line(row) for row in rows]
 

@@ -3,6 +3,7 @@ bench_long_context.py: each runs end to end and prints its table; bench.py, benc
 bench_long_context.py write well-formed JSON whose figures are consistent. (The figures themselves
 are GPU work: docs/benchmarks.md.)"""
 
+import importlib.util
 import json
 import math
 import os
@@ -10,6 +11,10 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location(
+    "results_tables", os.path.join(ROOT, "scripts", "results_tables.py"))
+tables = importlib.util.module_from_spec(_spec)  # each JSON also renders as its docs table
+_spec.loader.exec_module(tables)
 
 
 def run(script, *args):
@@ -55,6 +60,9 @@ def test_bench_one_step_table_and_json(tmp_path):
         assert positive(b["tokens_per_s"]), name
         assert math.isclose(s[f"throughput_vs_{name}"], s["tokens_per_s"] / b["tokens_per_s"])
         assert b["loss_max_rel_diff_vs_streamed"] < 1e-4, name  # same model, same updates (fp32)
+    row = tables.train_rows([("bench.json", r)])[2]
+    assert row.startswith("| bench.json | configs/tiny.yaml | 128 | ")
+    assert f"| {s['throughput_vs_resident']:.2f}x |" in row
 
 
 def test_bench_rejects_bad_arguments(tmp_path):
@@ -88,6 +96,8 @@ def test_bench_transfer_tiny_buffer(tmp_path):
     probe = r["pinned_pool_probe"]
     assert probe["default"]["allocated_gb"] >= 0.01 and probe["default"]["error"] is None
     assert probe["raised"]["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == 16
+    rendered = "\n".join(tables.transfer_rows([("transfer.json", r)]))
+    assert "| pinned_host -> device | " in rendered and "0.004 GB buffer" in rendered
 
 
 def test_bench_optimizer_tiny():
@@ -123,4 +133,6 @@ def test_bench_long_context_tiny(tmp_path):
     est = r["dense_estimate"]
     for fn in ("block_bwd", "head"):  # the dense path needs more: T x T scores, T x V logits
         assert 0 < est["long_context"][fn]["temp_bytes"] < est["dense"][fn]["temp_bytes"], fn
+    row = tables.long_context_rows([("long.json", r)])[2]
+    assert row.startswith("| long.json | 256 | blockwise | ")
 

@@ -16,9 +16,16 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_checklist.py")
 
-_spec = importlib.util.spec_from_file_location("gpu_checklist", SCRIPT)
-checklist = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(checklist)
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+checklist, tables = load_script("gpu_checklist"), load_script("results_tables")
 
 
 def run(*args, timeout=240):
@@ -75,6 +82,11 @@ def test_smoke_subset_of_part_1(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["part1.json", "part1.txt", "step_time_1b.json",
                                                      "transfer.json"]
     assert "part 1  transfer" in proc.stdout
+    # the folder renders as docs/benchmarks.md's tables (scripts/results_tables.py)
+    rendered = "\n".join(tables.render_folder(str(out)))
+    for title in ("Step time", "Transfer paths", "The checklist's steps"):
+        assert title in rendered, title
+    assert "| part1.json | nvidia-smi | skipped: needs a GPU (--smoke) | | |" in rendered
 
 
 def test_a_step_past_its_timeout_is_ended_and_the_next_part_still_runs(tmp_path):
