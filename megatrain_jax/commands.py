@@ -200,8 +200,11 @@ def _step_time(cfg, machine, args) -> dict:
     if bench is not None:
         out["compare"] = step_time.compare(prediction, bench)
         c = out["compare"]
-        print(f"measured (bench.py, same step): {c['measured']['step_s'] * 1e3:,.1f} ms/step; "
-              f"predicted / measured = {c['predicted_over_measured']:.2f}")
+        print(f"against bench.py's measurement of the same step: predicted / measured")
+        for key, predicted in c["predicted"].items():
+            measured = c["measured"][key]
+            print(f"  {key:<23}{predicted:>10.4g} / " + ("n/a" if measured is None else
+                                                         f"{measured:.4g}"))
     return out
 
 

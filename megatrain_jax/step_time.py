@@ -94,6 +94,19 @@ class StepShape:
     # submitted as soon as its gradient is on the host, during the backward (no exact clipping,
     # no non-finite check: not the engine's; a what-if for hiding the update)
 
+    @property
+    def h2d_bytes(self) -> int:
+        """Bytes into the device per step: each layer twice, the embedding twice, the head once,
+        offloaded activations back for the backward."""
+        return (2 * self.layers * self.layer_bytes + 2 * self.first_bytes + self.last_bytes
+                + self.layers * self.act_bytes)
+
+    @property
+    def d2h_bytes(self) -> int:
+        """Bytes out of the device per step: every unit's gradient, offloaded activations."""
+        return (self.layers * (self.layer_grad_bytes + self.act_bytes) + self.first_grad_bytes
+                + self.last_grad_bytes)
+
 
 @dataclasses.dataclass
 class Op:
@@ -408,11 +421,16 @@ def measured_rates(path: str, shape: StepShape = None) -> tuple:
 
 
 def compare(prediction: Prediction, bench: dict) -> dict:
-    """The prediction against a bench.py record of the same step."""
-    s = bench["streamed"]
-    measured = {"step_s": s["step_s"], "tokens_per_s": s.get("tokens_per_s"),
-                "host_exposed_s_per_step": s.get("host_exposed_s_per_step"),
-                "device_busy": s.get("device_busy")}
-    return {"measured": measured, "predicted_step_s": prediction.step_s,
-            "predicted_over_measured": prediction.step_s / s["step_s"],
-            "predicted_device_busy": prediction.busy_s["device"] / prediction.step_s}
+    """The prediction against a bench.py record of the same step: the step, and the figures
+    bench.py measures that the simulation also gives (device busy fraction, host-update seconds
+    per step, the bus's achieved GB/s over the step)."""
+    s, p = bench["streamed"], prediction
+    h2d, d2h = p.shape.h2d_bytes, p.shape.d2h_bytes
+    pairs = {"step_s": (p.step_s, s["step_s"]),
+             "device_busy": (p.busy_s["device"] / p.step_s, s.get("device_busy")),
+             "host_update_s_per_step": (p.busy_s["host update"], s.get("host_update_s_per_step")),
+             "h2d_gb_per_s": (h2d / p.step_s / GB, s.get("h2d_gb_per_s")),
+             "d2h_gb_per_s": (d2h / p.step_s / GB, s.get("d2h_gb_per_s"))}
+    return {"predicted": {k: v[0] for k, v in pairs.items()},
+            "measured": {k: v[1] for k, v in pairs.items()},
+            "predicted_over_measured": p.step_s / s["step_s"]}

@@ -169,6 +169,8 @@ def step_time_rows(items) -> list:
     rows = []
     for name, r in items:
         c = r.get("compare", {})
+        c = c and {"measured": {"step_s": c["measured"]["step_s"]},
+                   "predicted_over_measured": c["predicted_over_measured"]}
         crit = r["critical_path_s"]
         path = ", ".join(f"{k} {v / r['step_s']:.0%}" for k, v in
                          sorted(crit.items(), key=lambda kv: -kv[1]) if v / r["step_s"] >= 0.01)

@@ -60,31 +60,27 @@ def test_each_part_fits_one_device_call():
 def test_smoke_subset_of_part_1(tmp_path):
     out = tmp_path / "results"
     proc = run("1", "--smoke", "--out", str(out), "--only",
-               "nvidia-smi,memory and cores,versions,transfer,step_time_1b")
+               "nvidia-smi,memory and cores,versions,step_time_1b")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "part1.json").read_text())
     assert summary["kind"] == "gpu_checklist" and summary["smoke"] is True
     steps = {s["name"]: s for s in summary["steps"]}
-    assert list(steps) == ["nvidia-smi", "memory and cores", "versions", "transfer", "step_time_1b"]
+    assert list(steps) == ["nvidia-smi", "memory and cores", "versions", "step_time_1b"]
     assert "needs a GPU" in steps["nvidia-smi"]["skipped"]
-    for name in ("memory and cores", "versions", "transfer", "step_time_1b"):
+    for name in ("memory and cores", "versions", "step_time_1b"):
         assert steps[name]["rc"] == 0 and not steps[name]["timed_out"], name
-    # the transfer step wrote its JSON where the summary says, at its smoke size
-    transfer = json.loads((out / steps["transfer"]["json"]).read_text())
-    assert transfer["kind"] == "transfer" and transfer["buffer_bytes"] == 4_000_000
-    # the prediction took the bus rates this part measured (no bench ran: no comparison)
-    prediction = json.loads((out / "step_time_1b.json").read_text())
-    assert prediction["rates"]["h2d_gbps"] == next(
-        p["gb_per_s"] for p in transfer["paths"] if p["path"] == "pinned_host -> device")
-    assert "transfer.json" in prediction["rate_sources"]["d2h_gbps"] and "compare" not in prediction
+    # the step wrote its JSON where the summary says; no benchmark ran: default rates, no comparison
+    prediction = json.loads((out / steps["step_time_1b"]["json"]).read_text())
+    assert prediction["kind"] == "step_time" and prediction["step_s"] > 0
+    assert prediction["shape"]["tokens_per_step"] == 2 * 2 * 32  # the smoke's tiny sizes
+    assert "compare" not in prediction
     log = (out / "part1.txt").read_text()
-    assert "scripts/bench_transfer.py --mb 4" in log and "jax" in log
-    assert sorted(p.name for p in out.iterdir()) == ["part1.json", "part1.txt", "step_time_1b.json",
-                                                     "transfer.json"]
-    assert "part 1  transfer" in proc.stdout
+    assert "scripts/plan.py --config configs/tiny.yaml" in log and "jax" in log
+    assert sorted(p.name for p in out.iterdir()) == ["part1.json", "part1.txt", "step_time_1b.json"]
+    assert "part 1  step_time_1b" in proc.stdout
     # the folder renders as docs/benchmarks.md's tables (scripts/results_tables.py)
     rendered = "\n".join(tables.render_folder(str(out)))
-    for title in ("Step time", "Transfer paths", "The checklist's steps"):
+    for title in ("Step time", "The checklist's steps"):
         assert title in rendered, title
     assert "| part1.json | nvidia-smi | skipped: needs a GPU (--smoke) | | |" in rendered
 

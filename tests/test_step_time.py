@@ -84,6 +84,27 @@ def test_the_backward_waits_for_each_gradient_to_reach_the_host():
     assert math.isclose(p.critical_s["d2h"], 3 * 0.5, rel_tol=1e-9)
 
 
+@pytest.mark.parametrize("tied", [True])
+def test_a_configs_shape_moves_the_bytes_the_engine_counts(tied):
+    """step_shape's bytes each way per step equal the engine's own counters after a real step
+    (bf16 bus copies and gradients; with tied embeddings the two stage parts share a leaf)."""
+    import numpy as np
+    from megatrain_jax.config import load_config
+    from megatrain_jax.step_time import step_shape
+    from megatrain_jax.train import build_engine
+    cfg = load_config("configs/tiny.yaml", [
+        "model.num_layers=2", "data.seq_len=16", "data.batch_size=1", "data.micro_batches=2",
+        "train.compute_dtype=bfloat16", "train.grad_dtype=bfloat16",
+        f"model.tie_embeddings={str(tied).lower()}"])
+    engine = build_engine(cfg)
+    tokens = np.ones((2, 1, 16), np.int32)
+    engine.train_step(tokens, tokens)
+    engine.wait()
+    s = step_shape(cfg, offload=False)
+    assert (engine.counters.bytes_h2d, engine.counters.bytes_d2h) == (s.h2d_bytes, s.d2h_bytes)
+    engine.close()
+
+
 def test_rates_bad_value():
     with pytest.raises(ValueError, match="h2d_gbps"):
         Rates(h2d_gbps=0)
