@@ -43,7 +43,8 @@ GB = 1e9
 RESOURCES = ("dispatch", "h2d", "d2h", "device", "host update")
 
 # Defaults: an H100 SXM on PCIe 5.
-# - device: 989 TFLOP/s, the H100 SXM datasheet's dense bf16 tensor-core peak (no sparsity).
+# - device: 989 TFLOP/s, the H100 SXM datasheet's dense bf16 tensor-core peak (no sparsity); an
+#   8192^3 bf16 matmul measured 769-798 TFLOP/s on the device tool's H100 (its KINDS.md).
 # - bus: ~55 GB/s each way, a typical measured pinned-memory copy on PCIe Gen5 x16 (63 GB/s on
 #   paper); the same figure as plan.MACHINES["h100"].
 # - host update: 25.9 GB/s, the engine's in-place AdamW update on the 2-core CPU box
@@ -218,7 +219,7 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
     """One step; `updates[u]` is unit u's pending host update (None: none). Returns the step's
     end: the Python thread after reading the loss. Replaces `updates` with this step's."""
     M = s.micro_batches
-    for m in range(2 * M):
+    for _ in range(2 * M):  # inputs and targets of each micro-batch
         t.call("put batch")
 
     def fetch(u, nbytes):  # HostState.bus waits for the unit's update, then the put
@@ -226,7 +227,8 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
 
     # embed
     w = fetch(0, s.first_bytes)
-    xs = [t.compute("embed", 0, [w]) for _ in range(M)]
+    for _ in range(M):
+        t.compute("embed", 0, [w])
 
     # forward
     def forward(i, w):
@@ -247,7 +249,8 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
 
     def fetch_back(i):
         w = fetch(1 + i, s.layer_bytes)
-        acts = [t.h2d(f"load activations {i}", s.act_bytes / M) for _ in range(M)] if s.act_bytes else []
+        acts = [t.h2d(f"load activations {i}", s.act_bytes / M)
+                for _ in range(M)] if s.act_bytes else []
         return [w, *acts]
 
     def backward(i, inputs):
@@ -255,7 +258,8 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
         t.compute(f"sum squares {i}", 0)
         grads[1 + i] = t.d2h(f"gradient {i}", s.layer_grad_bytes, [dxs[-1]])
         if not s.updates_wait_for_norm:  # submitted as soon as its gradient is on the host
-            updates[1 + i] = t.update(f"update unit {1 + i}", s.layer_update_bytes, [grads[1 + i]])
+            updates[1 + i] = t.update(f"update unit {1 + i}", s.layer_update_bytes,
+                                      [grads[1 + i]])
         return [dxs[-1], grads[1 + i], last_grads]
 
     _stream(t, reversed(range(s.layers)), fetch_back, backward, s.prefetch)
