@@ -247,6 +247,8 @@ def encode_conversation(template: ChatTemplate, tokenizer, messages: list, where
                     f"generation prompt as a prefix of messages[:{i + 1}] and of the whole "
                     f"conversation, so the tokens of assistant message {i} cannot be found")
             spans.append((len(before), len(after)))
+    except DataError:
+        raise
     except jinja2.TemplateError as e:
         raise DataError(f"{where}: the chat template refused this conversation "
                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

@@ -18,7 +18,7 @@ from chat_tokenizers import make_tokenizer_dir
 from megatrain_jax import chat
 from megatrain_jax.chat import ChatTemplate, Examples, SFTDataset, encode_conversation, load_examples, pack
 from megatrain_jax.config import ConfigError, load_config
-from megatrain_jax.data import DataError, load_tokenizer
+from megatrain_jax.data import DataError, PackedDataset, document_context, load_tokenizer
 from megatrain_jax.loss import IGNORE_ID
 from megatrain_jax.model import ModelConfig, make_block, make_stages
 
@@ -252,6 +252,17 @@ def test_packing_is_deterministic_and_resumable(bundled):
     assert inputs.shape == targets.shape == context["segment_ids"].shape == (2, 2, 128)
 
 
+def test_text_windows_get_their_document_context_from_eos():
+    """The trainer takes every batch with its context: PackedDataset's from the EOS positions
+    (data.document_mask), SFTDataset's from the conversations' boundaries."""
+    tokens = np.arange(200, dtype=np.int32) % 7
+    packed = PackedDataset(tokens, seq_len=16, batch_size=2, seed=0, eos_id=0, document_mask=True)
+    inputs, targets, context = packed.next_batch_with_context()
+    jax.tree.map(np.testing.assert_array_equal, context, document_context(inputs, 0))
+    plain = PackedDataset(tokens, seq_len=16, batch_size=2, seed=0, eos_id=0)
+    assert plain.next_batch_with_context()[2] is None
+
+
 # ----------------------------------------------------------------------------- overlong
 
 
@@ -302,6 +313,18 @@ def test_bad_lines_name_file_and_line(tmp_path, bundled, tokenizers):
     with pytest.raises(DataError, match=f"^{path}:3: the chat template refused .*"
                                         f"Conversation roles must alternate"):
         load_examples(path, tok_m, template_m, seq_len=256)
+    # a template that renders the last message differently: prefixes are not prefixes
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "tokenizer.json").write_text(open(BUNDLED_TOKENIZER, encoding="utf-8").read())
+    (odd / "tokenizer_config.json").write_text(json.dumps({"chat_template": "unused"}))
+    (odd / "chat_template.jinja").write_text(  # preferred to tokenizer_config.json's
+        "{% for m in messages %}{% if loop.last %}LAST {% endif %}{{ m.role }}: {{ m.content }}\n"
+        "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    path = _write(tmp_path / "turns.jsonl", [json.dumps({"messages": CONVERSATIONS["multi_turn"]})])
+    with pytest.raises(DataError, match=f"^{path}:1: the chat template does not render "
+                                        r"messages\[:1\] with the generation prompt as a prefix"):
+        load_examples(path, tok, ChatTemplate.for_tokenizer(str(odd / "tokenizer.json")), seq_len=256)
     # no usable example: everything over seq_len with overlong=skip
     path = _write(tmp_path / "long.jsonl", [json.dumps({"prompt": "a " * 100, "completion": "b"})])
     with pytest.raises(DataError, match=f"^{path}: no usable example .*1 skipped"):
