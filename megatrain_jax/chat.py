@@ -304,15 +304,15 @@ class Examples:
     labels: list
     conversations: int = 0  # non-blank lines
     truncated: int = 0  # longer than seq_len + 1 tokens, cut (data.overlong=truncate)
-    skipped: int = 0  # longer, dropped: data.overlong=skip, or no assistant token left when cut
+    skipped: int = 0  # dropped: longer (data.overlong=skip), or no assistant token (left when cut)
 
     def report(self, seq_len: int, overlong: str) -> str:
-        what = (f"{self.truncated} truncated to data.seq_len={seq_len}" if overlong == "truncate"
-                else "none truncated")
-        why = ("longer than data.seq_len (data.overlong=skip)" if overlong == "skip"
-               else "no assistant token within data.seq_len")
-        return (f"{self.path}: {self.conversations} conversations, {len(self.ids)} used; {what}, "
-                f"{self.skipped} skipped ({why})")
+        if overlong == "skip":
+            what = f"none truncated, {self.skipped} skipped (over data.seq_len={seq_len})"
+        else:
+            what = (f"{self.truncated} truncated to data.seq_len={seq_len}, {self.skipped} skipped "
+                    f"(no assistant token within data.seq_len)")
+        return f"{self.path}: {self.conversations} conversations, {len(self.ids)} used; {what}"
 
     def split_tail(self, fraction: float) -> tuple:
         """(head, tail): the last `fraction` of the examples (at least one) held out."""
@@ -347,7 +347,8 @@ def load_examples(path: str, tokenizer, template: ChatTemplate, *, seq_len: int,
                 continue
             out.truncated += 1
         if len(ids) < 2 or not np.any(labels[1:] != IGNORE_ID):
-            continue  # nothing to predict (an empty assistant turn the template adds nothing for)
+            out.skipped += 1  # nothing to predict: empty assistant turns the template adds nothing for
+            continue
         out.ids.append(ids)
         out.labels.append(labels)
     if not out.ids:

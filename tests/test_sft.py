@@ -284,7 +284,7 @@ def test_overlong_truncated_or_skipped_and_counted(tmp_path, bundled):
     assert "1 truncated to data.seq_len=64, 1 skipped" in kept.report(64, "truncate")
     skipped = load_examples(path, tok, template, seq_len=64, overlong="skip")
     assert (len(skipped.ids), skipped.truncated, skipped.skipped) == (2, 0, 2)
-    assert "2 skipped (longer than data.seq_len (data.overlong=skip))" in skipped.report(64, "skip")
+    assert "none truncated, 2 skipped (over data.seq_len=64)" in skipped.report(64, "skip")
 
 
 # ----------------------------------------------------------------------------- bad input
