@@ -252,6 +252,28 @@ def test_packing_is_deterministic_and_resumable(bundled):
     assert inputs.shape == targets.shape == context["segment_ids"].shape == (2, 2, 128)
 
 
+def test_eval_fraction_holds_out_the_last_conversations():
+    from megatrain_jax.train import load_data
+
+    cfg = load_config(os.path.join(ROOT, "configs", "sft_tiny.yaml"),
+                      ["data.eval_fraction=0.25", "train.eval_batches=100"])
+    dataset, batches = load_data(cfg)
+    assert "400 conversations, 400 used" in dataset.summary
+
+    def examples_in(inputs, targets, segments):  # the token tuples of the rows' examples
+        return {tuple(i[s == k]) for i, t, s in zip(inputs, targets, segments)
+                for k in np.unique(s) if np.any(t[s == k] != IGNORE_ID)}  # not padding
+    rows = dataset.rows
+    trained = examples_in(rows["inputs"], rows["targets"], rows["segment_ids"])
+    held = set().union(*(examples_in(x.reshape(-1, 256), t.reshape(-1, 256),
+                                     c["segment_ids"].reshape(-1, 256)) for x, t, c in batches))
+    tok, template = load_tokenizer(cfg.data.tokenizer), ChatTemplate.for_tokenizer(cfg.data.tokenizer)
+    every = [tuple(ids[:-1]) for ids in load_examples(BUNDLED, tok, template, seq_len=256).ids]
+    assert trained == set(every[:300])  # all of the first three quarters, nothing else
+    assert held and held <= set(every[300:])  # whole batches of the last quarter
+    assert all(x.shape == (1, 8, 256) for x, _, _ in batches)
+
+
 def test_text_windows_get_their_document_context_from_eos():
     """The trainer takes every batch with its context: PackedDataset's from the EOS positions
     (data.document_mask), SFTDataset's from the conversations' boundaries."""
