@@ -80,6 +80,28 @@ def test_chat_template_ids_equal_transformers(tokenizers, style):
                 messages, tokenize=False, add_generation_prompt=prompt), name
 
 
+def test_template_features_render_as_transformers():
+    """{% generation %} markers, namespace, loop controls, tojson (no HTML escaping), strftime_now
+    and raise_exception, through transformers' own renderer."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    source = (
+        "{%- set ns = namespace(n=0) %}{{ bos_token }}"
+        "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+        "{% set ns.n = ns.n + 1 %}<{{ m.role }} {{ ns.n }}>"
+        "{% if m.role == 'assistant' %}{% generation %}{{ m.content | trim }}{% endgeneration %}"
+        "{% else %}{{ m | tojson }}{% endif %}\n{% endfor %}"
+        "{% if strftime_now('%Y') | length != 4 %}{{ raise_exception('no year') }}{% endif %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+    ours = ChatTemplate(source, {"bos_token": "<s>"}, "test")
+    for messages in CONVERSATIONS.values():
+        for prompt in (False, True):
+            theirs = render_jinja_template([messages], chat_template=source, bos_token="<s>",
+                                           add_generation_prompt=prompt)[0][0]
+            assert ours.render(messages, add_generation_prompt=prompt) == theirs
+    assert "<&>" in ours.render([{"role": "user", "content": "<&>"}])
+
+
 @pytest.mark.parametrize("style", ["qwen", "llama3"])
 def test_assistant_mask_is_what_the_assistant_turns_add(tokenizers, style):
     """The unmasked tokens decode to each assistant message's content and the template's end of
