@@ -413,15 +413,27 @@ def test_cli_refuses_a_bad_line(tmp_path):
 # ----------------------------------------------------------------------------- the config
 
 
-def test_sft_tiny_trains(tmp_path):
+def test_sft_tiny_trains_and_resumes_its_data_position(tmp_path):
+    from megatrain_jax import checkpoint
     from megatrain_jax.train import train
 
     lines = []
-    cfg = load_config(os.path.join(ROOT, "configs", "sft_tiny.yaml"), [
-        "train.steps=2", f"run_dir={tmp_path}", "model.num_layers=2", "model.hidden_size=64",
-        "model.intermediate_size=128", "data.seq_len=128", "data.batch_size=4"])
+    overrides = ["train.steps=2", f"run_dir={tmp_path}", "model.num_layers=2", "model.hidden_size=64",
+                 "model.intermediate_size=128", "data.seq_len=128", "data.batch_size=4"]
+    cfg = load_config(os.path.join(ROOT, "configs", "sft_tiny.yaml"), overrides)
     history = train(cfg, log=lines.append)
     assert [r["step"] for r in history] == [1, 2]
     assert all(np.isfinite(r["loss"]) for r in history) and "eval_loss" in history[-1]
     summary = [line for line in lines if line.startswith("sft data:")]
     assert len(summary) == 1 and "400 conversations" in summary[0] and "truncated" in summary[0]
+
+    # one more step from the checkpoint: the rows continue where step 2 left them
+    cfg = load_config(os.path.join(ROOT, "configs", "sft_tiny.yaml"),
+                      overrides + ["train.steps=3", "checkpoint.allow_changes=[train.steps]"])
+    assert [r["step"] for r in train(cfg, log=lines.append)] == [3]
+    manager = checkpoint.make_manager(os.path.join(tmp_path, "checkpoints"))
+    try:
+        states = [checkpoint.read_meta(manager, step)[0]["data_state"] for step in (2, 3)]
+    finally:
+        manager.close()
+    assert states == [{"epoch": 0, "index": 8}, {"epoch": 0, "index": 12}]
