@@ -214,6 +214,10 @@ def _conversation(obj, where: str) -> list:
     return messages
 
 
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
+
+
 def _offsets_tokenizer(tokenizer):
     """A copy of the tokenizer without its post-processor: the same ids (no special tokens are
     added with add_special_tokens=False), with offsets that are not trimmed of whitespace."""
@@ -251,10 +255,10 @@ def encode_conversation(template: ChatTemplate, tokenizer, messages: list, where
         raise
     except jinja2.TemplateError as e:
         raise DataError(f"{where}: the chat template refused this conversation "
-                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+                        f"({type(e).__name__}: {_first_line(e)})") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
         raise DataError(f"{where}: the chat template failed on this conversation "
-                        f"({type(e).__name__}: {e})") from None
+                        f"({type(e).__name__}: {_first_line(e)})") from None
     encoding = _offsets_tokenizer(tokenizer).encode(text, add_special_tokens=False)
     ids = np.asarray(encoding.ids, dtype=np.int32)
     starts = np.asarray([s for s, _ in encoding.offsets], dtype=np.int64).reshape(-1)
