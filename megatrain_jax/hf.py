@@ -14,7 +14,10 @@ Layouts (HF stores Linear weights as (out, in)):
     q_proj (N*H, D) <-> wq (D, N, H)    k_proj, v_proj (K*H, D) <-> wk, wv (D, K, H)
     o_proj (D, N*H) <-> wo (N, H, D)    gate_proj, up_proj (F, D) <-> w_gate, w_up (D, F)
     down_proj (D, F) <-> w_down (F, D)  lm_head (V, D) <-> w_out (D, V)    embed_tokens (V, D) as is
-    q_norm, k_norm (H,) as is (Qwen3)
+    q_norm, k_norm (H,) as is (Qwen3, Gemma 3)
+Gemma 3 has four norms a layer: input_layernorm -> attn_norm, post_attention_layernorm (on the
+attention's output) -> attn_post_norm, pre_feedforward_layernorm -> mlp_norm,
+post_feedforward_layernorm -> mlp_post_norm (Llama's post_attention_layernorm is our mlp_norm).
 Phi-3 stores q/k/v and gate/up fused, split on import and fused on export (see Fused):
     qkv_proj ((N + 2K)*H, D) = q_proj, k_proj, v_proj rows    gate_up_proj (2F, D) = gate, up rows
 Its resid_pdrop, attention_dropout and embd_pdrop (0 in the public models) are ignored: training
@@ -34,7 +37,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from megatrain_jax.model import Block, Execution, ModelConfig, make_stages
+from megatrain_jax.model import Block, Execution, ModelConfig, make_stages, sliding_flag
 
 
 class HFError(ValueError):
@@ -43,7 +46,7 @@ class HFError(ValueError):
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "Phi3ForCausalLM": "phi3"}
+                 "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3_text"}
 # Architectures whose every layer slides by `sliding_window` (null: none).
 WINDOWED = ("MistralForCausalLM", "Phi3ForCausalLM")
 # Architectures whose windows follow use_sliding_window / layer_types / max_window_layers.
@@ -111,10 +114,12 @@ def _rope_options(hf: dict, where: str) -> dict:
 # The config.json fields read, by type; None (JSON null) is allowed where HF writes it for "unset".
 _INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window",
-               "max_window_layers", "max_position_embeddings", "original_max_position_embeddings")
+               "max_window_layers", "max_position_embeddings", "original_max_position_embeddings",
+               "sliding_window_pattern", "_sliding_window_pattern", "query_pre_attn_scalar")
 _FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
-                 "partial_rotary_factor")
-_BOOL_FIELDS = ("tie_word_embeddings", "use_sliding_window", "attention_bias", "mlp_bias")
+                 "partial_rotary_factor", "rope_local_base_freq")
+_BOOL_FIELDS = ("tie_word_embeddings", "use_sliding_window", "attention_bias", "mlp_bias",
+                "use_bidirectional_attention")
 
 
 def _check_types(hf: dict, where: str):
@@ -174,6 +179,63 @@ def _sliding_window(hf: dict, arch: str, num_layers: int, where: str) -> int:
                   f"supported")
 
 
+# Gemma 3's differences from Llama, all on or all off (see model.ModelConfig)
+GEMMA3_OPTIONS = dict(norm_offset=True, post_norms=True, activation="gelu_tanh",
+                      scale_embeddings=True, qk_norm=True)
+
+
+def _gemma3_options(hf: dict, num_layers: int, where: str) -> dict:
+    """ModelConfig fields of a Gemma3ForCausalLM config.json (Gemma3TextConfig, model_type
+    gemma3_text), as transformers reads it, from either convention: transformers >= 5 writes
+    layer_types and per-layer-type rope_parameters; older ones sliding_window_pattern (every n-th
+    layer global), rope_theta, rope_local_base_freq and rope_scaling (of the global layers)."""
+    for option in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(option) is not None:
+            raise HFError(f"{where}: {option}={hf[option]} is not supported (Gemma 3 sets it "
+                          f"null; soft-capping is Gemma 2's)")
+    if hf.get("use_bidirectional_attention"):
+        raise HFError(f"{where}: use_bidirectional_attention=true is not supported (causal only)")
+    act = hf.get("hidden_activation", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise HFError(f"{where}: hidden_activation {act!r} is not supported "
+                      f"(only gelu_pytorch_tanh)")
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern")) or 6
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                       for i in range(num_layers)]
+    elif not (isinstance(layer_types, list) and len(layer_types) == num_layers
+              and set(layer_types) <= {"full_attention", "sliding_attention"}):
+        raise HFError(f"{where}: layer_types must list 'full_attention' or 'sliding_attention' "
+                      f"for each of the {num_layers} layers")
+    params = hf.get("rope_parameters")
+    max_pos = {"max_position_embeddings": hf.get("max_position_embeddings", 131072)}
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        full = params["full_attention"]
+        local = params.get("sliding_attention") or {}
+        if not isinstance(local, dict):
+            raise HFError(f"{where}: rope_parameters.sliding_attention must be an object")
+        _check_types({"rope_parameters": full}, where)
+        _check_types({"rope_parameters": local}, where)
+        full = {**full, "rope_theta": full.get("rope_theta", 1e6)}
+        local = {"rope_type": "default", **local, "rope_theta": local.get("rope_theta", 1e4)}
+    else:  # the older convention (rope_scaling: the global layers' scaling)
+        full = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta") or 1e6}
+        local = {"rope_type": "default", "rope_theta": hf.get("rope_local_base_freq") or 1e4}
+    rope = _rope_options({"rope_parameters": full, **max_pos}, where)
+    if _rope_options({"rope_parameters": local, **max_pos}, where) == rope:
+        local_theta = 0.0  # the sliding layers' RoPE is the global one
+    elif local.get("rope_type", local.get("type")) == "default":
+        local_theta = float(local["rope_theta"])
+    else:
+        raise HFError(f"{where}: rope scaling of the sliding_attention layers is not supported "
+                      f"(only of the full_attention ones)")
+    return dict(GEMMA3_OPTIONS, layer_types=tuple(layer_types), rope_local_theta=local_theta,
+                query_pre_attn_scalar=hf.get("query_pre_attn_scalar") or 256,
+                sliding_window=(hf.get("sliding_window", 4096) or 0)
+                if "sliding_attention" in layer_types else 0, **rope)
+
+
 def model_config_from_hf(model_dir: str) -> ModelConfig:
     """The ModelConfig of a local HF model directory, with `from_hf=model_dir`.
 
@@ -183,11 +245,15 @@ def model_config_from_hf(model_dir: str) -> ModelConfig:
     hf = read_hf_config(model_dir)
     where = os.path.join(model_dir, CONFIG_FILE)
     archs = hf.get("architectures") or []
+    if "text_config" in hf:  # Gemma3ForConditionalGeneration and other multimodal models
+        raise HFError(f"{where}: a multimodal model ({', '.join(map(str, archs)) or 'text_config'}) "
+                      f"is not supported; only text decoders (supported: {', '.join(ARCHITECTURES)})")
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise HFError(f"{where}: unsupported architecture {', '.join(map(str, archs)) or '(none)'} "
                       f"(supported: {', '.join(ARCHITECTURES)})")
     arch = archs[0]
-    if hf.get("hidden_act", "silu") != "silu":
+    gemma = arch == "Gemma3ForCausalLM"
+    if not gemma and hf.get("hidden_act", "silu") != "silu":
         raise HFError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported (only silu)")
     for option in ("attention_bias", "mlp_bias"):  # Llama/Qwen3 options: q/k/v/o, MLP biases
         if hf.get(option):
@@ -201,18 +267,23 @@ def model_config_from_hf(model_dir: str) -> ModelConfig:
                       num_layers=hf["num_hidden_layers"], num_heads=num_heads)
     except KeyError as e:
         raise HFError(f"{where}: missing {e.args[0]!r}") from None
-    # Qwen3Config defaults head_dim to 128 (not hidden/heads) when config.json leaves it out
-    head_dim = hf.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else 0)
-    sliding = _sliding_window(hf, arch, fields["num_layers"], where)
+    # Qwen3Config defaults head_dim to 128 (not hidden/heads) when config.json leaves it out,
+    # Gemma3TextConfig to 256
+    head_dim = hf.get("head_dim") or {"Qwen3ForCausalLM": 128, "Gemma3ForCausalLM": 256}.get(arch, 0)
+    if gemma:
+        options = _gemma3_options(hf, fields["num_layers"], where)
+    else:
+        options = dict(sliding_window=_sliding_window(hf, arch, fields["num_layers"], where),
+                       qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
+                       **_rope_options(hf, where))
     try:
         cfg = ModelConfig(
             **fields, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=0 if head_dim * num_heads == hidden else head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps",  # the configs' defaults
                                       1e-5 if arch == "Phi3ForCausalLM" else 1e-6)),
-            qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            sliding_window=sliding, from_hf=model_dir, **_rope_options(hf, where))
+            tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+            from_hf=model_dir, **options)
     except (ValueError, TypeError) as e:
         raise HFError(f"{where}: {e}") from None
     HFSource(model_dir).check(cfg)
@@ -224,6 +295,18 @@ def _architecture(cfg: ModelConfig, base: dict) -> str:
     if cfg.qkv_bias and cfg.qk_norm:  # Qwen3's attention_bias would also bias o_proj
         raise HFError("export: no Hugging Face architecture has q/k/v biases (model.qkv_bias) "
                       "and q/k norms (model.qk_norm) together")
+    gemma = {key: getattr(cfg, key) for key in GEMMA3_OPTIONS}
+    if gemma == GEMMA3_OPTIONS and not cfg.qkv_bias:
+        return "Gemma3ForCausalLM"
+    if any(getattr(cfg, key) != getattr(ModelConfig, key) for key in GEMMA3_OPTIONS
+           if key != "qk_norm") or cfg.query_pre_attn_scalar or cfg.rope_local_theta:
+        raise HFError(f"export: no Hugging Face architecture has this mix of Gemma 3's options "
+                      f"({', '.join(f'model.{k}={v}' for k, v in gemma.items())}, "
+                      f"model.qkv_bias={cfg.qkv_bias}); Gemma3ForCausalLM has "
+                      f"{', '.join(f'{k}={v}' for k, v in GEMMA3_OPTIONS.items())}")
+    if cfg.layer_types:
+        raise HFError("export: model.layer_types (interleaved local and global layers) is written "
+                      "for Gemma 3 models only")
     arch = (base.get("architectures") or [None])[0]
     plain = not cfg.qkv_bias and not cfg.qk_norm
     fits = {"Qwen3ForCausalLM": cfg.qk_norm, "Qwen2ForCausalLM": cfg.qkv_bias,
@@ -259,7 +342,10 @@ def hf_config(cfg: ModelConfig, *, dtype: str, max_position_embeddings: int,
         rope_scaling=rope if cfg.rope_scaling else None, rope_parameters=rope,
         tie_word_embeddings=cfg.tie_embeddings, torch_dtype=dtype, dtype=dtype,
         max_position_embeddings=out.get("max_position_embeddings", max_position_embeddings))
-    if arch == "LlamaForCausalLM":
+    if arch == "Gemma3ForCausalLM":
+        out.update(_gemma3_config(cfg, rope))
+        out.pop("hidden_act")  # Gemma's is hidden_activation
+    elif arch == "LlamaForCausalLM":
         out.update(attention_bias=False, mlp_bias=False)
     elif arch in WINDOWED:
         out["sliding_window"] = cfg.sliding_window or None
@@ -271,6 +357,23 @@ def hf_config(cfg: ModelConfig, *, dtype: str, max_position_embeddings: int,
         if cfg.sliding_window:
             out["max_window_layers"] = 0
         out.pop("layer_types", None)  # transformers derives it from the two above
+    return out
+
+
+def _gemma3_config(cfg: ModelConfig, rope: dict) -> dict:
+    """The Gemma3TextConfig keys of cfg, in both conventions (see _gemma3_options)."""
+    kinds = list(cfg.layer_types) or [
+        "sliding_attention" if cfg.sliding_window else "full_attention"] * cfg.num_layers
+    local = ({"rope_type": "default", "rope_theta": cfg.rope_local_theta} if cfg.rope_local_theta
+             else rope)
+    out = dict(hidden_activation="gelu_pytorch_tanh", attention_bias=False,
+               query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_size,
+               sliding_window=cfg.sliding_window or None, layer_types=kinds,
+               rope_parameters={"full_attention": rope, "sliding_attention": local},
+               rope_local_base_freq=local["rope_theta"], attn_logit_softcapping=None,
+               final_logit_softcapping=None, use_bidirectional_attention=False)
+    if not cfg.rope_local_theta and cfg.rope_scaling:  # the old convention cannot say it
+        out["rope_local_base_freq"] = None
     return out
 
 
@@ -322,7 +425,12 @@ def block_tensors(cfg: ModelConfig, layer: int, arch: str | None = None) -> list
     if cfg.qk_norm:
         out += [(p + "self_attn.q_norm.weight", (h,), "q_norm", False),
                 (p + "self_attn.k_norm.weight", (h,), "k_norm", False)]
-    out.append((p + "post_attention_layernorm.weight", (d,), "mlp_norm", False))
+    if cfg.post_norms:  # Gemma: post_attention_layernorm norms the attention's output
+        out += [(p + "post_attention_layernorm.weight", (d,), "attn_post_norm", False),
+                (p + "pre_feedforward_layernorm.weight", (d,), "mlp_norm", False),
+                (p + "post_feedforward_layernorm.weight", (d,), "mlp_post_norm", False)]
+    else:
+        out.append((p + "post_attention_layernorm.weight", (d,), "mlp_norm", False))
     if fused:
         out.append((p + "mlp.gate_up_proj.weight", (2 * f, d),
                     Fused((("w_gate", 0, f), ("w_up", f, 2 * f))), True))
@@ -488,7 +596,10 @@ def load_block(cfg: ModelConfig, source: HFSource, layer: int,
     """Layer `layer`'s Block holding the HF weights: a drop-in for model.make_block."""
     abstract = nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0), execution=execution))
     shapes = {k: v.shape for k, v in nnx.to_pure_dict(nnx.split(abstract)[1]).items()}
-    return _load_module(abstract, source.read(block_tensors(cfg, layer, source.arch), shapes))
+    params = source.read(block_tensors(cfg, layer, source.arch), shapes)
+    if cfg.layer_types:  # the layer's kind: data, not an HF tensor
+        params["sliding"] = sliding_flag(cfg, layer)
+    return _load_module(abstract, params)
 
 
 # -----------------------------------------------------------------------------
