@@ -117,7 +117,8 @@ _INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
                "max_window_layers", "max_position_embeddings", "original_max_position_embeddings",
                "sliding_window_pattern", "_sliding_window_pattern", "query_pre_attn_scalar")
 _FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
-                 "partial_rotary_factor", "rope_local_base_freq")
+                 "partial_rotary_factor", "rope_local_base_freq", "final_logit_softcapping",
+                 "attn_logit_softcapping")
 _BOOL_FIELDS = ("tie_word_embeddings", "use_sliding_window", "attention_bias", "mlp_bias",
                 "use_bidirectional_attention")
 
@@ -182,6 +183,9 @@ def _sliding_window(hf: dict, arch: str, num_layers: int, where: str) -> int:
 # Gemma 3's differences from Llama, all on or all off (see model.ModelConfig)
 GEMMA3_OPTIONS = dict(norm_offset=True, post_norms=True, activation="gelu_tanh",
                       scale_embeddings=True, qk_norm=True)
+# ModelConfig keys only Gemma3ForCausalLM can write when they are not at their default
+GEMMA3_ONLY = ("norm_offset", "post_norms", "activation", "scale_embeddings",
+               "query_pre_attn_scalar", "rope_local_theta", "final_logit_softcapping")
 
 
 def _gemma3_options(hf: dict, num_layers: int, where: str) -> dict:
@@ -189,10 +193,9 @@ def _gemma3_options(hf: dict, num_layers: int, where: str) -> dict:
     gemma3_text), as transformers reads it, from either convention: transformers >= 5 writes
     layer_types and per-layer-type rope_parameters; older ones sliding_window_pattern (every n-th
     layer global), rope_theta, rope_local_base_freq and rope_scaling (of the global layers)."""
-    for option in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if hf.get(option) is not None:
-            raise HFError(f"{where}: {option}={hf[option]} is not supported (Gemma 3 sets it "
-                          f"null; soft-capping is Gemma 2's)")
+    if hf.get("attn_logit_softcapping") is not None:
+        raise HFError(f"{where}: attn_logit_softcapping={hf['attn_logit_softcapping']} is not "
+                      f"supported (Gemma 3 sets it null; only final_logit_softcapping is)")
     if hf.get("use_bidirectional_attention"):
         raise HFError(f"{where}: use_bidirectional_attention=true is not supported (causal only)")
     act = hf.get("hidden_activation", "gelu_pytorch_tanh")
@@ -233,7 +236,8 @@ def _gemma3_options(hf: dict, num_layers: int, where: str) -> dict:
     return dict(GEMMA3_OPTIONS, layer_types=tuple(layer_types), rope_local_theta=local_theta,
                 query_pre_attn_scalar=hf.get("query_pre_attn_scalar") or 256,
                 sliding_window=(hf.get("sliding_window", 4096) or 0)
-                if "sliding_attention" in layer_types else 0, **rope)
+                if "sliding_attention" in layer_types else 0,
+                final_logit_softcapping=float(hf.get("final_logit_softcapping") or 0.0), **rope)
 
 
 def model_config_from_hf(model_dir: str) -> ModelConfig:
@@ -246,8 +250,9 @@ def model_config_from_hf(model_dir: str) -> ModelConfig:
     where = os.path.join(model_dir, CONFIG_FILE)
     archs = hf.get("architectures") or []
     if "text_config" in hf:  # Gemma3ForConditionalGeneration and other multimodal models
-        raise HFError(f"{where}: a multimodal model ({', '.join(map(str, archs)) or 'text_config'}) "
-                      f"is not supported; only text decoders (supported: {', '.join(ARCHITECTURES)})")
+        raise HFError(f"{where}: a multimodal model ({', '.join(map(str, archs)) or 'text_config'})"
+                      f" is not supported; only text decoders (supported: "
+                      f"{', '.join(ARCHITECTURES)})")
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise HFError(f"{where}: unsupported architecture {', '.join(map(str, archs)) or '(none)'} "
                       f"(supported: {', '.join(ARCHITECTURES)})")
@@ -269,7 +274,8 @@ def model_config_from_hf(model_dir: str) -> ModelConfig:
         raise HFError(f"{where}: missing {e.args[0]!r}") from None
     # Qwen3Config defaults head_dim to 128 (not hidden/heads) when config.json leaves it out,
     # Gemma3TextConfig to 256
-    head_dim = hf.get("head_dim") or {"Qwen3ForCausalLM": 128, "Gemma3ForCausalLM": 256}.get(arch, 0)
+    head_dim = hf.get("head_dim") or {"Qwen3ForCausalLM": 128,
+                                      "Gemma3ForCausalLM": 256}.get(arch, 0)
     if gemma:
         options = _gemma3_options(hf, fields["num_layers"], where)
     else:
@@ -298,12 +304,13 @@ def _architecture(cfg: ModelConfig, base: dict) -> str:
     gemma = {key: getattr(cfg, key) for key in GEMMA3_OPTIONS}
     if gemma == GEMMA3_OPTIONS and not cfg.qkv_bias:
         return "Gemma3ForCausalLM"
-    if any(getattr(cfg, key) != getattr(ModelConfig, key) for key in GEMMA3_OPTIONS
-           if key != "qk_norm") or cfg.query_pre_attn_scalar or cfg.rope_local_theta:
-        raise HFError(f"export: no Hugging Face architecture has this mix of Gemma 3's options "
-                      f"({', '.join(f'model.{k}={v}' for k, v in gemma.items())}, "
-                      f"model.qkv_bias={cfg.qkv_bias}); Gemma3ForCausalLM has "
-                      f"{', '.join(f'{k}={v}' for k, v in GEMMA3_OPTIONS.items())}")
+    gemma_only = [f"model.{key}={getattr(cfg, key)!r}" for key in GEMMA3_ONLY
+                  if getattr(cfg, key) != getattr(ModelConfig, key)]
+    if gemma_only:
+        needs = [f"model.{key}={value!r}" for key, value in GEMMA3_OPTIONS.items()
+                 if getattr(cfg, key) != value] + ["model.qkv_bias=False"] * cfg.qkv_bias
+        raise HFError(f"export: {', '.join(gemma_only)} only Gemma3ForCausalLM can write, which "
+                      f"also needs {', '.join(needs)}")
     if cfg.layer_types:
         raise HFError("export: model.layer_types (interleaved local and global layers) is written "
                       "for Gemma 3 models only")
@@ -371,7 +378,8 @@ def _gemma3_config(cfg: ModelConfig, rope: dict) -> dict:
                sliding_window=cfg.sliding_window or None, layer_types=kinds,
                rope_parameters={"full_attention": rope, "sliding_attention": local},
                rope_local_base_freq=local["rope_theta"], attn_logit_softcapping=None,
-               final_logit_softcapping=None, use_bidirectional_attention=False)
+               final_logit_softcapping=cfg.final_logit_softcapping or None,
+               use_bidirectional_attention=False)
     if not cfg.rope_local_theta and cfg.rope_scaling:  # the old convention cannot say it
         out["rope_local_base_freq"] = None
     return out

@@ -16,7 +16,7 @@ from flax import nnx
 from jax import lax
 
 from megatrain_jax.attention import attention
-from megatrain_jax.loss import chunked_cross_entropy
+from megatrain_jax.loss import cap_logits, chunked_cross_entropy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,13 +43,12 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0  # llama3 only
     rope_high_freq_factor: float = 4.0  # llama3 only
     rope_original_max_position: int = 8192  # llama3 only
-    # Mistral/Qwen2 sliding-window attention, one window for all layers: 0 = none, else query i
-    # sees key j iff 0 <= i - j < sliding_window (HF's semantics).
+    # Mistral/Qwen2 sliding-window attention, one window for all layers (with layer_types: for the
+    # sliding ones): 0 = none, else query i sees key j iff 0 <= i - j < sliding_window (HF's).
     sliding_window: int = 0
-    # Gemma 3 (all off for the other families). RMSNorm scaling by (1 + w), in fp32 before the
-    # cast back (HF Gemma; its norm weights start at 0):
-    norm_offset: bool = False
-    post_norms: bool = False  # RMSNorm on the attention's and the MLP's outputs, before the residual
+    # Gemma 3's differences (all off for the other families):
+    norm_offset: bool = False  # RMSNorm scales by (1 + w), in fp32 before the cast; w starts at 0
+    post_norms: bool = False  # RMSNorm on the attention's and the MLP's outputs, before the add
     activation: str = "silu"  # of the gated MLP: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)
     scale_embeddings: bool = False  # embeddings times sqrt(hidden_size), in the compute dtype
     query_pre_attn_scalar: int = 0  # attention scores scaled by its **-0.5 (0: head_size)
@@ -59,6 +58,7 @@ class ModelConfig:
     # is data (Block.sliding), not structure, so every layer runs one compiled function.
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float = 0.0
+    final_logit_softcapping: float = 0.0  # logits = c * tanh(logits / c) (0: off)
     from_hf: str = ""  # a local Hugging Face model directory to initialise from (megatrain_jax.hf)
 
     def __post_init__(self):
@@ -87,9 +87,9 @@ class ModelConfig:
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"model.activation: unsupported {self.activation!r} "
                              f"(supported: {', '.join(ACTIVATIONS)})")
-        if self.query_pre_attn_scalar < 0 or self.rope_local_theta < 0:
-            raise ValueError("model.query_pre_attn_scalar and model.rope_local_theta must be >= 0 "
-                             "(0: off)")
+        for key in ("query_pre_attn_scalar", "rope_local_theta", "final_logit_softcapping"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"model.{key} must be >= 0 (0: off), got {getattr(self, key)}")
         if self.layer_types:
             if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(
                     LAYER_TYPES):
@@ -224,7 +224,8 @@ def over_tiles(fn, x, weights, tile: int):
 
     Each tile is rematerialised (jax.checkpoint) inside a sequential lax.map, so a backward holds
     one tile's intermediates (B x tile x F for the MLP) instead of all T tokens'. T is zero-padded
-    to a multiple of `tile` (rms_norm maps a zero row to zero, with either norm style) and the padding dropped again.
+    to a multiple of `tile` (rms_norm maps a zero row to zero, in either style) and the padding
+    dropped again.
     """
     B, T, D = x.shape
     n = -(-T // tile)
@@ -235,7 +236,8 @@ def over_tiles(fn, x, weights, tile: int):
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then + swiglu(norm(x)).
+    """Pre-norm decoder block: x + attn(norm(x)), then + swiglu(norm(x)); with post_norms
+    (Gemma) x + norm(attn(norm(x))), then + norm(geglu(norm(x))).
 
     `execution` picks the attention implementation and the MLP tiling (a static attribute)."""
 
@@ -302,7 +304,8 @@ class Block(nnx.Module):
                 sliding = self.sliding[...] > 0.5
                 inv_freq = jnp.where(sliding, rope_inv_freq(cfg, local=True), rope_inv_freq(cfg))
                 q, k = apply_rope(q, inv_freq, positions), apply_rope(k, inv_freq, positions)
-                attn = lax.cond(sliding, lambda q, k, v: attend(q, k, v, window=cfg.sliding_window),
+                attn = lax.cond(sliding,
+                                lambda q, k, v: attend(q, k, v, window=cfg.sliding_window),
                                 lambda q, k, v: attend(q, k, v, window=0), q, k, v)
             else:
                 inv_freq = rope_inv_freq(cfg)
@@ -355,9 +358,11 @@ class LMHead(nnx.Module):
     def logits(self, x):  # (B, T, D) -> (B, T, V) fp32
         y = rms_norm(x, self.norm[...], self.cfg.rms_norm_eps, self.cfg.norm_offset)
         if self.cfg.tie_embeddings:
-            return jnp.einsum("btd,vd->btv", y, self.embed.embedding[...],
-                              preferred_element_type=jnp.float32)
-        return jnp.einsum("btd,dv->btv", y, self.w_out[...], preferred_element_type=jnp.float32)
+            z = jnp.einsum("btd,vd->btv", y, self.embed.embedding[...],
+                           preferred_element_type=jnp.float32)
+        else:
+            z = jnp.einsum("btd,dv->btv", y, self.w_out[...], preferred_element_type=jnp.float32)
+        return cap_logits(z, self.cfg.final_logit_softcapping)[0]
 
     def __call__(self, x, targets):
         """(loss_sum, count), both fp32 scalars: the cross-entropy summed over the targets that
@@ -370,7 +375,8 @@ class LMHead(nnx.Module):
         else:
             w, layout = self.w_out[...], "dv"
         return chunked_cross_entropy(y, w, targets, layout=layout, chunk=self.execution.loss_chunk,
-                                     vocab_chunk=self.execution.loss_vocab_chunk)
+                                     vocab_chunk=self.execution.loss_vocab_chunk,
+                                     softcap=self.cfg.final_logit_softcapping)
 
 
 def make_stages(cfg: ModelConfig, seed: int, execution: Execution = Execution()):

@@ -84,6 +84,23 @@ def test_import_matches_transformers_logits(gemma_dir):
                                ref_logits(make_gemma(), inputs), rtol=1e-5, atol=1e-5)
 
 
+def test_final_logit_softcapping_matches_transformers_logits(tmp_path):
+    """Gemma 3 sets it null; where a config sets it, the logits are capped (the chunked loss and
+    its backward with a cap: tests/test_loss.py)."""
+    torch.manual_seed(1)
+    model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **GEMMA, final_logit_softcapping=0.5)).float()
+    model.config._attn_implementation = "eager"
+    model.save_pretrained(tmp_path)
+    cfg, stages_def, block_def, params = import_model(str(tmp_path))
+    assert cfg.final_logit_softcapping == 0.5
+    inputs, _ = batch(seed=3, t=12)
+    ref = ref_logits(model.eval(), inputs)
+    assert 0.4 < np.abs(ref).max() < 0.5  # the cap binds: uncapped, these logits reach ~0.6
+    np.testing.assert_allclose(our_logits(cfg, stages_def, block_def, params, inputs), ref,
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_one_streamed_adamw_step_equals_torch_adamw_in_one_compiled_block(gemma_dir):
     """The step equals torch's; the layer's kind is data, so one compiled block forward and one
     backward serve the local and the global layer."""
@@ -177,8 +194,6 @@ def test_older_config_convention_reads_the_same(gemma_dir, tmp_path):
 
 
 UNSUPPORTED = {
-    "final_logit_softcapping": ({"final_logit_softcapping": 30.0},
-                                "final_logit_softcapping=30.0 is not supported"),
     "attn_logit_softcapping": ({"attn_logit_softcapping": 50.0},
                                "attn_logit_softcapping=50.0 is not supported"),
     "hidden_activation": ({"hidden_activation": "relu"},
