@@ -260,7 +260,9 @@ def _tokens_to_hide(model: ModelConfig, counts: _Counts, seq: int, machine: Mach
     0: nothing crosses a bus; -1: no number of tokens hides them."""
     if not counts.accelerator:
         return 0
-    window = model.sliding_window or seq
+    # The cheapest layer binds: a sliding one, unless model.layer_types makes every layer full.
+    slides = not model.layer_types or "sliding_attention" in model.layer_types
+    window = (model.sliding_window if slides else 0) or seq
     visible = (min(window, seq) * (min(window, seq) + 1) / 2 + max(seq - window, 0) * window) / seq
     attention = 4 * model.num_heads * model.head_size * visible
     flops_per_byte = machine.bf16_tflops * 1e12 * ASSUMED_MFU / (machine.host_device_gbps * 1e9)
