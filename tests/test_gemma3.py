@@ -1,5 +1,6 @@
-"""Gemma 3 (Gemma3ForCausalLM) against transformers: import (logits), one streamed AdamW step,
-export -> from_pretrained, import(export), one compiled block for local and global layers, and
+"""Gemma 3 (Gemma3ForCausalLM) against transformers: import (logits, also soft-capped), one
+streamed AdamW step with one compiled block for local and global layers, the long-context
+execution, export -> from_pretrained, import(export), the older config.json convention, and
 unsupported options."""
 
 import dataclasses
@@ -24,6 +25,7 @@ from megatrain_jax import hf  # noqa: E402
 from megatrain_jax.cli import run_cli  # noqa: E402
 from megatrain_jax.config import load_config  # noqa: E402
 from megatrain_jax.engine import StreamedEngine  # noqa: E402
+from megatrain_jax.model import Execution  # noqa: E402
 from megatrain_jax.train import decay_mask  # noqa: E402
 
 # A local and a global layer; a window (5) shorter than the batch's 12 tokens; a query scale
@@ -79,9 +81,29 @@ def test_import_matches_transformers_logits(gemma_dir):
         1e5, "linear", 2.0, 1e3)
     assert cfg.query_pre_attn_scalar == 24 and cfg.head_size == 16
     assert [float(p["sliding"]) for p in params["layers"]] == [1.0, 0.0]
+    model = make_gemma()
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())  # the extra norms too
     inputs, _ = batch(seed=4, t=12)
     np.testing.assert_allclose(our_logits(cfg, stages_def, block_def, params, inputs),
-                               ref_logits(make_gemma(), inputs), rtol=1e-5, atol=1e-5)
+                               ref_logits(model, inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_long_context_execution_gives_the_same_blocks(gemma_dir):
+    """Blockwise attention in blocks of 4 (the window of 5 spans block boundaries) in either
+    lax.cond branch, and the MLP (GeGLU, post-norm) in tiles of 5 tokens, give each layer's
+    output as the dense path does (their gradients: tests/test_attention.py, test_model.py)."""
+    cfg = hf.model_config_from_hf(gemma_dir)
+    source = hf.HFSource(gemma_dir)
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((2, 12, cfg.hidden_size)),
+                    jnp.float32)
+    outputs = []
+    for execution in (Execution(), Execution(attention="blockwise", attention_block=4,
+                                             tile_size=5)):
+        blocks = [nnx.split(hf.load_block(cfg, source, i, execution)) for i in range(2)]
+        forward = jax.jit(lambda w, block_def=blocks[0][0]: nnx.merge(block_def, w)(x))
+        outputs.append([np.asarray(forward(nnx.to_pure_dict(w))) for _, w in blocks])
+    for long_context, dense in zip(*outputs[::-1]):
+        np.testing.assert_allclose(long_context, dense, rtol=1e-5, atol=1e-5)
 
 
 def test_final_logit_softcapping_matches_transformers_logits(tmp_path):
