@@ -301,6 +301,9 @@ class Block(nnx.Module):
                 block_size=ex.attention_block,
                 scale=cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None)
             if cfg.layer_types:  # local or global by this layer's data, in one compiled function
+                # (both windows are compiled in; XLA:GPU reads the predicate back to the host, one
+                # small sync per call, the price of one function for both kinds: cuDNN's window
+                # is static, so it cannot be data)
                 sliding = self.sliding[...] > 0.5
                 inv_freq = jnp.where(sliding, rope_inv_freq(cfg, local=True), rope_inv_freq(cfg))
                 q, k = apply_rope(q, inv_freq, positions), apply_rope(k, inv_freq, positions)
