@@ -47,6 +47,15 @@ class HFError(ValueError):
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3_text"}
+# Multimodal architectures whose text decoder is read as a text architecture (and exported as
+# one): its config.json's text_config (over the text config's defaults, for the keys it leaves
+# out), its tensors under `prefix`; the other towers' tensors are never read.
+TEXT_PARTS = {"Gemma3ForConditionalGeneration": dict(
+    text="Gemma3ForCausalLM", prefix="language_model.",
+    others=("vision_tower.", "multi_modal_projector."),
+    defaults=dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,  # Gemma3TextConfig
+                  num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                  head_dim=256))}
 # Architectures whose every layer slides by `sliding_window` (null: none).
 WINDOWED = ("MistralForCausalLM", "Phi3ForCausalLM")
 # Architectures whose windows follow use_sliding_window / layer_types / max_window_layers.
@@ -80,6 +89,20 @@ def read_hf_config(model_dir: str) -> dict:
     if not os.path.isdir(model_dir):
         raise HFError(f"model.from_hf: {model_dir} is not a directory")
     return _read_json(os.path.join(model_dir, CONFIG_FILE), f"model.from_hf {model_dir}")
+
+
+def text_config(hf: dict, where: str) -> dict:
+    """`hf` (a config.json) itself, or for a multimodal model of TEXT_PARTS its text decoder's
+    config, under the text architecture; any other multimodal model is refused."""
+    if "text_config" not in hf:
+        return hf
+    archs = hf.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in TEXT_PARTS or not isinstance(hf["text_config"], dict):
+        raise HFError(f"{where}: a multimodal model ({', '.join(map(str, archs)) or 'text_config'})"
+                      f" is not supported; only text decoders (supported: "
+                      f"{', '.join(ARCHITECTURES)}) and the text part of {', '.join(TEXT_PARTS)}")
+    part = TEXT_PARTS[archs[0]]
+    return {**part["defaults"], **hf["text_config"], "architectures": [part["text"]]}
 
 
 def _rope_options(hf: dict, where: str) -> dict:
@@ -246,13 +269,9 @@ def model_config_from_hf(model_dir: str) -> ModelConfig:
     Checks the weights too (every expected tensor present with the right shape, no unexpected one,
     every shard there), reading only the safetensors headers, so a bad directory fails here,
     before a run writes anything."""
-    hf = read_hf_config(model_dir)
     where = os.path.join(model_dir, CONFIG_FILE)
+    hf = text_config(read_hf_config(model_dir), where)
     archs = hf.get("architectures") or []
-    if "text_config" in hf:  # Gemma3ForConditionalGeneration and other multimodal models
-        raise HFError(f"{where}: a multimodal model ({', '.join(map(str, archs)) or 'text_config'})"
-                      f" is not supported; only text decoders (supported: "
-                      f"{', '.join(ARCHITECTURES)})")
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise HFError(f"{where}: unsupported architecture {', '.join(map(str, archs)) or '(none)'} "
                       f"(supported: {', '.join(ARCHITECTURES)})")
@@ -330,7 +349,7 @@ def hf_config(cfg: ModelConfig, *, dtype: str, max_position_embeddings: int,
               base: dict | None = None) -> dict:
     """config.json for cfg. Keys of `base` (the source model's config.json: token ids, ...) are
     kept, the architecture's are overwritten. RoPE is written both ways (see _rope_options)."""
-    base = base or {}
+    base = text_config(base or {}, "export: the source config.json")  # its text part
     out = {k: v for k, v in base.items() if k not in ("rope_scaling", "rope_parameters")}
     arch = _architecture(cfg, base)
     rope = {"rope_type": cfg.rope_scaling or "default", "rope_theta": cfg.rope_theta}
@@ -487,6 +506,7 @@ class HFSource:
         self.dir = model_dir
         archs = read_hf_config(model_dir).get("architectures")
         self.arch = archs[0] if isinstance(archs, list) and len(archs) == 1 else None
+        self.stored = {}  # our name -> the name in the files, where they differ (TEXT_PARTS)
         index_path = os.path.join(model_dir, INDEX_FILE)
         if os.path.isfile(index_path):
             weight_map = _read_json(index_path, "index").get("weight_map")
@@ -499,6 +519,16 @@ class HFSource:
         else:
             raise HFError(f"model.from_hf {model_dir}: no {SINGLE_FILE} or {INDEX_FILE} (only "
                           f"safetensors weights are read, never pickled *.bin files)")
+        if self.arch in TEXT_PARTS:  # the text decoder's tensors, under the text model's names
+            part = TEXT_PARTS[self.arch]
+            self.arch, prefix, files = part["text"], part["prefix"], self.files
+            self.files = {}
+            for name, shard in files.items():
+                if name.startswith(prefix):
+                    self.stored[name[len(prefix):]] = name
+                    self.files[name[len(prefix):]] = shard
+                elif not name.startswith(part["others"]):
+                    self.files[name] = shard  # unexpected: check() names it
         for shard in sorted(set(self.files.values())):
             if os.path.basename(shard) != shard or not shard.endswith(".safetensors"):
                 raise HFError(f"{index_path}: bad shard name {shard!r}")
@@ -532,10 +562,10 @@ class HFSource:
             with self._open(shard) as f:
                 present = set(f.keys())
                 for name in names:
-                    if name not in present:
+                    if self.stored.get(name, name) not in present:
                         raise HFError(f"{os.path.join(self.dir, shard)}: tensor {name} is missing "
                                       f"(the index says it is here)")
-                    view = f.get_slice(name)
+                    view = f.get_slice(self.stored.get(name, name))
                     shape, dtype = tuple(view.get_shape()), view.get_dtype()
                     if shape != expected[name]:
                         raise HFError(f"{os.path.join(self.dir, shard)}: {name} has shape {shape}, "
@@ -557,7 +587,7 @@ class HFSource:
         for shard, items in by_shard.items():
             with self._open(shard) as f:
                 for name, key, transpose in items:
-                    src = f.get_tensor(name)
+                    src = f.get_tensor(self.stored.get(name, name))
                     for part, lo, hi in parts(key, src.shape):
                         host = to_host_layout(src[lo:hi], shapes[part], transpose)
                         # min and max: NaN propagates, inf shows; no temporary array

@@ -200,6 +200,39 @@ def test_export_loads_in_transformers_and_reimports_exactly(gemma_dir, tmp_path)
     assert [float(p["sliding"]) for p in params2["layers"]] == [1.0, 0.0]
 
 
+def test_text_part_of_gemma3_for_conditional_generation(tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: its text decoder imports (the
+    vision tower is never read), gives the multimodal model's text-only logits, and exports as a
+    Gemma3ForCausalLM config without the vision keys."""
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(  # image tokens outside the batch's ids (< V)
+        text_config={**GEMMA, "vocab_size": V + 3}, vision_config=vision.to_dict(),
+        mm_tokens_per_image=4, boi_token_index=V, eoi_token_index=V + 1, image_token_index=V + 2)
+    torch.manual_seed(2)
+    model = transformers.Gemma3ForConditionalGeneration(config).float()
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    cfg, stages_def, block_def, params = import_model(str(tmp_path))
+    assert cfg.vocab_size == V + 3 and cfg.layer_types == tuple(GEMMA["layer_types"])
+    inputs, _ = batch(seed=8, t=12)
+    np.testing.assert_allclose(our_logits(cfg, stages_def, block_def, params, inputs),
+                               ref_logits(model.eval(), inputs), rtol=1e-5, atol=1e-5)
+    written = hf.hf_config(cfg, dtype="float32", max_position_embeddings=64,
+                           base=hf.read_hf_config(str(tmp_path)))
+    assert written["architectures"] == ["Gemma3ForCausalLM"]
+    assert not {"text_config", "vision_config", "mm_tokens_per_image"} & set(written)
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "config.json").write_text(json.dumps(written))
+    text = transformers.AutoConfig.from_pretrained(tmp_path / "text")
+    assert type(text).__name__ == "Gemma3TextConfig" and text.layer_types == GEMMA["layer_types"]
+
+
 def test_older_config_convention_reads_the_same(gemma_dir, tmp_path):
     """transformers < 5 writes sliding_window_pattern, rope_theta, rope_local_base_freq and
     rope_scaling (of the global layers) instead of layer_types and rope_parameters."""
@@ -226,8 +259,8 @@ UNSUPPORTED = {
         "full_attention": {"rope_type": "default", "rope_theta": 1e6},
         "sliding_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}}},
         "rope scaling of the sliding_attention layers is not supported"),
-    "multimodal": ({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {}},
-                   "a multimodal model (Gemma3ForConditionalGeneration) is not supported"),
+    "multimodal": ({"architectures": ["PaliGemmaForConditionalGeneration"], "text_config": {}},
+                   "a multimodal model (PaliGemmaForConditionalGeneration) is not supported"),
 }
 
 
