@@ -1,7 +1,7 @@
-"""Gemma 3 (Gemma3ForCausalLM) against transformers: import (logits, also soft-capped), one
-streamed AdamW step with one compiled block for local and global layers, the long-context
-execution, export -> from_pretrained, import(export), the older config.json convention, and
-unsupported options."""
+"""Gemma 3 (Gemma3ForCausalLM) against transformers: import (logits, also soft-capped, also of
+Gemma3ForConditionalGeneration's text part), one streamed AdamW step with one compiled block for
+local and global layers, the long-context execution, export -> from_pretrained, import(export),
+the older config.json convention, and unsupported options."""
 
 import dataclasses
 import json
