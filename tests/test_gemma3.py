@@ -275,3 +275,20 @@ def test_unsupported_gemma_option_is_one_line_exit_2(gemma_dir, tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ")
     assert message in err[0] and path in err[0], err[0]
+
+
+def test_export_refuses_gemma_options_without_gemma(gemma_dir):
+    """Only Gemma3ForCausalLM can write Gemma's options, and only all of them together; interleaved
+    layers are written for Gemma 3 only."""
+    cfg = dataclasses.replace(hf.model_config_from_hf(gemma_dir), from_hf="")
+    write = lambda c: hf.hf_config(c, dtype="float32", max_position_embeddings=64)
+    assert write(cfg)["architectures"] == ["Gemma3ForCausalLM"]
+    with pytest.raises(hf.HFError, match=r"^export: model\.norm_offset=True, .* only "
+                                         r"Gemma3ForCausalLM can write, which also needs "
+                                         r"model\.post_norms=True$"):
+        write(dataclasses.replace(cfg, post_norms=False))
+    plain = dataclasses.replace(cfg, **{k: getattr(hf.ModelConfig, k) for k in hf.GEMMA3_ONLY})
+    with pytest.raises(hf.HFError, match=r"model\.layer_types .* Gemma 3 models only"):
+        write(plain)
+    assert write(dataclasses.replace(plain, layer_types=(), sliding_window=0))[
+        "architectures"] == ["Qwen3ForCausalLM"]  # q/k norms, nothing of Gemma's
