@@ -80,10 +80,11 @@ def peak_bf16_tflops(device_kind: str) -> float | None:
     return next((v for k, v in PEAK_BF16_TFLOPS if k.upper() in kind), None)
 
 
-def visible_keys(model: ModelConfig, seq_len: int) -> float:
-    """The mean number of keys a query attends to in a causal sequence of seq_len tokens, with
-    the model's sliding window: (T + 1) / 2 without one."""
-    window = min(model.sliding_window or seq_len, seq_len)
+def visible_keys(model: ModelConfig, seq_len: int, sliding: bool = True) -> float:
+    """The mean number of keys a query attends to in a causal sequence of seq_len tokens, in a
+    layer with the model's sliding window (sliding=False: a full-attention layer of
+    model.layer_types): (T + 1) / 2 without one."""
+    window = min((model.sliding_window if sliding else 0) or seq_len, seq_len)
     return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
 
 
@@ -93,8 +94,9 @@ def flops_per_token(model: ModelConfig, seq_len: int) -> float:
     does), plus causal attention's QK^T and PV, 4 * heads * head_dim per visible key and layer
     forward, twice that backward. The numerator of MFU."""
     matmul = model.num_params(include_embeddings=False) + model.hidden_size * model.vocab_size
-    attention = 12 * model.num_layers * model.num_heads * model.head_size
-    return 6 * matmul + attention * visible_keys(model, seq_len)
+    kinds = model.layer_types or ("sliding_attention",) * model.num_layers  # windowed if any
+    visible = sum(visible_keys(model, seq_len, sliding=k == "sliding_attention") for k in kinds)
+    return 6 * matmul + 12 * model.num_heads * model.head_size * visible
 
 
 def _total_ram_gb() -> float:
@@ -292,7 +294,9 @@ def _tokens_to_hide(model: ModelConfig, counts: _Counts, seq: int, machine: Mach
     0: nothing crosses a bus; -1: no number of tokens hides them."""
     if not counts.accelerator:
         return 0
-    attention = 4 * model.num_heads * model.head_size * visible_keys(model, seq)
+    # The cheapest layer binds: a sliding one, unless model.layer_types makes every layer full.
+    slides = not model.layer_types or "sliding_attention" in model.layer_types
+    attention = 4 * model.num_heads * model.head_size * visible_keys(model, seq, sliding=slides)
     flops_per_byte = machine.bf16_tflops * 1e12 * ASSUMED_MFU / (machine.host_device_gbps * 1e9)
     act = counts.hidden * counts.compute if offload else 0  # bytes per token
     forward, backward = 2 * counts.layer + attention, 6 * counts.layer + 3.5 * attention

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import yaml
 
-from megatrain_jax import advice, attention, checkpoint
+from megatrain_jax import advice, attention, chat, checkpoint
 from megatrain_jax import data as data_lib
 from megatrain_jax import hf
 from megatrain_jax import hostmem
@@ -139,13 +139,17 @@ def load_dataset(cfg: Config) -> data_lib.PackedDataset:
 
 
 def load_data(cfg: Config) -> tuple:
-    """(the training PackedDataset, the held-out eval batches: a list of (inputs, targets,
-    context), or None when neither data.eval_path nor data.eval_fraction is set)."""
+    """(the training PackedDataset, or chat.SFTDataset for data.format=sft, the held-out eval
+    batches: a list of (inputs, targets, context), or None when neither data.eval_path nor
+    data.eval_fraction is set)."""
     d = cfg.data
     tokenizer = data_lib.load_tokenizer(d.tokenizer, eos_token=d.eos_token or None)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
                           f"tokenizer's ({tokenizer.vocab_size}, data.tokenizer={d.tokenizer})")
+    if d.format == "sft":  # contexts from the conversations' boundaries, not from EOS
+        return chat.load_sft(d, tokenizer, vocab_size=cfg.model.vocab_size, seed=cfg.train.seed,
+                             num_eval_batches=cfg.train.eval_batches)
     load = lambda path: data_lib.load_tokens(path, tokenizer, vocab_size=cfg.model.vocab_size,
                                              text_field=d.text_field, token_dtype=d.token_dtype)
     tokens = load(d.path)
@@ -161,7 +165,7 @@ def load_data(cfg: Config) -> tuple:
         what = f"data.eval_path={d.eval_path}"
     dataset = data_lib.PackedDataset(tokens, seq_len=d.seq_len, batch_size=d.batch_size,
                                      seed=cfg.train.seed, num_micro_batches=d.micro_batches,
-                                     eos_id=tokenizer.eos_id)
+                                     eos_id=tokenizer.eos_id, document_mask=d.document_mask)
     if held_out is None:
         return dataset, None
     batches = data_lib.eval_batches(held_out, seq_len=d.seq_len, batch_size=d.batch_size,
@@ -357,6 +361,8 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console) -> list[dict]:
         f"{dataset.tokens_per_batch} tokens/step | compute {engine.compute_device.platform} | "
         f"{peak_source}")
     log(run_plan.summary())
+    if cfg.data.format == "sft":  # what was truncated, skipped and packed: never silent
+        log(dataset.summary)
     if eval_set:
         when = (f"every {cfg.train.eval_every} steps and at the end" if cfg.train.eval_every
                 else "at the end")
@@ -380,9 +386,7 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console) -> list[dict]:
         metrics_file = None
         for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
-            inputs, targets = dataset.next_batch()
-            context = (data_lib.document_context(inputs, dataset.eos_id)
-                       if cfg.data.document_mask else None)
+            inputs, targets, context = dataset.next_batch_with_context()
             try:
                 out = engine.train_step(inputs, targets, context)
                 loss, grad_norm = float(out["loss"]), float(out["grad_norm"])  # the sync point

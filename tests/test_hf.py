@@ -454,7 +454,8 @@ BAD_DIRS = {"missing config.json": re.escape("config.json not found"),
                               r"config\.json implies \((128, 64|64, 128)\)",
             "unsupported architecture": re.escape(
                 "unsupported architecture GPT2LMHeadModel (supported: LlamaForCausalLM, "
-                "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM)"),
+                "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, "
+                "Gemma3ForCausalLM)"),
             "qwen3 attention_bias": re.escape("config.json: attention_bias=true is not supported"),
             "phi3 partial_rotary_factor": re.escape(
                 "config.json: partial_rotary_factor 0.5 is not supported (only 1.0)"),
