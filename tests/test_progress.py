@@ -1,6 +1,7 @@
 """What a run shows: the figures of each step (FLOPs, MFU, ETA, smoothed loss), the plain lines,
 the live display (rich's recording console), and metrics.jsonl keeping every field of every step."""
 
+import dataclasses
 import glob
 import io
 import json
@@ -60,6 +61,13 @@ def test_flops_per_token_counts_the_matmuls_of_the_built_model():
     assert plan.visible_keys(windowed, 32) == (8 * 9 / 2 + 24 * 8) / 32
     assert plan.visible_keys(full, 32) == 33 / 2
     assert plan.flops_per_token(windowed, 32) < plan.flops_per_token(full, 32)
+    # interleaved local and global layers (Gemma 3): each layer's own keys
+    mixed = load_config(None, ["model.num_layers=2", "model.sliding_window=8",
+                               "model.layer_types=[sliding_attention, full_attention]"]).model
+    per_key = 12 * mixed.num_heads * mixed.head_size
+    assert plan.flops_per_token(mixed, 32) - plan.flops_per_token(
+        dataclasses.replace(mixed, layer_types=(), sliding_window=0), 32) == pytest.approx(
+        per_key * (plan.visible_keys(mixed, 32) - 33 / 2))
 
 
 @pytest.mark.parametrize("kind,tflops", [
