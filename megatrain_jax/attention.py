@@ -84,13 +84,12 @@ def _einsum32(spec: str, a, b):
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
-def _flash_forward(q, k, v, segment_ids, window: int, block_size: int):
+def _flash_forward(q, k, v, segment_ids, window: int, block_size: int, scale: float):
     """(o (B, T, N, H) in q.dtype, lse (B, N, T) fp32)."""
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
     nb = -(-T // block_size)
-    scale = H**-0.5
     qb = _to_blocks(q.reshape(B, T, K, G, H), nb, block_size)  # (B, nb, Q, K, G, H)
     kb = _to_blocks(k, nb, block_size)  # (B, nb, S, K, H)
     vb = _to_blocks(v, nb, block_size)
@@ -127,13 +126,13 @@ def _flash_forward(q, k, v, segment_ids, window: int, block_size: int):
     return o, lse
 
 
-def _flash_backward(q, k, v, segment_ids, o, lse, do, window: int, block_size: int):
+def _flash_backward(q, k, v, segment_ids, o, lse, do, window: int, block_size: int,
+                    scale: float):
     """(dq, dk, dv) in the dtypes of q, k, v; FlashAttention-2's backward, key blocks outermost."""
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
     nb = -(-T // block_size)
-    scale = H**-0.5
     # D_i = rowsum(do_i * o_i) = sum_j p_ij dp_ij: the softmax backward's per-row term.
     delta = _einsum32("btnh,btnh->bnt", do.astype(jnp.float32), o.astype(jnp.float32))  # (B, N, T)
 
@@ -181,20 +180,21 @@ def _flash_backward(q, k, v, segment_ids, o, lse, do, window: int, block_size: i
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _flash(q, k, v, segment_ids, window, block_size):
-    return _flash_forward(q, k, v, segment_ids, window, block_size)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _flash(q, k, v, segment_ids, window, block_size, scale):
+    return _flash_forward(q, k, v, segment_ids, window, block_size, scale)[0]
 
 
-def _flash_fwd(q, k, v, segment_ids, window, block_size):
-    o, lse = _flash_forward(q, k, v, segment_ids, window, block_size)
+def _flash_fwd(q, k, v, segment_ids, window, block_size, scale):
+    o, lse = _flash_forward(q, k, v, segment_ids, window, block_size, scale)
     return o, (q, k, v, segment_ids, o, lse)
 
 
-def _flash_bwd(window, block_size, residuals, do):
+def _flash_bwd(window, block_size, scale, residuals, do):
     q, k, v, segment_ids, o, lse = residuals
     with jax.named_scope("blockwise_attention_bwd"):  # traced apart from the forward's scope
-        dq, dk, dv = _flash_backward(q, k, v, segment_ids, o, lse, do, window, block_size)
+        dq, dk, dv = _flash_backward(q, k, v, segment_ids, o, lse, do, window, block_size,
+                                     scale)
     return dq, dk, dv, None  # segment ids get no cotangent
 
 
@@ -214,24 +214,27 @@ def _check_shapes(q, k, v, segment_ids, window: int):
         raise ValueError(f"window must be >= 0 (0 = no sliding window), got {window}")
 
 
-def blockwise_attention(q, k, v, *, segment_ids=None, window: int = 0, block_size: int = 512):
+def blockwise_attention(q, k, v, *, segment_ids=None, window: int = 0, block_size: int = 512,
+                        scale: float | None = None):
     """Causal flash attention in plain JAX: memory linear in T, masked-out block pairs skipped.
 
     q (B, T, N, H), k and v (B, T, K, H), segment_ids (B, T) int or None; returns (B, T, N, H) in
-    q.dtype. `window` and `block_size` are static; T need not be a multiple of block_size.
+    q.dtype. Scores are q.k * scale (None: H**-0.5). `window`, `block_size` and `scale` are
+    static; T need not be a multiple of block_size.
     """
     _check_shapes(q, k, v, segment_ids, window)
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     with jax.named_scope("blockwise_attention"):
-        return _flash(q, k, v, segment_ids, window, min(block_size, q.shape[1]))
+        return _flash(q, k, v, segment_ids, window, min(block_size, q.shape[1]),
+                      q.shape[3]**-0.5 if scale is None else scale)
 
 
 # -----------------------------------------------------------------------------
 # dense reference and cuDNN
 
 
-def reference_attention(q, k, v, *, segment_ids=None, window: int = 0):
+def reference_attention(q, k, v, *, segment_ids=None, window: int = 0, scale: float | None = None):
     """Dense causal attention with the full (B, T, T) mask and an fp32 softmax; O(T^2) memory."""
     _check_shapes(q, k, v, segment_ids, window)
     with jax.named_scope("reference_attention"):
@@ -244,7 +247,7 @@ def reference_attention(q, k, v, *, segment_ids=None, window: int = 0):
             mask = mask & (i - j < window)
         if segment_ids is not None:
             mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])  # (B, T, T)
-        s = _einsum32("btnh,bsnh->bnts", q, k) * H**-0.5
+        s = _einsum32("btnh,bsnh->bnts", q, k) * (H**-0.5 if scale is None else scale)
         p = jax.nn.softmax(jnp.where(mask[:, None], s, _NEG), axis=-1)  # (B, N, T, T)
         return _einsum32("bnts,bsnh->btnh", p, v.astype(jnp.float32)).astype(q.dtype)
 
@@ -258,7 +261,7 @@ def _local_window_size(window: int):
     return (window - 1, 0) if window else None
 
 
-def cudnn_attention(q, k, v, *, segment_ids=None, window: int = 0):
+def cudnn_attention(q, k, v, *, segment_ids=None, window: int = 0, scale: float | None = None):
     """Causal cuDNN flash attention via `jax.nn.dot_product_attention` (GPU, bf16/fp16 only).
 
     Raises ValueError for segment ids: the public API only takes them as a dense T x T mask.
@@ -269,7 +272,7 @@ def cudnn_attention(q, k, v, *, segment_ids=None, window: int = 0):
     _check_shapes(q, k, v, segment_ids, window)
     with jax.named_scope("cudnn_attention"):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn",
-                                            local_window_size=_local_window_size(window))
+                                            scale=scale, local_window_size=_local_window_size(window))
 
 
 # -----------------------------------------------------------------------------
@@ -311,13 +314,16 @@ def choose_implementation(requested: str, *, platform: str, dtype, head_dim: int
     return "cudnn", f"GPU, {jnp.dtype(dtype).name}, head dim {head_dim}, no document mask"
 
 
-def attention(q, k, v, *, implementation: str, segment_ids=None, window: int = 0, block_size: int = 512):
-    """Causal self-attention by a resolved implementation: "cudnn", "blockwise" or "xla"."""
+def attention(q, k, v, *, implementation: str, segment_ids=None, window: int = 0, block_size: int = 512,
+              scale: float | None = None):
+    """Causal self-attention by a resolved implementation: "cudnn", "blockwise" or "xla".
+    Scores are q.k * scale, by default H**-0.5 (Gemma's query_pre_attn_scalar**-0.5 differs)."""
     if implementation == "cudnn":
-        return cudnn_attention(q, k, v, segment_ids=segment_ids, window=window)
+        return cudnn_attention(q, k, v, segment_ids=segment_ids, window=window, scale=scale)
     if implementation == "blockwise":
-        return blockwise_attention(q, k, v, segment_ids=segment_ids, window=window, block_size=block_size)
+        return blockwise_attention(q, k, v, segment_ids=segment_ids, window=window,
+                                   block_size=block_size, scale=scale)
     if implementation == "xla":
-        return reference_attention(q, k, v, segment_ids=segment_ids, window=window)
+        return reference_attention(q, k, v, segment_ids=segment_ids, window=window, scale=scale)
     raise ValueError(f"attention implementation must be cudnn, blockwise or xla (resolve 'auto' with "
                      f"choose_implementation), got {implementation!r}")

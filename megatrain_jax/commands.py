@@ -1,8 +1,9 @@
-"""The command line: `megatrain train|plan|export ...` (also `python -m megatrain_jax ...`).
+"""The command line: `megatrain train|plan|export|plot ...` (also `python -m megatrain_jax ...`).
 
     megatrain train --config configs/tiny.yaml [key=value ...]       # = scripts/train.py
     megatrain plan --config configs/llama3_8b.yaml [--device h100]   # = scripts/plan.py
     megatrain export --run-dir runs/ft --out hf_out                  # = scripts/export_hf.py
+    megatrain plot runs/a runs/b --out runs.png                      # = scripts/plot.py
 
 Each command is a function here, `fn(argv=None, prog=None) -> exit code`, that the scripts in
 scripts/ call too. Exit codes as in megatrain_jax.cli: 0 done, 2 bad input (one line on stderr,
@@ -46,9 +47,22 @@ def train(argv=None, prog=None) -> int:
     def go(args):
         from megatrain_jax.config import load_config
         from megatrain_jax.train import train as train_run
-        train_run(load_config(args.config, args.overrides))
+        cfg = load_config(args.config, args.overrides)
+        train_run(cfg, console=_terminal_console())
 
     return _run(lambda: parser.parse_args(argv), go)
+
+
+def _terminal_console():
+    """A rich Console on stdout when stdout is a terminal and rich is installed (the live
+    progress bar), else None (plain lines only: CI, nohup, a pipe)."""
+    if not sys.stdout.isatty():
+        return None
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    return Console()
 
 
 # ----------------------------------------------------------------------------- plan
@@ -58,7 +72,17 @@ PLAN_EPILOG = """\
 --device is a preset (h100, h200, gh200; default h100) or `local`: this machine's first device.
 --sweep prints one row per sequence length instead of the full report. --json writes the plan
 (or the sweep's plans) as JSON. Nothing of the model is allocated; on a CPU it takes seconds to a
-minute for an 8B model (it compiles the step's functions to read their workspaces)."""
+minute for an 8B model (it compiles the step's functions to read their workspaces).
+
+--step-time predicts the step time instead (megatrain_jax.step_time): a timeline of the engine's
+schedule from component rates, which default to the --device preset's bus and bf16 peak (host
+update 25.9 GB/s, dispatch 20 us), are read from measured results with --rates (a folder the GPU
+checklist wrote, or a step-time JSON) and overridden one by one by --h2d-gbps, --d2h-gbps,
+--tflops, --host-update-gbps, --dispatch-us. With --rates, a bench.py result there of the same
+step is compared with the prediction."""
+
+RATE_FLAGS = {"h2d_gbps": "--h2d-gbps", "d2h_gbps": "--d2h-gbps", "device_tflops": "--tflops",
+              "host_update_gbps": "--host-update-gbps", "dispatch_us": "--dispatch-us"}
 
 
 def _machine(args):
@@ -114,12 +138,19 @@ def plan(argv=None, prog=None) -> int:
     parser.add_argument("--device-memory-gb", type=float, help="device memory the run may use (GB)")
     parser.add_argument("--sweep", help="comma-separated data.seq_len values, one row each")
     parser.add_argument("--json", help="write the plan(s) to this file")
+    parser.add_argument("--step-time", action="store_true",
+                        help="predict the step time (a timeline simulation) instead")
+    parser.add_argument("--rates", help="measured rates: a results folder or a step-time JSON")
+    for key, flag in RATE_FLAGS.items():
+        parser.add_argument(flag, dest=key, type=float, help=f"rate: {key}")
 
     def go(args):
         from megatrain_jax.config import load_config
         from megatrain_jax.plan import GB, format_bytes, plan as make_plan
         machine = _machine(args)
-        if args.sweep:
+        if args.step_time:
+            out = _step_time(load_config(args.config, args.overrides), machine, args)
+        elif args.sweep:
             seq_lens = _seq_lens(args.sweep)
             rows = [(s, make_plan(load_config(args.config, [*args.overrides, f"data.seq_len={s}"]),
                                   machine)) for s in seq_lens]
@@ -137,6 +168,58 @@ def plan(argv=None, prog=None) -> int:
                 json.dump(out, f, indent=1)
 
     return _run(lambda: parser.parse_args(argv), go)
+
+
+def _step_time(cfg, machine, args) -> dict:
+    """Prints the step-time prediction of cfg; returns it as plain data."""
+    from megatrain_jax import step_time
+    from megatrain_jax.config import ConfigError
+    for key, flag in RATE_FLAGS.items():
+        value = getattr(args, key)
+        if value is not None and not (value > 0 or (key == "dispatch_us" and value == 0)):
+            raise ConfigError(f"{flag} must be > 0, got {value:g}")
+    if args.rates and not os.path.exists(args.rates):
+        raise ConfigError(f"--rates {args.rates}: no such file or folder")
+    offload = cfg.train.offload_activations is True
+    shape = step_time.step_shape(cfg, offload)
+    rates, sources, bench = dict(step_time.DEFAULTS), {k: "default" for k in step_time.DEFAULTS}, None
+    if machine.bf16_tflops > 0:  # the preset's bus and peak
+        for key, value in (("h2d_gbps", machine.host_device_gbps),
+                           ("d2h_gbps", machine.host_device_gbps),
+                           ("device_tflops", machine.bf16_tflops)):
+            rates[key], sources[key] = value, f"machine {machine.name}"
+    if args.rates:
+        try:
+            measured, measured_sources, bench = step_time.measured_rates(args.rates, shape)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"--rates {args.rates}: {e}") from None
+        for key, source in measured_sources.items():
+            if source != "default":
+                rates[key], sources[key] = getattr(measured, key), source
+    for key, flag in RATE_FLAGS.items():
+        if getattr(args, key) is not None:
+            rates[key], sources[key] = getattr(args, key), flag
+    prediction = step_time.simulate(shape, step_time.Rates(**rates))
+    peak = machine.bf16_tflops or step_time.DEFAULTS["device_tflops"]
+    print(f"step: {shape.micro_batches} micro-batch(es), {shape.tokens_per_step:,} tokens, "
+          f"{shape.layers} layers, prefetch {shape.prefetch}, activations "
+          f"{'offloaded' if offload else 'kept on the device'}"
+          + ("" if offload or cfg.train.offload_activations is False else
+             " (train.offload_activations=auto taken as off, as scripts/bench.py runs it)"))
+    print(prediction.report(peak))
+    for key, source in sources.items():
+        print(f"  {key:<17} {source}")
+    out = {"kind": "step_time", **prediction.to_dict(), "rate_sources": sources,
+           "mfu_vs_datasheet": prediction.mfu(peak), "datasheet_tflops": peak}
+    if bench is not None:
+        out["compare"] = step_time.compare(prediction, bench)
+        c = out["compare"]
+        print(f"against bench.py's measurement of the same step: predicted / measured")
+        for key, predicted in c["predicted"].items():
+            measured = c["measured"][key]
+            print(f"  {key:<23}{predicted:>10.4g} / " + ("n/a" if measured is None else
+                                                         f"{measured:.4g}"))
+    return out
 
 
 # ----------------------------------------------------------------------------- export
@@ -168,10 +251,32 @@ def export(argv=None, prog=None) -> int:
     return _run(lambda: parser.parse_args(argv), go)
 
 
+# ----------------------------------------------------------------------------- plot
+
+PLOT_HELP = "Plot runs' train and eval loss and tokens/s against the step, overlaid."
+
+
+def plot(argv=None, prog=None) -> int:
+    """`megatrain plot RUN_DIR [RUN_DIR ...] [--out PNG]`: a PNG of the runs' metrics.jsonl
+    (megatrain_jax.plot); default out: RUN_DIR/metrics.png for one run, metrics.png for several."""
+    parser = _Parser(prog=prog, description=PLOT_HELP,
+                     epilog="Needs matplotlib: pip install 'megatrain-jax[plot]'.")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory")
+    parser.add_argument("--out", help="the PNG to write")
+
+    def go(args):
+        from megatrain_jax.plot import plot_runs
+        out = args.out or (os.path.join(args.run_dirs[0], "metrics.png")
+                           if len(args.run_dirs) == 1 else "metrics.png")
+        print(f"wrote {plot_runs(args.run_dirs, out)}")
+
+    return _run(lambda: parser.parse_args(argv), go)
+
+
 # ----------------------------------------------------------------------------- megatrain
 
 COMMANDS = {"train": (train, TRAIN_HELP), "plan": (plan, PLAN_HELP),
-            "export": (export, EXPORT_HELP)}
+            "export": (export, EXPORT_HELP), "plot": (plot, PLOT_HELP)}
 
 
 def usage(prog: str) -> str:

@@ -17,6 +17,7 @@ import typing
 import yaml
 
 from megatrain_jax.attention import IMPLEMENTATIONS
+from megatrain_jax.chat import OVERLONG  # data.overlong (sft)
 from megatrain_jax.model import ModelConfig
 
 
@@ -25,6 +26,7 @@ class ConfigError(ValueError):
 
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")  # optimizer.schedule
+FORMATS = ("text", "sft")  # data.format
 
 
 def did_you_mean(key: str, choices, prefix: str = "") -> str:
@@ -68,6 +70,12 @@ class DataConfig:
     # At most one of the two; "" and 0: no evaluation.
     eval_path: str = ""
     eval_fraction: float = 0.0
+    # text: data.path is a corpus (text, .jsonl of text_field, .bin, .npy). sft: a JSONL of chat
+    # conversations ({"messages": [...]} or {"prompt", "completion"} per line) rendered with the
+    # chat template next to data.tokenizer, loss on the assistant tokens only, packed into rows
+    # with document masks (data.document_mask is then on). See megatrain_jax/chat.py.
+    format: str = "text"
+    overlong: str = "truncate"  # sft: a conversation over data.seq_len is truncated or skipped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,12 +113,28 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    # TensorBoard event files under <run_dir>/tb, when tensorboardX is installed (the extra
+    # `tensorboard`); false: none.
+    tensorboard: bool = True
+    # Weights & Biases (the extra `wandb`): the run's metrics and config; `mode: offline` (or
+    # WANDB_MODE=offline) writes under <run_dir>/wandb with no network, `wandb sync` uploads later.
+    wandb: bool = False
+    wandb_project: str = "megatrain_jax"
+    wandb_mode: str = "online"  # online or offline
+    # The device's bf16 dense peak in TFLOPS, the denominator of MFU; 0: from the table of known
+    # devices (megatrain_jax.plan.PEAK_BF16_TFLOPS), and no MFU on a device not in it (a CPU).
+    peak_tflops: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = ModelConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
     run_dir: str = "runs/tiny"
 
 
@@ -264,6 +288,9 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
                               f"({str(e).splitlines()[0]})") from None
         _set_dotted(data, key, parsed)
     cfg = _build(Config, data, "")
+    given_data = data.get("data") if isinstance(data.get("data"), dict) else {}
+    if cfg.data.format == "sft" and "document_mask" not in given_data:  # sft rows are packed
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, document_mask=True))
     if cfg.model.from_hf:
         cfg = dataclasses.replace(cfg, model=_model_from_hf(cfg.model, data.get("model", {})))
     _check(cfg)
@@ -331,6 +358,12 @@ def _check(cfg: Config):
         if not under(key, resume_keys(cfg)):
             raise ConfigError(f"checkpoint.allow_changes: {key} is never compared on resume (it "
                               f"may change freely); compared: {', '.join(RESUME_KEYS)}")
+    if cfg.logging.peak_tflops < 0:
+        raise ConfigError(f"logging.peak_tflops must be >= 0 (0: from the device's name), "
+                          f"got {cfg.logging.peak_tflops}")
+    if cfg.logging.wandb_mode not in ("online", "offline"):
+        raise ConfigError(f"logging.wandb_mode must be online or offline, "
+                          f"got {cfg.logging.wandb_mode!r}")
     if not cfg.run_dir:
         raise ConfigError("run_dir must not be empty")
     data = cfg.data
@@ -340,6 +373,20 @@ def _check(cfg: Config):
     if data.eval_fraction and not 0 < data.eval_fraction <= 0.5:
         raise ConfigError(f"data.eval_fraction must be 0 (none) or in (0, 0.5], "
                           f"got {data.eval_fraction}")
+    if data.format not in FORMATS:
+        raise ConfigError(f"data.format must be one of {', '.join(FORMATS)}, got {data.format!r}"
+                          f"{did_you_mean(data.format, FORMATS)}")
+    if data.overlong not in OVERLONG:
+        raise ConfigError(f"data.overlong must be one of {', '.join(OVERLONG)}, "
+                          f"got {data.overlong!r}{did_you_mean(data.overlong, OVERLONG)}")
+    if data.format == "sft":
+        if not data.document_mask:
+            raise ConfigError("data.document_mask=false with data.format=sft: SFT packs several "
+                              "conversations per row, kept apart by document masks; leave "
+                              "data.document_mask out or set it true")
+        if not data.tokenizer.endswith(".json"):
+            raise ConfigError(f"data.format=sft needs data.tokenizer to be a tokenizer.json with "
+                              f"the model's chat template beside it, got {data.tokenizer!r}")
     train = cfg.train
     if train.eval_every < 0:
         raise ConfigError(f"train.eval_every must be >= 0 (0: only at the end), "
@@ -369,7 +416,7 @@ def _check(cfg: Config):
 RESUME_KEYS = ("model", "optimizer", "data.path", "data.text_field", "data.tokenizer",
                "data.eos_token", "data.token_dtype", "data.seq_len", "data.batch_size",
                "data.micro_batches", "data.document_mask", "data.eval_path", "data.eval_fraction",
-               "train.seed", "train.steps")
+               "data.format", "data.overlong", "train.seed", "train.steps")
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

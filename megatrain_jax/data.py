@@ -300,7 +300,7 @@ class PackedDataset:
     """
 
     def __init__(self, tokens, *, seq_len: int, batch_size: int, seed: int, num_micro_batches: int = 1,
-                 eos_id: int | None = None):
+                 eos_id: int | None = None, document_mask: bool = False):
         if getattr(tokens, "ndim", None) != 1:
             raise DataError(f"tokens must be a 1-D array, got shape {np.shape(tokens)}")
         for name, v in (("seq_len", seq_len), ("batch_size", batch_size),
@@ -308,6 +308,7 @@ class PackedDataset:
             if int(v) < 1:
                 raise DataError(f"{name} must be >= 1, got {v}")
         self.tokens, self.eos_id = tokens, eos_id  # eos_id: the document separator, for masks
+        self.document_mask = document_mask
         self.seq_len, self.batch_size = int(seq_len), int(batch_size)
         self.num_micro_batches, self.seed = int(num_micro_batches), int(seed)
         self.num_windows = (len(tokens) - 1) // self.seq_len
@@ -341,6 +342,16 @@ class PackedDataset:
         windows = np.asarray(self.tokens[idx]).astype(np.int32)
         windows = windows.reshape(self.num_micro_batches, self.batch_size, self.seq_len + 1)
         return np.ascontiguousarray(windows[..., :-1]), np.ascontiguousarray(windows[..., 1:])
+
+    def next_batch_with_context(self):
+        """(inputs, targets, context): next_batch's, and document_context(inputs) with
+        document_mask (else None)."""
+        inputs, targets = self.next_batch()
+        if not self.document_mask:
+            return inputs, targets, None
+        if self.eos_id is None:
+            raise DataError("document_mask needs eos_id, the document separator")
+        return inputs, targets, document_context(inputs, self.eos_id)
 
     def state(self) -> dict:
         """Position as plain ints: epoch, and index = windows already taken in this epoch."""

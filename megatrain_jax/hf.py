@@ -14,7 +14,10 @@ Layouts (HF stores Linear weights as (out, in)):
     q_proj (N*H, D) <-> wq (D, N, H)    k_proj, v_proj (K*H, D) <-> wk, wv (D, K, H)
     o_proj (D, N*H) <-> wo (N, H, D)    gate_proj, up_proj (F, D) <-> w_gate, w_up (D, F)
     down_proj (D, F) <-> w_down (F, D)  lm_head (V, D) <-> w_out (D, V)    embed_tokens (V, D) as is
-    q_norm, k_norm (H,) as is (Qwen3)
+    q_norm, k_norm (H,) as is (Qwen3, Gemma 3)
+Gemma 3 has four norms a layer: input_layernorm -> attn_norm, post_attention_layernorm (on the
+attention's output) -> attn_post_norm, pre_feedforward_layernorm -> mlp_norm,
+post_feedforward_layernorm -> mlp_post_norm (Llama's post_attention_layernorm is our mlp_norm).
 Phi-3 stores q/k/v and gate/up fused, split on import and fused on export (see Fused):
     qkv_proj ((N + 2K)*H, D) = q_proj, k_proj, v_proj rows    gate_up_proj (2F, D) = gate, up rows
 Its resid_pdrop, attention_dropout and embd_pdrop (0 in the public models) are ignored: training
@@ -39,7 +42,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from megatrain_jax.model import Block, Execution, ModelConfig, make_stages
+from megatrain_jax.model import Block, Execution, ModelConfig, make_stages, sliding_flag
 
 
 class HFError(ValueError):
@@ -48,8 +51,17 @@ class HFError(ValueError):
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "Phi3ForCausalLM": "phi3", "MixtralForCausalLM": "mixtral",
-                 "Qwen3MoeForCausalLM": "qwen3_moe"}
+                 "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3_text",
+                 "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
+# Multimodal architectures whose text decoder is read as a text architecture (and exported as
+# one): its config.json's text_config (over the text config's defaults, for the keys it leaves
+# out), its tensors under `prefix`; the other towers' tensors are never read.
+TEXT_PARTS = {"Gemma3ForConditionalGeneration": dict(
+    text="Gemma3ForCausalLM", prefix="language_model.",
+    others=("vision_tower.", "multi_modal_projector."),
+    defaults=dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,  # Gemma3TextConfig
+                  num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                  head_dim=256))}
 # Architectures whose every layer slides by `sliding_window` (null: none).
 WINDOWED = ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM")
 # Architectures whose windows follow use_sliding_window / layer_types / max_window_layers.
@@ -57,6 +69,11 @@ LAYERED_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 CONFIG_FILE, INDEX_FILE, SINGLE_FILE = "config.json", "model.safetensors.index.json", "model.safetensors"
 FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+# What an export copies from the source model's directory beside the weights, when present, so
+# that AutoTokenizer and generate() work on the export as on the source.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja", "chat_template.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 EXPORT_OLDER = "export an older one with --step {step}"  # the hint for a damaged checkpoint
 # Buffers some older checkpoints saved next to the weights; recomputed, so skipped.
 IGNORED_TENSOR = re.compile(r".*\.rotary_emb\.inv_freq$")
@@ -83,6 +100,20 @@ def read_hf_config(model_dir: str) -> dict:
     if not os.path.isdir(model_dir):
         raise HFError(f"model.from_hf: {model_dir} is not a directory")
     return _read_json(os.path.join(model_dir, CONFIG_FILE), f"model.from_hf {model_dir}")
+
+
+def text_config(hf: dict, where: str) -> dict:
+    """`hf` (a config.json) itself, or for a multimodal model of TEXT_PARTS its text decoder's
+    config, under the text architecture; any other multimodal model is refused."""
+    if "text_config" not in hf:
+        return hf
+    archs = hf.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in TEXT_PARTS or not isinstance(hf["text_config"], dict):
+        raise HFError(f"{where}: a multimodal model ({', '.join(map(str, archs)) or 'text_config'})"
+                      f" is not supported; only text decoders (supported: "
+                      f"{', '.join(ARCHITECTURES)}) and the text part of {', '.join(TEXT_PARTS)}")
+    part = TEXT_PARTS[archs[0]]
+    return {**part["defaults"], **hf["text_config"], "architectures": [part["text"]]}
 
 
 def _rope_options(hf: dict, where: str) -> dict:
@@ -117,10 +148,13 @@ def _rope_options(hf: dict, where: str) -> dict:
 # The config.json fields read, by type; None (JSON null) is allowed where HF writes it for "unset".
 _INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window",
-               "max_window_layers", "max_position_embeddings", "original_max_position_embeddings")
+               "max_window_layers", "max_position_embeddings", "original_max_position_embeddings",
+               "sliding_window_pattern", "_sliding_window_pattern", "query_pre_attn_scalar")
 _FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
-                 "partial_rotary_factor")
-_BOOL_FIELDS = ("tie_word_embeddings", "use_sliding_window", "attention_bias", "mlp_bias")
+                 "partial_rotary_factor", "rope_local_base_freq", "final_logit_softcapping",
+                 "attn_logit_softcapping")
+_BOOL_FIELDS = ("tie_word_embeddings", "use_sliding_window", "attention_bias", "mlp_bias",
+                "use_bidirectional_attention")
 # Mixture-of-experts fields (Mixtral, Qwen3-MoE)
 _INT_FIELDS += ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                 "decoder_sparse_step")
@@ -187,20 +221,81 @@ def _sliding_window(hf: dict, arch: str, num_layers: int, where: str) -> int:
                   f"supported")
 
 
+# Gemma 3's differences from Llama, all on or all off (see model.ModelConfig)
+GEMMA3_OPTIONS = dict(norm_offset=True, post_norms=True, activation="gelu_tanh",
+                      scale_embeddings=True, qk_norm=True)
+# ModelConfig keys only Gemma3ForCausalLM can write when they are not at their default
+GEMMA3_ONLY = ("norm_offset", "post_norms", "activation", "scale_embeddings",
+               "query_pre_attn_scalar", "rope_local_theta", "final_logit_softcapping")
+
+
+def _gemma3_options(hf: dict, num_layers: int, where: str) -> dict:
+    """ModelConfig fields of a Gemma3ForCausalLM config.json (Gemma3TextConfig, model_type
+    gemma3_text), as transformers reads it, from either convention: transformers >= 5 writes
+    layer_types and per-layer-type rope_parameters; older ones sliding_window_pattern (every n-th
+    layer global), rope_theta, rope_local_base_freq and rope_scaling (of the global layers)."""
+    if hf.get("attn_logit_softcapping") is not None:
+        raise HFError(f"{where}: attn_logit_softcapping={hf['attn_logit_softcapping']} is not "
+                      f"supported (Gemma 3 sets it null; only final_logit_softcapping is)")
+    if hf.get("use_bidirectional_attention"):
+        raise HFError(f"{where}: use_bidirectional_attention=true is not supported (causal only)")
+    act = hf.get("hidden_activation", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise HFError(f"{where}: hidden_activation {act!r} is not supported "
+                      f"(only gelu_pytorch_tanh)")
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern")) or 6
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                       for i in range(num_layers)]
+    elif not (isinstance(layer_types, list) and len(layer_types) == num_layers
+              and set(layer_types) <= {"full_attention", "sliding_attention"}):
+        raise HFError(f"{where}: layer_types must list 'full_attention' or 'sliding_attention' "
+                      f"for each of the {num_layers} layers")
+    params = hf.get("rope_parameters")
+    max_pos = {"max_position_embeddings": hf.get("max_position_embeddings", 131072)}
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        full = params["full_attention"]
+        local = params.get("sliding_attention") or {}
+        if not isinstance(local, dict):
+            raise HFError(f"{where}: rope_parameters.sliding_attention must be an object")
+        _check_types({"rope_parameters": full}, where)
+        _check_types({"rope_parameters": local}, where)
+        full = {**full, "rope_theta": full.get("rope_theta", 1e6)}
+        local = {"rope_type": "default", **local, "rope_theta": local.get("rope_theta", 1e4)}
+    else:  # the older convention (rope_scaling: the global layers' scaling)
+        full = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta") or 1e6}
+        local = {"rope_type": "default", "rope_theta": hf.get("rope_local_base_freq") or 1e4}
+    rope = _rope_options({"rope_parameters": full, **max_pos}, where)
+    if _rope_options({"rope_parameters": local, **max_pos}, where) == rope:
+        local_theta = 0.0  # the sliding layers' RoPE is the global one
+    elif local.get("rope_type", local.get("type")) == "default":
+        local_theta = float(local["rope_theta"])
+    else:
+        raise HFError(f"{where}: rope scaling of the sliding_attention layers is not supported "
+                      f"(only of the full_attention ones)")
+    return dict(GEMMA3_OPTIONS, layer_types=tuple(layer_types), rope_local_theta=local_theta,
+                query_pre_attn_scalar=hf.get("query_pre_attn_scalar") or 256,
+                sliding_window=(hf.get("sliding_window", 4096) or 0)
+                if "sliding_attention" in layer_types else 0,
+                final_logit_softcapping=float(hf.get("final_logit_softcapping") or 0.0), **rope)
+
+
 def model_config_from_hf(model_dir: str) -> ModelConfig:
     """The ModelConfig of a local HF model directory, with `from_hf=model_dir`.
 
     Checks the weights too (every expected tensor present with the right shape, no unexpected one,
     every shard there), reading only the safetensors headers, so a bad directory fails here,
     before a run writes anything."""
-    hf = read_hf_config(model_dir)
     where = os.path.join(model_dir, CONFIG_FILE)
+    hf = text_config(read_hf_config(model_dir), where)
     archs = hf.get("architectures") or []
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise HFError(f"{where}: unsupported architecture {', '.join(map(str, archs)) or '(none)'} "
                       f"(supported: {', '.join(ARCHITECTURES)})")
     arch = archs[0]
-    if hf.get("hidden_act", "silu") != "silu":
+    gemma = arch == "Gemma3ForCausalLM"
+    if not gemma and hf.get("hidden_act", "silu") != "silu":
         raise HFError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported (only silu)")
     for option in ("attention_bias", "mlp_bias"):  # Llama/Qwen3 options: q/k/v/o, MLP biases
         if hf.get(option):
@@ -214,9 +309,16 @@ def model_config_from_hf(model_dir: str) -> ModelConfig:
                       num_layers=hf["num_hidden_layers"], num_heads=num_heads)
     except KeyError as e:
         raise HFError(f"{where}: missing {e.args[0]!r}") from None
-    # Qwen3Config defaults head_dim to 128 (not hidden/heads) when config.json leaves it out
-    head_dim = hf.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else 0)
-    sliding = _sliding_window(hf, arch, fields["num_layers"], where)
+    # Qwen3Config defaults head_dim to 128 (not hidden/heads) when config.json leaves it out,
+    # Gemma3TextConfig to 256
+    head_dim = hf.get("head_dim") or {"Qwen3ForCausalLM": 128,
+                                      "Gemma3ForCausalLM": 256}.get(arch, 0)
+    if gemma:
+        options = _gemma3_options(hf, fields["num_layers"], where)
+    else:
+        options = dict(sliding_window=_sliding_window(hf, arch, fields["num_layers"], where),
+                       qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch in ("Qwen3ForCausalLM", MOE_QWEN3),
+                       **_rope_options(hf, where))
     if arch in MOE_ARCHITECTURES:
         fields.update(_moe_options(hf, arch, fields["num_layers"], where))
     try:
@@ -226,10 +328,8 @@ def model_config_from_hf(model_dir: str) -> ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps",  # the configs' defaults
                                       1e-5 if arch in ("Phi3ForCausalLM", MOE_MIXTRAL)
                                       else 1e-6)),
-            qkv_bias=arch == "Qwen2ForCausalLM",
-            qk_norm=arch in ("Qwen3ForCausalLM", MOE_QWEN3),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            sliding_window=sliding, from_hf=model_dir, **_rope_options(hf, where))
+            tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+            from_hf=model_dir, **options)
     except (ValueError, TypeError) as e:
         raise HFError(f"{where}: {e}") from None
     HFSource(model_dir).check(cfg)
@@ -241,6 +341,19 @@ def _architecture(cfg: ModelConfig, base: dict) -> str:
     if cfg.qkv_bias and cfg.qk_norm:  # Qwen3's attention_bias would also bias o_proj
         raise HFError("export: no Hugging Face architecture has q/k/v biases (model.qkv_bias) "
                       "and q/k norms (model.qk_norm) together")
+    gemma = {key: getattr(cfg, key) for key in GEMMA3_OPTIONS}
+    if gemma == GEMMA3_OPTIONS and not cfg.qkv_bias:
+        return "Gemma3ForCausalLM"
+    gemma_only = [f"model.{key}={getattr(cfg, key)!r}" for key in GEMMA3_ONLY
+                  if getattr(cfg, key) != getattr(ModelConfig, key)]
+    if gemma_only:
+        needs = [f"model.{key}={value!r}" for key, value in GEMMA3_OPTIONS.items()
+                 if getattr(cfg, key) != value] + ["model.qkv_bias=False"] * cfg.qkv_bias
+        raise HFError(f"export: {', '.join(gemma_only)} only Gemma3ForCausalLM can write, which "
+                      f"also needs {', '.join(needs)}")
+    if cfg.layer_types:
+        raise HFError("export: model.layer_types (interleaved local and global layers) is written "
+                      "for Gemma 3 models only")
     arch = (base.get("architectures") or [None])[0]
     if cfg.num_experts:
         return _moe_architecture(cfg)
@@ -259,7 +372,7 @@ def hf_config(cfg: ModelConfig, *, dtype: str, max_position_embeddings: int,
               base: dict | None = None) -> dict:
     """config.json for cfg. Keys of `base` (the source model's config.json: token ids, ...) are
     kept, the architecture's are overwritten. RoPE is written both ways (see _rope_options)."""
-    base = base or {}
+    base = text_config(base or {}, "export: the source config.json")  # its text part
     out = {k: v for k, v in base.items() if k not in ("rope_scaling", "rope_parameters")}
     arch = _architecture(cfg, base)
     rope = {"rope_type": cfg.rope_scaling or "default", "rope_theta": cfg.rope_theta}
@@ -278,7 +391,10 @@ def hf_config(cfg: ModelConfig, *, dtype: str, max_position_embeddings: int,
         rope_scaling=rope if cfg.rope_scaling else None, rope_parameters=rope,
         tie_word_embeddings=cfg.tie_embeddings, torch_dtype=dtype, dtype=dtype,
         max_position_embeddings=out.get("max_position_embeddings", max_position_embeddings))
-    if arch == "LlamaForCausalLM":
+    if arch == "Gemma3ForCausalLM":
+        out.update(_gemma3_config(cfg, rope))
+        out.pop("hidden_act")  # Gemma's is hidden_activation
+    elif arch == "LlamaForCausalLM":
         out.update(attention_bias=False, mlp_bias=False)
     elif arch in WINDOWED:
         out["sliding_window"] = cfg.sliding_window or None
@@ -398,6 +514,24 @@ def moe_tensors(cfg: ModelConfig, prefix: str, arch: str) -> list:
     return out
 
 
+def _gemma3_config(cfg: ModelConfig, rope: dict) -> dict:
+    """The Gemma3TextConfig keys of cfg, in both conventions (see _gemma3_options)."""
+    kinds = list(cfg.layer_types) or [
+        "sliding_attention" if cfg.sliding_window else "full_attention"] * cfg.num_layers
+    local = ({"rope_type": "default", "rope_theta": cfg.rope_local_theta} if cfg.rope_local_theta
+             else rope)
+    out = dict(hidden_activation="gelu_pytorch_tanh", attention_bias=False,
+               query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_size,
+               sliding_window=cfg.sliding_window or None, layer_types=kinds,
+               rope_parameters={"full_attention": rope, "sliding_attention": local},
+               rope_local_base_freq=local["rope_theta"], attn_logit_softcapping=None,
+               final_logit_softcapping=cfg.final_logit_softcapping or None,
+               use_bidirectional_attention=False)
+    if not cfg.rope_local_theta and cfg.rope_scaling:  # the old convention cannot say it
+        out["rope_local_base_freq"] = None
+    return out
+
+
 # -----------------------------------------------------------------------------
 # the tensor map: one table, read both ways
 
@@ -446,7 +580,12 @@ def block_tensors(cfg: ModelConfig, layer: int, arch: str | None = None) -> list
     if cfg.qk_norm:
         out += [(p + "self_attn.q_norm.weight", (h,), "q_norm", False),
                 (p + "self_attn.k_norm.weight", (h,), "k_norm", False)]
-    out.append((p + "post_attention_layernorm.weight", (d,), "mlp_norm", False))
+    if cfg.post_norms:  # Gemma: post_attention_layernorm norms the attention's output
+        out += [(p + "post_attention_layernorm.weight", (d,), "attn_post_norm", False),
+                (p + "pre_feedforward_layernorm.weight", (d,), "mlp_norm", False),
+                (p + "post_feedforward_layernorm.weight", (d,), "mlp_post_norm", False)]
+    else:
+        out.append((p + "post_attention_layernorm.weight", (d,), "mlp_norm", False))
     if cfg.num_experts:
         return out + moe_tensors(cfg, p, arch)
     if fused:
@@ -497,6 +636,7 @@ class HFSource:
         self.dir = model_dir
         archs = read_hf_config(model_dir).get("architectures")
         self.arch = archs[0] if isinstance(archs, list) and len(archs) == 1 else None
+        self.stored = {}  # our name -> the name in the files, where they differ (TEXT_PARTS)
         index_path = os.path.join(model_dir, INDEX_FILE)
         if os.path.isfile(index_path):
             weight_map = _read_json(index_path, "index").get("weight_map")
@@ -509,6 +649,16 @@ class HFSource:
         else:
             raise HFError(f"model.from_hf {model_dir}: no {SINGLE_FILE} or {INDEX_FILE} (only "
                           f"safetensors weights are read, never pickled *.bin files)")
+        if self.arch in TEXT_PARTS:  # the text decoder's tensors, under the text model's names
+            part = TEXT_PARTS[self.arch]
+            self.arch, prefix, files = part["text"], part["prefix"], self.files
+            self.files = {}
+            for name, shard in files.items():
+                if name.startswith(prefix):
+                    self.stored[name[len(prefix):]] = name
+                    self.files[name[len(prefix):]] = shard
+                elif not name.startswith(part["others"]):
+                    self.files[name] = shard  # unexpected: check() names it
         for shard in sorted(set(self.files.values())):
             if os.path.basename(shard) != shard or not shard.endswith(".safetensors"):
                 raise HFError(f"{index_path}: bad shard name {shard!r}")
@@ -545,10 +695,10 @@ class HFSource:
             with self._open(shard) as f:
                 present = set(f.keys())
                 for name in names:
-                    if name not in present:
+                    if self.stored.get(name, name) not in present:
                         raise HFError(f"{os.path.join(self.dir, shard)}: tensor {name} is missing "
                                       f"(the index says it is here)")
-                    view = f.get_slice(name)
+                    view = f.get_slice(self.stored.get(name, name))
                     shape, dtype = tuple(view.get_shape()), view.get_dtype()
                     if shape != expected[name]:
                         raise HFError(f"{os.path.join(self.dir, shard)}: {name} has shape {shape}, "
@@ -576,7 +726,7 @@ class HFSource:
         for shard, items in by_shard.items():
             with self._open(shard) as f:
                 for name, key, transpose in items:
-                    src = f.get_tensor(name)
+                    src = f.get_tensor(self.stored.get(name, name))
                     if isinstance(key, ExpertsFused):  # (E, rows, in) -> each part (E, in, rows)
                         for part, lo, hi in key:
                             out[part] = jnp.asarray(self._finite(np.ascontiguousarray(
@@ -638,7 +788,10 @@ def load_block(cfg: ModelConfig, source: HFSource, layer: int,
     """Layer `layer`'s Block holding the HF weights: a drop-in for model.make_block."""
     abstract = nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0), execution=execution))
     shapes = {k: v.shape for k, v in nnx.to_pure_dict(nnx.split(abstract)[1]).items()}
-    return _load_module(abstract, source.read(block_tensors(cfg, layer, source.arch), shapes))
+    params = source.read(block_tensors(cfg, layer, source.arch), shapes)
+    if cfg.layer_types:  # the layer's kind: data, not an HF tensor
+        params["sliding"] = sliding_flag(cfg, layer)
+    return _load_module(abstract, params)
 
 
 # -----------------------------------------------------------------------------
@@ -812,6 +965,7 @@ def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None,
                               indent=2)
             with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
                 json.dump(config, f, indent=2)
+            copied = _copy_tokenizer_files(meta.get("config", {}), tmp)
             # mkdtemp makes the directory private (0700); give the result the usual permissions.
             umask = os.umask(0)
             os.umask(umask)
@@ -830,4 +984,31 @@ def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None,
         manager.close()
     log(f"exported {where} to {out_dir}: {len(tensors)} tensors, {total / 1e6:,.1f} MB {dtype} "
         f"in {len(shards)} shard{'s' * (len(shards) > 1)}")
+    log(copied)
     return out_dir
+
+
+def _copy_tokenizer_files(run_config: dict, out_dir: str) -> str:
+    """Copies TOKENIZER_FILES from the run's model.from_hf directory into out_dir (and, when that
+    holds no tokenizer.json, the run's data.tokenizer file if it is one); returns a line saying
+    what was copied from where."""
+    source = run_config.get("model", {}).get("from_hf") or ""
+    copied = []
+    if source and os.path.isdir(source):
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(source, name)):
+                shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
+                copied.append(name)
+    tokenizer = run_config.get("data", {}).get("tokenizer") or ""
+    extra = ("tokenizer.json" not in copied and tokenizer.endswith(".json")
+             and os.path.isfile(tokenizer))
+    if extra:
+        shutil.copyfile(tokenizer, os.path.join(out_dir, "tokenizer.json"))
+    found = [f"{', '.join(copied)} from {source}"] if copied else []
+    found += [f"tokenizer.json from data.tokenizer={tokenizer}"] if extra else []
+    if found:
+        return f"copied {'; '.join(found)}"
+    if source and not os.path.isdir(source):
+        return (f"no tokenizer files copied: model.from_hf={source} of the run is not there "
+                f"(copy them from the source model by hand)")
+    return "no tokenizer files copied: the run names no HF model directory or tokenizer.json"

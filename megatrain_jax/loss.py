@@ -26,13 +26,15 @@ _SPECS = {
 }
 
 
-def chunked_cross_entropy(y, w, targets, *, layout: str = "dv", chunk: int = 4096, vocab_chunk: int = 0):
+def chunked_cross_entropy(y, w, targets, *, layout: str = "dv", chunk: int = 4096,
+                          vocab_chunk: int = 0, softcap: float = 0.0):
     """Summed token cross-entropy of logits y @ w (or y @ w.T for layout "vd") against targets.
 
     y: (..., D) hidden states; w: (D, V) for layout "dv", (V, D) for "vd" (tied embedding);
     targets: int, shaped like y[..., 0]; tokens with target IGNORE_ID count for nothing.
     chunk: tokens per chunk; vocab_chunk: vocabulary columns per step (0: all at once).
-    Returns (loss_sum, count), both fp32 scalars; divide for the mean.
+    softcap: the logits are softcap * tanh(logits / softcap) (Gemma's final_logit_softcapping;
+    0: off). Returns (loss_sum, count), both fp32 scalars; divide for the mean.
     """
     if layout not in _SPECS:
         raise ValueError(f"layout must be 'dv' or 'vd', got {layout!r}")
@@ -50,7 +52,7 @@ def chunked_cross_entropy(y, w, targets, *, layout: str = "dv", chunk: int = 409
     if pad:
         y = jnp.pad(y, ((0, pad), (0, 0)))
         targets = jnp.pad(targets, (0, pad), constant_values=IGNORE_ID)
-    return _ce(y, w, targets, layout, c, vocab_chunk), count
+    return _ce(y, w, targets, layout, c, vocab_chunk, float(softcap)), count
 
 
 def _vocab_size(w, layout):
@@ -80,7 +82,15 @@ def _chunks(x, c):
     return x.reshape(-1, c, *x.shape[1:])
 
 
-def _forward(y, w, targets, layout, c, vocab_chunk):
+def cap_logits(z, softcap: float):
+    """(capped logits, tanh term for the backward, or None): softcap * tanh(z / softcap)."""
+    if not softcap:
+        return z, None
+    t = jnp.tanh(z / softcap)
+    return softcap * t, t
+
+
+def _forward(y, w, targets, layout, c, vocab_chunk, softcap):
     """Per-token fp32 logsumexp and target logit, each (N,)."""
     v, vc, nv = _vocab_plan(w, layout, vocab_chunk)
     logits_spec = _SPECS[layout][0]
@@ -93,7 +103,7 @@ def _forward(y, w, targets, layout, c, vocab_chunk):
             m, s, zt = carry
             _, wc, cols, own = _vocab_slice(w, layout, j, v, vc)
             z = jnp.einsum(logits_spec, yc, wc, preferred_element_type=jnp.float32)
-            z = jnp.where(own, z, _NEG)
+            z = jnp.where(own, cap_logits(z, softcap)[0], _NEG)
             m_new = jnp.maximum(m, z.max(axis=-1))
             s = s * jnp.exp(m - m_new) + jnp.exp(z - m_new[:, None]).sum(axis=-1)
             zt = zt + jnp.where((cols == tc[:, None]) & own, z, 0.0).sum(axis=-1)
@@ -107,18 +117,18 @@ def _forward(y, w, targets, layout, c, vocab_chunk):
     return lse.reshape(-1), zt.reshape(-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _ce(y, w, targets, layout, c, vocab_chunk):
-    return _ce_fwd(y, w, targets, layout, c, vocab_chunk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _ce(y, w, targets, layout, c, vocab_chunk, softcap):
+    return _ce_fwd(y, w, targets, layout, c, vocab_chunk, softcap)[0]
 
 
-def _ce_fwd(y, w, targets, layout, c, vocab_chunk):
-    lse, zt = _forward(y, w, targets, layout, c, vocab_chunk)
+def _ce_fwd(y, w, targets, layout, c, vocab_chunk, softcap):
+    lse, zt = _forward(y, w, targets, layout, c, vocab_chunk, softcap)
     loss = jnp.where(targets != IGNORE_ID, lse - zt, 0.0).sum()
     return loss, (y, w, targets, lse)
 
 
-def _ce_bwd(layout, c, vocab_chunk, res, g):
+def _ce_bwd(layout, c, vocab_chunk, softcap, res, g):
     y, w, targets, lse = res
     v, vc, nv = _vocab_plan(w, layout, vocab_chunk)
     logits_spec, dy_spec, dw_spec = _SPECS[layout]
@@ -134,8 +144,11 @@ def _ce_bwd(layout, c, vocab_chunk, res, g):
             dw, dy = carry
             start, wc, cols, own = _vocab_slice(w, layout, j, v, vc)
             z = jnp.einsum(logits_spec, yc, wc, preferred_element_type=jnp.float32)
+            z, t = cap_logits(z, softcap)
             p = jnp.where(own, jnp.exp(z - lse_c[:, None]), 0.0)
             dz = (p - ((cols == tc[:, None]) & own)) * scale_c[:, None]
+            if t is not None:  # d(softcap * tanh(z / softcap)) / dz
+                dz = dz * (1.0 - t * t)
             # Matmul operands in the model dtype (bf16 tensor cores), accumulation in fp32.
             dy = dy + jnp.einsum(dy_spec, dz.astype(w.dtype), wc, preferred_element_type=jnp.float32)
             dwc = jnp.einsum(dw_spec, dz.astype(yc.dtype), yc, preferred_element_type=jnp.float32)

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) as Flax NNX modules.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) as Flax NNX modules.
 
 The model knows nothing about streaming: it is three plain modules, `Embed`, `Block` and `LMHead`,
 that the engine (or a plain reference loop) calls in order. `Execution` says how they compute
@@ -17,7 +17,7 @@ from jax import lax
 
 from megatrain_jax import moe
 from megatrain_jax.attention import attention
-from megatrain_jax.loss import chunked_cross_entropy
+from megatrain_jax.loss import cap_logits, chunked_cross_entropy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +44,8 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0  # llama3 only
     rope_high_freq_factor: float = 4.0  # llama3 only
     rope_original_max_position: int = 8192  # llama3 only
-    # Mistral/Qwen2 sliding-window attention, one window for all layers: 0 = none, else query i
-    # sees key j iff 0 <= i - j < sliding_window (HF's semantics).
+    # Mistral/Qwen2 sliding-window attention, one window for all layers (with layer_types: for the
+    # sliding ones): 0 = none, else query i sees key j iff 0 <= i - j < sliding_window (HF's).
     sliding_window: int = 0
     # Mixture of experts (Mixtral, Qwen3-MoE; megatrain_jax.moe), when num_experts > 0: every
     # layer's MLP is num_experts SwiGLU experts of intermediate_size, each token routed to
@@ -56,6 +56,19 @@ class ModelConfig:
     experts_per_token: int = 2
     moe_renormalize: bool = True
     router_aux_loss_coef: float = 0.001
+    # Gemma 3's differences (all off for the other families):
+    norm_offset: bool = False  # RMSNorm scales by (1 + w), in fp32 before the cast; w starts at 0
+    post_norms: bool = False  # RMSNorm on the attention's and the MLP's outputs, before the add
+    activation: str = "silu"  # of the gated MLP: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size), in the compute dtype
+    query_pre_attn_scalar: int = 0  # attention scores scaled by its **-0.5 (0: head_size)
+    # Interleaved local and global layers: per layer "sliding_attention" or "full_attention" (HF's
+    # names). sliding_window then applies to the sliding layers only, whose RoPE has base
+    # rope_local_theta, unscaled (0: the full layers' RoPE). (): every layer alike. A layer's kind
+    # is data (Block.sliding), not structure, so every layer runs one compiled function.
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float = 0.0
+    final_logit_softcapping: float = 0.0  # logits = c * tanh(logits / c) (0: off)
     from_hf: str = ""  # a local Hugging Face model directory to initialise from (megatrain_jax.hf)
 
     def __post_init__(self):
@@ -87,6 +100,24 @@ class ModelConfig:
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise ValueError(f"model.experts_per_token ({self.experts_per_token}) must be in 1.."
                              f"model.num_experts ({self.num_experts})")
+        if self.num_experts and (self.post_norms or self.norm_offset
+                                 or self.activation != "silu"):
+            raise ValueError("model.num_experts: experts with Gemma's post_norms, norm_offset or "
+                             "activation are not supported (Mixtral and Qwen3-MoE have none)")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"model.activation: unsupported {self.activation!r} "
+                             f"(supported: {', '.join(ACTIVATIONS)})")
+        for key in ("query_pre_attn_scalar", "rope_local_theta", "final_logit_softcapping"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"model.{key} must be >= 0 (0: off), got {getattr(self, key)}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(
+                    LAYER_TYPES):
+                raise ValueError(f"model.layer_types must give each of the {self.num_layers} "
+                                 f"layers one of {', '.join(LAYER_TYPES)}")
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ValueError("model.layer_types has sliding_attention layers but "
+                                 "model.sliding_window is 0")
 
     @property
     def head_size(self) -> int:
@@ -97,7 +128,8 @@ class ModelConfig:
         n, k = self.num_heads, self.num_kv_heads
         attn = (d * n * h * 2 + d * k * h * 2 + (n + 2 * k) * h * self.qkv_bias
                 + 2 * h * self.qk_norm)
-        block = attn + 3 * d * f * max(1, self.num_experts) + d * self.num_experts + 2 * d
+        block = (attn + 3 * d * f * max(1, self.num_experts) + d * self.num_experts
+                 + 2 * d * (1 + self.post_norms))
         embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.num_layers * block + d + (embed if include_embeddings else 0)
 
@@ -109,6 +141,10 @@ class ModelConfig:
 
 
 ROPE_SCALING_TYPES = ("", "linear", "llama3")
+ACTIVATIONS = {"silu": jax.nn.silu,
+               # torch's gelu(approximate="tanh"), HF's gelu_pytorch_tanh: the same formula
+               "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+LAYER_TYPES = ("sliding_attention", "full_attention")
 ATTENTION_IMPLEMENTATIONS = ("cudnn", "blockwise", "xla")  # resolved: no "auto"
 
 
@@ -142,10 +178,17 @@ class Execution:
                 raise ValueError(f"train.{key} must be >= 0 (0: off), got {getattr(self, key)}")
 
 
-def rope_inv_freq(cfg: ModelConfig):
-    """(H/2,) fp32 inverse frequencies, computed as HF computes them (fp32 throughout)."""
+def _default_inv_freq(theta: float, h: int):
+    return 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+
+
+def rope_inv_freq(cfg: ModelConfig, *, local: bool = False):
+    """(H/2,) fp32 inverse frequencies, computed as HF computes them (fp32 throughout); `local`:
+    those of the sliding layers of a model with rope_local_theta."""
     h = cfg.head_size
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    if local and cfg.rope_local_theta:
+        return _default_inv_freq(cfg.rope_local_theta, h)
+    inv_freq = _default_inv_freq(cfg.rope_theta, h)
     factor = cfg.rope_scaling_factor
     if cfg.rope_scaling == "linear":
         return inv_freq / factor
@@ -161,11 +204,23 @@ def rope_inv_freq(cfg: ModelConfig):
     return inv_freq
 
 
-def rms_norm(x, scale, eps):
-    # As in HF Llama: normalise in fp32, cast back, then scale in the input dtype.
+def rms_norm(x, scale, eps, offset: bool = False):
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:  # As in HF Gemma: scale by (1 + w) in fp32, then cast back.
+        return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+    # As in HF Llama: normalise in fp32, cast back, then scale in the input dtype.
     return scale.astype(x.dtype) * x32.astype(x.dtype)
+
+
+def _norm_init(cfg: ModelConfig, size: int):
+    """A norm's initial weight: the identity (1, or 0 where the norm scales by 1 + w)."""
+    return (jnp.zeros if cfg.norm_offset else jnp.ones)((size,), jnp.float32)
+
+
+def sliding_flag(cfg: ModelConfig, layer: int):
+    """Block.sliding of layer `layer` (with model.layer_types): 1.0 local, 0.0 global."""
+    return jnp.asarray(float(cfg.layer_types[layer] == "sliding_attention"), jnp.float32)
 
 
 def apply_rope(x, inv_freq, positions):
@@ -179,14 +234,19 @@ def apply_rope(x, inv_freq, positions):
     return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
-def swiglu_mlp(x, weights, eps: float):
-    """The block's MLP with its residual, x + down(silu(gate(y)) * up(y)) with y = rms_norm(x), on
-    (B, T, D). Per-token math: any slice of tokens gives that slice of the result."""
-    norm, w_gate, w_up, w_down = weights
-    y = rms_norm(x, norm, eps)
+def swiglu_mlp(x, weights, eps: float, activation: str = "silu", norm_offset: bool = False):
+    """The block's MLP with its residual, x + down(act(gate(y)) * up(y)) with y = rms_norm(x), on
+    (B, T, D): SwiGLU, or GeGLU with activation gelu_tanh. With a fifth weight (Gemma's post-norm)
+    the MLP's output is normed before the residual add. Per-token math: any slice of tokens gives
+    that slice of the result."""
+    norm, w_gate, w_up, w_down, *post_norm = weights
+    y = rms_norm(x, norm, eps, norm_offset)
     gate = jnp.einsum("btd,df->btf", y, w_gate)
     up = jnp.einsum("btd,df->btf", y, w_up)
-    return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)
+    out = jnp.einsum("btf,fd->btd", ACTIVATIONS[activation](gate) * up, w_down)
+    if post_norm:
+        out = rms_norm(out, post_norm[0], eps, norm_offset)
+    return x + out
 
 
 def over_tiles(fn, x, weights, tile: int):
@@ -194,7 +254,8 @@ def over_tiles(fn, x, weights, tile: int):
 
     Each tile is rematerialised (jax.checkpoint) inside a sequential lax.map, so a backward holds
     one tile's intermediates (B x tile x F for the MLP) instead of all T tokens'. T is zero-padded
-    to a multiple of `tile` (rms_norm maps a zero row to zero) and the padding dropped again.
+    to a multiple of `tile` (rms_norm maps a zero row to zero, in either style) and the padding
+    dropped again.
     """
     B, T, D = x.shape
     n = -(-T // tile)
@@ -205,17 +266,20 @@ def over_tiles(fn, x, weights, tile: int):
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then + swiglu(norm(x)).
+    """Pre-norm decoder block: x + attn(norm(x)), then + swiglu(norm(x)); with post_norms
+    (Gemma) x + norm(attn(norm(x))), then + norm(geglu(norm(x))).
 
     `execution` picks the attention implementation and the MLP tiling (a static attribute)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, execution: Execution = Execution()):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, execution: Execution = Execution(),
+                 layer: int = 0):
         self.cfg = cfg
         self.execution = execution
         d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_size
         n, k = cfg.num_heads, cfg.num_kv_heads
         init = jax.nn.initializers.normal(cfg.init_std)
-        self.attn_norm = nnx.Param(jnp.ones((d,), jnp.float32))
+        norm_init = functools.partial(_norm_init, cfg)
+        self.attn_norm = nnx.Param(norm_init(d))
         self.wq = nnx.Param(init(rngs.params(), (d, n, h), jnp.float32))
         self.wk = nnx.Param(init(rngs.params(), (d, k, h), jnp.float32))
         self.wv = nnx.Param(init(rngs.params(), (d, k, h), jnp.float32))
@@ -225,9 +289,19 @@ class Block(nnx.Module):
             self.k_bias = nnx.Param(jnp.zeros((k, h), jnp.float32))
             self.v_bias = nnx.Param(jnp.zeros((k, h), jnp.float32))
         if cfg.qk_norm:  # only then: other models' parameter trees (and checkpoints) are unchanged
-            self.q_norm = nnx.Param(jnp.ones((h,), jnp.float32))
-            self.k_norm = nnx.Param(jnp.ones((h,), jnp.float32))
-        self.mlp_norm = nnx.Param(jnp.ones((d,), jnp.float32))
+            self.q_norm = nnx.Param(norm_init(h))
+            self.k_norm = nnx.Param(norm_init(h))
+        if cfg.post_norms:
+            self.attn_post_norm = nnx.Param(norm_init(d))
+            self.mlp_post_norm = nnx.Param(norm_init(d))
+        if cfg.layer_types:
+            # The layer's kind as data, 1.0 for a sliding (local) layer, 0.0 for a full (global)
+            # one, so local and global layers share one structure and one compiled function. A
+            # constant in a Param's clothes: it is read only through `> 0.5` (its gradient is
+            # exactly 0, so Adam leaves it as it is, and it is a scalar, so never decayed), and
+            # it is no HF tensor (hf.load_block sets it from model.layer_types).
+            self.sliding = nnx.Param(sliding_flag(cfg, layer))
+        self.mlp_norm = nnx.Param(norm_init(d))
         if cfg.num_experts:
             self._init_experts(cfg, init, rngs)
             return
@@ -253,26 +327,47 @@ class Block(nnx.Module):
             segment_ids, positions = None, jnp.arange(x.shape[1])
         else:
             segment_ids, positions = context["segment_ids"], context["positions"]
+        norm = functools.partial(rms_norm, eps=cfg.rms_norm_eps, offset=cfg.norm_offset)
         with jax.named_scope("attention"):
-            y = rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
+            y = norm(x, self.attn_norm[...])
             q = jnp.einsum("btd,dnh->btnh", y, self.wq[...])
             k = jnp.einsum("btd,dkh->btkh", y, self.wk[...])
             v = jnp.einsum("btd,dkh->btkh", y, self.wv[...])
             if cfg.qkv_bias:
                 q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-            if cfg.qk_norm:  # over H of each head, before RoPE (Qwen3)
-                q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
-                k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
-            inv_freq = rope_inv_freq(cfg)
-            q, k = apply_rope(q, inv_freq, positions), apply_rope(k, inv_freq, positions)
-            attn = attention(q, k, v, implementation=ex.attention, segment_ids=segment_ids,
-                             window=cfg.sliding_window, block_size=ex.attention_block)
-            x = x + jnp.einsum("btnh,nhd->btd", attn, self.wo[...])
+            if cfg.qk_norm:  # over H of each head, before RoPE (Qwen3, Gemma 3)
+                q = norm(q, self.q_norm[...])
+                k = norm(k, self.k_norm[...])
+            attend = functools.partial(
+                attention, implementation=ex.attention, segment_ids=segment_ids,
+                block_size=ex.attention_block,
+                scale=cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None)
+            if cfg.layer_types:  # local or global by this layer's data, in one compiled function
+                # (both windows are compiled in; XLA:GPU reads the predicate back to the host, one
+                # small sync per call, the price of one function for both kinds: cuDNN's window
+                # is static, so it cannot be data)
+                sliding = self.sliding[...] > 0.5
+                inv_freq = jnp.where(sliding, rope_inv_freq(cfg, local=True), rope_inv_freq(cfg))
+                q, k = apply_rope(q, inv_freq, positions), apply_rope(k, inv_freq, positions)
+                attn = lax.cond(sliding,
+                                lambda q, k, v: attend(q, k, v, window=cfg.sliding_window),
+                                lambda q, k, v: attend(q, k, v, window=0), q, k, v)
+            else:
+                inv_freq = rope_inv_freq(cfg)
+                q, k = apply_rope(q, inv_freq, positions), apply_rope(k, inv_freq, positions)
+                attn = attend(q, k, v, window=cfg.sliding_window)
+            out = jnp.einsum("btnh,nhd->btd", attn, self.wo[...])
+            if cfg.post_norms:
+                out = norm(out, self.attn_post_norm[...])
+            x = x + out
         if cfg.num_experts:
             return self._moe(x)
         with jax.named_scope("mlp"):
             weights = (self.mlp_norm[...], self.w_gate[...], self.w_up[...], self.w_down[...])
-            mlp = functools.partial(swiglu_mlp, eps=cfg.rms_norm_eps)
+            if cfg.post_norms:
+                weights += (self.mlp_post_norm[...],)
+            mlp = functools.partial(swiglu_mlp, eps=cfg.rms_norm_eps, activation=cfg.activation,
+                                    norm_offset=cfg.norm_offset)
             if ex.tile_size and x.shape[1] > ex.tile_size:
                 return over_tiles(mlp, x, weights, ex.tile_size)
             return mlp(x, weights)
@@ -296,9 +391,13 @@ class Embed(nnx.Module):
         init = jax.nn.initializers.normal(cfg.init_std)
         self.embedding = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size),
                                         jnp.float32))
+        self.scale = cfg.hidden_size**0.5 if cfg.scale_embeddings else None  # static (Gemma)
 
     def __call__(self, tokens):  # (B, T) int -> (B, T, D) in the weights' dtype
-        return jnp.take(self.embedding[...], tokens, axis=0)
+        x = jnp.take(self.embedding[...], tokens, axis=0)
+        if self.scale is not None:  # as HF: the scale rounded to the weights' dtype (bf16: 55.5)
+            x = x * jnp.asarray(self.scale, x.dtype)
+        return x
 
 
 class LMHead(nnx.Module):
@@ -308,7 +407,7 @@ class LMHead(nnx.Module):
                  execution: Execution = Execution()):
         self.cfg = cfg
         self.execution = execution
-        self.norm = nnx.Param(jnp.ones((cfg.hidden_size,), jnp.float32))
+        self.norm = nnx.Param(_norm_init(cfg, cfg.hidden_size))
         if cfg.tie_embeddings:
             self.embed = embed  # shared: nnx.split dedupes it, so its gradient sums both uses
         else:
@@ -317,24 +416,27 @@ class LMHead(nnx.Module):
                                         jnp.float32))
 
     def logits(self, x):  # (B, T, D) -> (B, T, V) fp32
-        y = rms_norm(x, self.norm[...], self.cfg.rms_norm_eps)
+        y = rms_norm(x, self.norm[...], self.cfg.rms_norm_eps, self.cfg.norm_offset)
         if self.cfg.tie_embeddings:
-            return jnp.einsum("btd,vd->btv", y, self.embed.embedding[...],
-                              preferred_element_type=jnp.float32)
-        return jnp.einsum("btd,dv->btv", y, self.w_out[...], preferred_element_type=jnp.float32)
+            z = jnp.einsum("btd,vd->btv", y, self.embed.embedding[...],
+                           preferred_element_type=jnp.float32)
+        else:
+            z = jnp.einsum("btd,dv->btv", y, self.w_out[...], preferred_element_type=jnp.float32)
+        return cap_logits(z, self.cfg.final_logit_softcapping)[0]
 
     def __call__(self, x, targets):
         """(loss_sum, count), both fp32 scalars: the cross-entropy summed over the targets that
         are not loss.IGNORE_ID, and how many those are. Sums, so that micro-batches and
         documents of any length add up exactly; the mean is loss_sum / count. The (B, T, V)
         logits are never built whole (loss.chunked_cross_entropy computes them chunk by chunk)."""
-        y = rms_norm(x, self.norm[...], self.cfg.rms_norm_eps)
+        y = rms_norm(x, self.norm[...], self.cfg.rms_norm_eps, self.cfg.norm_offset)
         if self.cfg.tie_embeddings:
             w, layout = self.embed.embedding[...], "vd"
         else:
             w, layout = self.w_out[...], "dv"
         return chunked_cross_entropy(y, w, targets, layout=layout, chunk=self.execution.loss_chunk,
-                                     vocab_chunk=self.execution.loss_vocab_chunk)
+                                     vocab_chunk=self.execution.loss_vocab_chunk,
+                                     softcap=self.cfg.final_logit_softcapping)
 
 
 def make_stages(cfg: ModelConfig, seed: int, execution: Execution = Execution()):
@@ -349,4 +451,4 @@ def make_block(cfg: ModelConfig, seed: int, layer: int,
     """Layer `layer`'s block; each layer's init depends only on (seed, layer), so layers can be
     built one at a time on the host without materialising the whole stack."""
     return Block(cfg, rngs=nnx.Rngs(params=jax.random.fold_in(jax.random.key(seed), layer)),
-                 execution=execution)
+                 execution=execution, layer=layer)

@@ -65,6 +65,42 @@ MACHINES = {
 }
 
 
+# bf16 dense tensor-core peak (no sparsity) from the datasheets, TFLOPS, by device_kind substring
+# (as JAX reports it, e.g. "NVIDIA H100 80GB HBM3"): the first match wins, so "GH200" precedes
+# "H200" and the H100 PCIe and NVL parts precede "H100" (SXM).
+PEAK_BF16_TFLOPS = (("GH200", 989.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0),
+                    ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("A10G", 70.0),
+                    ("L4", 121.0), ("TPU v4", 275.0), ("TPU v5 lite", 197.0), ("TPU v5", 459.0),
+                    ("TPU v6 lite", 918.0))
+
+
+def peak_bf16_tflops(device_kind: str) -> float | None:
+    """The datasheet bf16 dense peak of a device kind (PEAK_BF16_TFLOPS), or None if unknown."""
+    kind = device_kind.upper()
+    return next((v for k, v in PEAK_BF16_TFLOPS if k.upper() in kind), None)
+
+
+def visible_keys(model: ModelConfig, seq_len: int, sliding: bool = True) -> float:
+    """The mean number of keys a query attends to in a causal sequence of seq_len tokens, in a
+    layer with the model's sliding window (sliding=False: a full-attention layer of
+    model.layer_types): (T + 1) / 2 without one."""
+    window = min((model.sliding_window if sliding else 0) or seq_len, seq_len)
+    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
+
+
+def flops_per_token(model: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs of one training token (forward and backward, the recompute not counted): 6 per
+    matmul parameter (the input embedding is a lookup and does not count; the output projection
+    does), plus causal attention's QK^T and PV, 4 * heads * head_dim per visible key and layer
+    forward, twice that backward. The numerator of MFU."""
+    # a mixture of experts counts its routed experts only
+    matmul = (model.num_active_params(include_embeddings=False)
+              + model.hidden_size * model.vocab_size)
+    kinds = model.layer_types or ("sliding_attention",) * model.num_layers  # windowed if any
+    visible = sum(visible_keys(model, seq_len, sliding=k == "sliding_attention") for k in kinds)
+    return 6 * matmul + 12 * model.num_heads * model.head_size * visible
+
+
 def _total_ram_gb() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
 
@@ -84,8 +120,8 @@ def machine_from_device(device=None, *, host_memory_gb=None) -> Machine:
     key = next((k for k in ("gh200", "h200", "h100") if k.upper() in kind.upper()), None)
     preset = MACHINES[key or "h100"]
     name = f"local {kind}" + ("" if key else f" (throughput of the {preset.name} assumed)")
-    return Machine(name, limit / GB, host, preset.bf16_tflops, preset.host_device_gbps,
-                   platform=device.platform)
+    return Machine(name, limit / GB, host, peak_bf16_tflops(kind) or preset.bf16_tflops,
+                   preset.host_device_gbps, platform=device.platform)
 
 
 # -----------------------------------------------------------------------------
@@ -262,9 +298,9 @@ def _tokens_to_hide(model: ModelConfig, counts: _Counts, seq: int, machine: Mach
     0: nothing crosses a bus; -1: no number of tokens hides them."""
     if not counts.accelerator:
         return 0
-    window = model.sliding_window or seq
-    visible = (min(window, seq) * (min(window, seq) + 1) / 2 + max(seq - window, 0) * window) / seq
-    attention = 4 * model.num_heads * model.head_size * visible
+    # The cheapest layer binds: a sliding one, unless model.layer_types makes every layer full.
+    slides = not model.layer_types or "sliding_attention" in model.layer_types
+    attention = 4 * model.num_heads * model.head_size * visible_keys(model, seq, sliding=slides)
     flops_per_byte = machine.bf16_tflops * 1e12 * ASSUMED_MFU / (machine.host_device_gbps * 1e9)
     act = counts.hidden * counts.compute if offload else 0  # bytes per token
     forward = 2 * counts.active_layer + attention

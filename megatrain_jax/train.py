@@ -4,6 +4,7 @@ scripts/train.py and `megatrain train` (megatrain_jax.commands) are a thin CLI o
 """
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -13,15 +14,18 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import yaml
 
-from megatrain_jax import attention, checkpoint
+from megatrain_jax import advice, attention, chat, checkpoint
 from megatrain_jax import data as data_lib
 from megatrain_jax import hf
 from megatrain_jax import hostmem
 from megatrain_jax import moe
+from megatrain_jax import metrics_log
 from megatrain_jax import plan as plan_lib
+from megatrain_jax import progress
 from megatrain_jax.config import Config, ConfigError, resume_changes, to_dict
 from megatrain_jax.engine import StreamedEngine
 from megatrain_jax.model import Execution, make_block, make_stages
@@ -136,13 +140,17 @@ def load_dataset(cfg: Config) -> data_lib.PackedDataset:
 
 
 def load_data(cfg: Config) -> tuple:
-    """(the training PackedDataset, the held-out eval batches: a list of (inputs, targets,
-    context), or None when neither data.eval_path nor data.eval_fraction is set)."""
+    """(the training PackedDataset, or chat.SFTDataset for data.format=sft, the held-out eval
+    batches: a list of (inputs, targets, context), or None when neither data.eval_path nor
+    data.eval_fraction is set)."""
     d = cfg.data
     tokenizer = data_lib.load_tokenizer(d.tokenizer, eos_token=d.eos_token or None)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
                           f"tokenizer's ({tokenizer.vocab_size}, data.tokenizer={d.tokenizer})")
+    if d.format == "sft":  # contexts from the conversations' boundaries, not from EOS
+        return chat.load_sft(d, tokenizer, vocab_size=cfg.model.vocab_size, seed=cfg.train.seed,
+                             num_eval_batches=cfg.train.eval_batches)
     load = lambda path: data_lib.load_tokens(path, tokenizer, vocab_size=cfg.model.vocab_size,
                                              text_field=d.text_field, token_dtype=d.token_dtype)
     tokens = load(d.path)
@@ -158,7 +166,7 @@ def load_data(cfg: Config) -> tuple:
         what = f"data.eval_path={d.eval_path}"
     dataset = data_lib.PackedDataset(tokens, seq_len=d.seq_len, batch_size=d.batch_size,
                                      seed=cfg.train.seed, num_micro_batches=d.micro_batches,
-                                     eos_id=tokenizer.eos_id)
+                                     eos_id=tokenizer.eos_id, document_mask=d.document_mask)
     if held_out is None:
         return dataset, None
     batches = data_lib.eval_batches(held_out, seq_len=d.seq_len, batch_size=d.batch_size,
@@ -270,13 +278,18 @@ def resume_point(cfg: Config, log=print) -> int | None:
     return step
 
 
-def train(cfg: Config, *, log=print) -> list[dict]:
+def train(cfg: Config, *, log=print, console=None) -> list[dict]:
     """Trains up to cfg.train.steps (the total) steps; returns the per-step metrics it logged.
+
+    `log` takes the run's lines: a line per `train.log_every` steps (progress.line), evaluations,
+    checkpoints. `console`, a rich Console, adds a live progress bar under them (the command line
+    passes one when stdout is a terminal).
 
     Resumes from the latest complete checkpoint in `<run_dir>/checkpoints` (or the step
     `checkpoint.resume_step`) when there is one. Saves every `checkpoint.every` steps, at the last
     step, and on SIGTERM/SIGINT (then returns early). Holds `<run_dir>/train.lock` throughout."""
     dataset, eval_set = load_data(cfg)  # validate all inputs before anything is written
+    metrics_log.check(cfg)
     try:  # freed layer-sized buffers go back to the kernel: ~22 -> ~14 B/param of RSS, see
         hostmem.set_mmap_threshold(1 << 20)  # docs/benchmarks.md "Host memory per parameter"
     except OSError:  # not glibc: nothing to tune
@@ -285,7 +298,7 @@ def train(cfg: Config, *, log=print) -> list[dict]:
     prepare_run_dir(cfg.run_dir)
     try:
         with RunLock(cfg.run_dir, log=log):
-            return _train_locked(cfg, dataset, eval_set, log)
+            return _train_locked(cfg, dataset, eval_set, log, console)
     except BaseException:
         if created:  # refused before writing anything (a first step out of memory too): no trace
             for directory in (os.path.join(cfg.run_dir, "checkpoints"), cfg.run_dir):
@@ -308,7 +321,21 @@ def _out_of_memory_line(e: BaseException, step: int, run_plan) -> str:
             f"train.offload_activations=true (python scripts/plan.py shows what fits)")
 
 
-def _train_locked(cfg: Config, dataset, eval_set, log) -> list[dict]:
+def _peak_flops(cfg: Config, device) -> tuple[float | None, str]:
+    """(the bf16 dense peak FLOP/s that MFU is measured against, or None, and where it is from)."""
+    if cfg.logging.peak_tflops:
+        return (cfg.logging.peak_tflops * 1e12,
+                f"MFU against logging.peak_tflops={cfg.logging.peak_tflops:g}")
+    tflops = plan_lib.peak_bf16_tflops(device.device_kind)
+    if tflops is None:
+        return None, f"no MFU: {device.device_kind} has no known peak (set logging.peak_tflops)"
+    return tflops * 1e12, f"MFU against {tflops:g} bf16 TFLOPS ({device.device_kind})"
+
+
+ADVICE_AFTER = 3  # steps into a run: the first compiles, the next two are measured
+
+
+def _train_locked(cfg: Config, dataset, eval_set, log, console) -> list[dict]:
     resume_step = resume_point(cfg, log)
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
     if os.path.isdir(ckpt_dir):  # else run_dir was just checked; make_manager creates it
@@ -330,9 +357,13 @@ def _train_locked(cfg: Config, dataset, eval_set, log) -> list[dict]:
         start = meta["step"]
 
     log(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
+    peak_flops, peak_source = _peak_flops(cfg, engine.compute_device)
     log(f"model: {cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.num_layers} layers | "
-        f"{dataset.tokens_per_batch} tokens/step | compute {jax.devices()[0].platform}")
+        f"{dataset.tokens_per_batch} tokens/step | compute {engine.compute_device.platform} | "
+        f"{peak_source}")
     log(run_plan.summary())
+    if cfg.data.format == "sft":  # what was truncated, skipped and packed: never silent
+        log(dataset.summary)
     if eval_set:
         when = (f"every {cfg.train.eval_every} steps and at the end" if cfg.train.eval_every
                 else "at the end")
@@ -342,13 +373,21 @@ def _train_locked(cfg: Config, dataset, eval_set, log) -> list[dict]:
         log(f"resumed from checkpoint step {start} ({manager.directory})")
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     history, bad_steps = [], 0
+    with jax.default_device(jax.devices("cpu")[0]):  # each step's learning rate, for the log
+        lrs = np.asarray(build_schedule(cfg.optimizer, cfg.train.steps)(np.arange(cfg.train.steps)))
+    meter = progress.Meter(total_steps=cfg.train.steps, start_step=start,
+                           tokens_per_step=dataset.tokens_per_batch,
+                           flops_per_token=plan_lib.flops_per_token(cfg.model, cfg.data.seq_len),
+                           peak_flops=peak_flops, device=engine.compute_device)
     with _StopSignals() as stop, contextlib.ExitStack() as files:
+        live = None
+        if console is not None and console.is_terminal and start < cfg.train.steps:
+            live = files.enter_context(progress.LiveDisplay(
+                console, total_steps=cfg.train.steps, start_step=start))
         metrics_file = None
         for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
-            inputs, targets = dataset.next_batch()
-            context = (data_lib.document_context(inputs, dataset.eos_id)
-                       if cfg.data.document_mask else None)
+            inputs, targets, context = dataset.next_batch_with_context()
             try:
                 out = engine.train_step(inputs, targets, context)
                 loss, grad_norm = float(out["loss"]), float(out["grad_norm"])  # the sync point
@@ -357,12 +396,19 @@ def _train_locked(cfg: Config, dataset, eval_set, log) -> list[dict]:
                     raise ConfigError(_out_of_memory_line(e, step, run_plan)) from None
                 raise
             dt = time.perf_counter() - t0
+            if step == start + 1:  # after the compiling step: advice measures the next ones
+                counted, timed = dataclasses.replace(engine.counters), []
+            elif step <= start + ADVICE_AFTER:
+                timed.append(dt)
             if metrics_file is None:  # the first step ran: now the run writes its files
                 _write_config(cfg)
                 _keep_metrics_through(metrics_path, start)
                 metrics_file = files.enter_context(open(metrics_path, "a"))
+                sinks = metrics_log.Sinks.open(cfg, start, log)  # TensorBoard, W&B
+                files.callback(sinks.close)
             record = {"step": step, "loss": loss, "grad_norm": grad_norm,
-                      "tokens_per_sec": dataset.tokens_per_batch / dt, "step_time_s": dt}
+                      "tokens_per_sec": dataset.tokens_per_batch / dt, "step_time_s": dt,
+                      "lr": float(lrs[step - 1])}
             if "aux_loss" in out:  # a mixture of experts' load balancing, included in loss
                 record["aux_loss"] = float(out["aux_loss"])
             bad_steps = 0 if math.isfinite(grad_norm) else bad_steps + 1
@@ -375,9 +421,13 @@ def _train_locked(cfg: Config, dataset, eval_set, log) -> list[dict]:
                 eval_loss = evaluate(engine, eval_set)
                 record["eval_loss"] = eval_loss
                 record["eval_ppl"] = math.exp(eval_loss) if eval_loss < 700 else math.inf
+            record.update(meter.measure(step, loss, dt))
+            if live is not None:
+                live.update(record)
             history.append(record)
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
+            sinks.write(record)
             if bad_steps:
                 where = ", ".join(map(str, engine.nonfinite_units())) or "the loss"
                 log(f"step {step:5d} | non-finite gradient (in {where}): skipped, weights and "
@@ -390,9 +440,10 @@ def _train_locked(cfg: Config, dataset, eval_set, log) -> list[dict]:
                         f"{where}); no update and no checkpoint was made from them; lower "
                         f"optimizer.learning_rate or check the data")
             elif step % cfg.train.log_every == 0 or step == cfg.train.steps:
-                aux = f" (aux {record['aux_loss']:.4f})" if "aux_loss" in record else ""
-                log(f"step {step:5d} | loss {loss:.4f}{aux} | grad norm {grad_norm:.3f} | "
-                    f"{record['tokens_per_sec']:,.0f} tok/s | {dt * 1000:.0f} ms")
+                log(progress.line(record, total_steps=cfg.train.steps))
+            if step == start + ADVICE_AFTER:
+                for line in advice.for_run(cfg, engine, run_plan.machine, counted, timed):
+                    log(line)
             if evaluating:
                 log(f"step {step:5d} | eval loss {record['eval_loss']:.4f} | "
                     f"ppl {record['eval_ppl']:.2f}")

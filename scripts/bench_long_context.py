@@ -187,15 +187,10 @@ def bench(args):
 
 
 def model_flops(cfg) -> float:
-    """Training FLOPs per token: 6 per matmul parameter (the input embedding is a lookup, the
-    output projection counts), plus causal attention's QK^T and PV: 4 * N * H per visible key and
-    layer forward, twice that backward; on average (T + 1) / 2 keys are visible (fewer with a
-    sliding window)."""
-    m, T = cfg.model, cfg.data.seq_len
-    window = min(m.sliding_window or T, T)
-    visible = (window * (window + 1) / 2 + (T - window) * window) / T
-    matmul = m.num_params(include_embeddings=False) + m.hidden_size * m.vocab_size
-    return 6 * matmul + 12 * m.num_layers * m.num_heads * m.head_size * visible
+    """Training FLOPs per token (megatrain_jax.plan.flops_per_token: 6 per matmul parameter plus
+    causal attention)."""
+    from megatrain_jax.plan import flops_per_token
+    return flops_per_token(cfg.model, cfg.data.seq_len)
 
 
 def _to_dict(cfg):

@@ -60,6 +60,7 @@ CASES = {
     "window_1": dict(T=32, N=4, K=2, block_size=8, window=1),
     "window_5": dict(T=32, N=4, K=2, block_size=8, window=5),  # not a multiple of the block
     "window_segments": dict(T=37, N=4, K=2, block_size=8, window=11, segments=True),
+    "window_scale": dict(T=32, N=4, K=2, block_size=8, window=5, scale=0.2),  # Gemma's query scale
 }
 
 
@@ -70,7 +71,7 @@ def test_blockwise_matches_reference(name):
     window = case.get("window", 0)
     q, k, v, r = _qkvr(2, T, N, K, 16)
     seg = _segments(2, T, seed=T) if case.get("segments") else None
-    masks = dict(segment_ids=seg, window=window)
+    masks = dict(segment_ids=seg, window=window, scale=case.get("scale"))
     blockwise = functools.partial(blockwise_attention, **masks, block_size=block_size)
     out, grads = _out_and_grads(blockwise, q, k, v, r)
     ref_out, ref_grads = _out_and_grads(functools.partial(reference_attention, **masks), q, k, v, r)

@@ -3,13 +3,21 @@ bench_long_context.py: each runs end to end and prints its table; bench.py, benc
 bench_long_context.py write well-formed JSON whose figures are consistent. (The figures themselves
 are GPU work: docs/benchmarks.md.)"""
 
+import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
 
+from megatrain_jax import step_time
+from megatrain_jax.config import load_config
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location(
+    "results_tables", os.path.join(ROOT, "scripts", "results_tables.py"))
+tables = importlib.util.module_from_spec(_spec)  # each JSON also renders as its docs table
+_spec.loader.exec_module(tables)
 
 
 def run(script, *args):
@@ -26,9 +34,10 @@ def test_bench_one_step_table_and_json(tmp_path):
     out = tmp_path / "bench.json"
     # warmup_steps=0: the learning rate is non-zero from step 1, so the baselines' losses can only
     # match the engine's if they really apply the same updates.
+    overrides = ["model.num_layers=2", "data.seq_len=32", "data.batch_size=2",
+                 "data.micro_batches=2", "optimizer.warmup_steps=0"]
     proc = run("bench.py", "--config", "configs/tiny.yaml", "--steps", "1", "--warmup", "1",
-               "--json", str(out), "model.num_layers=2", "data.seq_len=32", "data.batch_size=2",
-               "data.micro_batches=2", "optimizer.warmup_steps=0")
+               "--json", str(out), *overrides)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for label in ("tokens/s", "model TFLOP/s", "MFU vs measured matmul", "H2D GB/s", "D2H GB/s",
                   "device busy", "host update", "exposed", "device peak GB", "host RSS GB",
@@ -55,6 +64,15 @@ def test_bench_one_step_table_and_json(tmp_path):
         assert positive(b["tokens_per_s"]), name
         assert math.isclose(s[f"throughput_vs_{name}"], s["tokens_per_s"] / b["tokens_per_s"])
         assert b["loss_max_rel_diff_vs_streamed"] < 1e-4, name  # same model, same updates (fp32)
+    # the step-time model reads the device rate from it: executed FLOPs / resident compute time
+    shape = step_time.step_shape(load_config("configs/tiny.yaml", overrides), offload=False)
+    rates, sources, bench = step_time.measured_rates(str(out), shape)
+    assert bench == r and "resident compute" in sources["device_tflops"]
+    assert math.isclose(rates.device_tflops, step_time.executed_flops(shape)
+                        / s["resident_compute_s_per_step"] / 1e12)
+    row = tables.train_rows([("bench.json", r)])[2]
+    assert row.startswith("| bench.json | configs/tiny.yaml | 128 | ")
+    assert f"| {s['throughput_vs_resident']:.2f}x |" in row
 
 
 def test_bench_rejects_bad_arguments(tmp_path):
@@ -88,6 +106,12 @@ def test_bench_transfer_tiny_buffer(tmp_path):
     probe = r["pinned_pool_probe"]
     assert probe["default"]["allocated_gb"] >= 0.01 and probe["default"]["error"] is None
     assert probe["raised"]["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == 16
+    rates, sources, _ = step_time.measured_rates(str(out))  # the engine's own paths
+    assert (rates.h2d_gbps, rates.d2h_gbps) == (paths["pinned_host -> device"]["gb_per_s"],
+                                                paths["device -> cpu backend"]["gb_per_s"])
+    assert math.isclose(rates.dispatch_us, r["small_d2h"]["tiny_op_ms"] * 1e3)
+    rendered = "\n".join(tables.transfer_rows([("transfer.json", r)]))
+    assert "| pinned_host -> device | " in rendered and "0.004 GB buffer" in rendered
 
 
 def test_bench_optimizer_tiny():
@@ -123,11 +147,6 @@ def test_bench_long_context_tiny(tmp_path):
     est = r["dense_estimate"]
     for fn in ("block_bwd", "head"):  # the dense path needs more: T x T scores, T x V logits
         assert 0 < est["long_context"][fn]["temp_bytes"] < est["dense"][fn]["temp_bytes"], fn
+    row = tables.long_context_rows([("long.json", r)])[2]
+    assert row.startswith("| long.json | 256 | blockwise | ")
 
-
-def test_gpu_checklist_script_parses_and_refuses_an_unknown_part(tmp_path):
-    script = os.path.join(ROOT, "scripts", "gpu_checklist.sh")
-    assert subprocess.run(["bash", "-n", script]).returncode == 0
-    proc = subprocess.run(["bash", script, "9"], capture_output=True, text=True, cwd=ROOT,
-                          env=dict(os.environ, OUT=str(tmp_path)))
-    assert proc.returncode == 2 and "unknown part 9" in proc.stderr

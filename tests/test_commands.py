@@ -21,12 +21,13 @@ def megatrain(*args, cwd=ROOT):
 def test_help_lists_the_commands():
     proc = megatrain("--help")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("usage: python -m megatrain_jax {train,plan,export}")
-    for name in ("train", "plan", "export"):
+    assert proc.stdout.startswith("usage: python -m megatrain_jax {train,plan,export,plot}")
+    for name in ("train", "plan", "export", "plot"):
         assert f"\n  {name} " in proc.stdout
     for name, options in [("train", ["--config", "key=value"]),
                           ("plan", ["--config", "--device", "--sweep", "--json"]),
-                          ("export", ["--run-dir", "--out", "--step", "--dtype", "--shard-size"])]:
+                          ("export", ["--run-dir", "--out", "--step", "--dtype", "--shard-size"]),
+                          ("plot", ["RUN_DIR", "--out"])]:
         sub = megatrain(name, "--help")
         assert sub.returncode == 0, sub.stderr
         assert sub.stdout.startswith(f"usage: python -m megatrain_jax {name} ")
@@ -38,7 +39,7 @@ def test_unknown_or_missing_command_is_exit_2():
     proc = megatrain("trian", "--config", "configs/tiny.yaml")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == ("error: unknown command 'trian' (did you mean train?); expected "
-                                   "one of train, plan, export (`python -m megatrain_jax --help`)")
+                                   "one of train, plan, export, plot (`python -m megatrain_jax --help`)")
     nothing = megatrain()
     assert nothing.returncode == 2 and nothing.stderr.startswith("usage: ")
     # A bad option of a command is one line too.

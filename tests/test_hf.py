@@ -362,7 +362,8 @@ def test_export_older_step_in_one_bf16_file(run_dir, tmp_path):
     path, _, _ = run_dir
     out = str(tmp_path / "bf16")
     assert export("--run-dir", path, "--out", out, "--step", "1", "--dtype", "bfloat16") == 0
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]  # one shard: no index
+    # one shard: no index; the source's generation_config.json (save_pretrained writes one)
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     for name, p in model.named_parameters():  # step 1 holds zeros
         assert p.dtype == torch.bfloat16 and not p.float().any(), name
@@ -454,7 +455,7 @@ BAD_DIRS = {"missing config.json": re.escape("config.json not found"),
             "unsupported architecture": re.escape(
                 "unsupported architecture GPT2LMHeadModel (supported: LlamaForCausalLM, "
                 "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, "
-                "MixtralForCausalLM, Qwen3MoeForCausalLM)"),
+                "Gemma3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM)"),
             "qwen3 attention_bias": re.escape("config.json: attention_bias=true is not supported"),
             "phi3 partial_rotary_factor": re.escape(
                 "config.json: partial_rotary_factor 0.5 is not supported (only 1.0)"),
@@ -531,3 +532,51 @@ def test_finetune_from_hf_on_jsonl_starts_at_the_hf_models_loss(hf_dirs, tmp_pat
     assert sorted(before) == sorted(after)
     assert all(np.isfinite(after[n]).all() for n in after)
     assert any(not np.allclose(before[n], after[n]) for n in after)  # the steps moved it
+
+
+def test_export_carries_the_tokenizer_so_both_auto_classes_load_it(hf_dirs, tmp_path):
+    """The source model's tokenizer files, generation config and chat template are copied: the
+    export loads with AutoTokenizer (the same ids, the same chat template) and with
+    AutoModelForCausalLM (the same weights: the checkpoint holds the import)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    source = str(tmp_path / "source")
+    shutil.copytree(hf_dirs["llama"][1], source)
+    words = [f"w{i}" for i in range(90)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["</s>", "<unk>", *words])},
+                                     unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>",
+                                                unk_token="<unk>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} </s> {% endfor %}"
+    fast.save_pretrained(source)
+    transformers.GenerationConfig(eos_token_id=0, max_new_tokens=7).save_pretrained(source)
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+            "generation_config.json"} <= set(os.listdir(source))
+    cfg, _, _, params = import_model(source)
+    units = [params["stages"], *params["layers"]]
+    state = {"stages": {"params": units[0], "opt_state": {}},
+             "layers": [{"params": u, "opt_state": {}} for u in units[1:]]}
+    save_checkpoint(str(tmp_path / "run"), cfg, state, 2)
+    out = str(tmp_path / "out")
+    lines = []
+    hf.export_checkpoint(str(tmp_path / "run"), out, log=lines.append)
+    assert lines[-1].startswith("copied tokenizer.json, tokenizer_config.json, ") and source in lines[-1]
+    loaded = transformers.AutoTokenizer.from_pretrained(out)
+    text = "w3 w17 w89 w0"
+    assert loaded(text)["input_ids"] == fast(text)["input_ids"] == [5, 19, 91, 2]
+    messages = [{"role": "user", "content": "w1 w2"}]
+    assert (loaded.apply_chat_template(messages, tokenize=False)
+            == fast.apply_chat_template(messages, tokenize=False) == "w1 w2 </s> ")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert model.generation_config.max_new_tokens == 7
+    expected = torch_params(hf_dirs["llama"][0])
+    loaded_params = torch_params(model)
+    for name in expected:
+        np.testing.assert_array_equal(loaded_params[name], expected[name], err_msg=name)
+    # a run whose source directory is gone: the model alone, and a line saying so
+    shutil.rmtree(source)
+    hf.export_checkpoint(str(tmp_path / "run"), str(tmp_path / "out2"), log=lines.append)
+    assert lines[-1].startswith(f"no tokenizer files copied: model.from_hf={source} of the run "
+                                f"is not there")
+    assert sorted(os.listdir(tmp_path / "out2")) == ["config.json", "model.safetensors"]

@@ -21,9 +21,11 @@ def _inputs(seed, lead, v, layout, dtype=jnp.float32, ignore_frac=0.25):
     return jnp.asarray(y, dtype), jnp.asarray(w, dtype), jnp.asarray(t)
 
 
-def _dense(y, w, t, layout="dv"):
+def _dense(y, w, t, layout="dv", softcap=0.0):
     spec = "...d,dv->...v" if layout == "dv" else "...d,vd->...v"
     logits = jnp.einsum(spec, y, w, preferred_element_type=jnp.float32)
+    if softcap:  # differentiated by autodiff here, by the custom backward there
+        logits = softcap * jnp.tanh(logits / softcap)
     valid = t != IGNORE_ID
     per_tok = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(valid, t, 0))
     return jnp.where(valid, per_tok, 0.0).sum(), valid.sum().astype(jnp.float32)
@@ -45,7 +47,8 @@ def _both(y, w, t, fn_args):
     kwargs = dict(fn_args)
     chunked = _mean_and_grads(lambda y, w, t: chunked_cross_entropy(y, w, t, **kwargs), y, w, t)
     y32, w32 = y.astype(jnp.float32), w.astype(jnp.float32)
-    dense = _mean_and_grads(lambda y, w, t: _dense(y, w, t, kwargs["layout"]), y32, w32, t)
+    dense = _mean_and_grads(lambda y, w, t: _dense(y, w, t, kwargs["layout"],
+                                                   kwargs.get("softcap", 0.0)), y32, w32, t)
     return chunked, dense
 
 
@@ -57,12 +60,15 @@ def _assert_close(a, b, rtol):
 
 # V = 100 is not a multiple of any vocab_chunk below; N = 3 * 7 = 21 pads up to a multiple of chunk
 # (or fits in one, chunk 64).
+# softcap 2: Gemma's final-logit soft-capping, on logits of standard deviation ~3.
 @pytest.mark.parametrize(
-    "layout,chunk,vocab_chunk", [("dv", 8, 0), ("vd", 64, 0), ("dv", 5, 32), ("vd", 8, 7)]
+    "layout,chunk,vocab_chunk,softcap",
+    [("dv", 8, 0, 0.0), ("vd", 64, 0, 0.0), ("dv", 5, 32, 0.0), ("vd", 8, 7, 0.0), ("vd", 5, 32, 2.0)]
 )
-def test_matches_optax(layout, chunk, vocab_chunk):
+def test_matches_optax(layout, chunk, vocab_chunk, softcap):
     y, w, t = _inputs(0, (3, 7), 100, layout)
-    kwargs = (("layout", layout), ("chunk", chunk), ("vocab_chunk", vocab_chunk))
+    kwargs = (("layout", layout), ("chunk", chunk), ("vocab_chunk", vocab_chunk),
+              ("softcap", softcap))
     ((m, (s, c)), (dy, dw)), ((m_ref, (s_ref, c_ref)), (dy_ref, dw_ref)) = _both(y, w, t, kwargs)
 
     assert s.dtype == c.dtype == jnp.float32 and s.shape == c.shape == ()

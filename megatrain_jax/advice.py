@@ -1,0 +1,136 @@
+"""Advice from what a run measured: what bounds its steps, and the config change that would help
+most, with its predicted effect.
+
+    before = dataclasses.replace(engine.counters)          # after the first (compiling) step
+    ... two more steps ...
+    measured = Measured.between(before, engine.counters, steps=2, step_s=mean_step_s,
+                                memory=progress.device_memory(device))
+    for line in advise(measured, machine=..., flops_per_step=..., micro_batches=...,
+                       compute_dtype=..., plan_for=lambda m: (fits, device_peak)):
+        print(line)
+
+A step has three costs: device compute (grows with the tokens of a step), the weight and gradient
+transfers over the bus (fixed per step: each layer's weights cross twice, its gradient once,
+whatever the micro-batches), and the host's optimizer update (fixed per step; it overlaps the next
+step's forward, and what it does not hide the step waits for: `Counters.host_wait_s`). Fixed costs
+are hidden by more tokens per step, i.e. more micro-batches, as long as they fit in device memory.
+A pure function of the numbers it is given: tests/test_advice.py feeds it hand-made counters.
+"""
+
+import dataclasses
+from typing import Callable
+
+from megatrain_jax import plan as plan_lib
+from megatrain_jax import progress
+from megatrain_jax.plan import ASSUMED_MFU, GB, Machine, format_bytes
+
+HOST_BOUND = 0.25  # the step waits this share of its time for the host update or more
+MAX_FACTOR = 64  # the most micro-batches advice multiplies by
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """Per step, over a few steps after the first (which compiles)."""
+    step_s: float  # wall time of a step
+    host_wait_s: float  # the step waited for host updates (the exposed part)
+    host_update_s: float  # the host thread's time on updates
+    bus_bytes: float  # weights to the device, gradients back
+    device_peak_bytes: int | None = None  # device.memory_stats(); None on a CPU
+    device_limit_bytes: int | None = None
+
+    @classmethod
+    def between(cls, before, after, *, steps: int, step_s: float, memory: dict) -> "Measured":
+        """From two snapshots of engine.counters `steps` steps apart."""
+        per = lambda name: (getattr(after, name) - getattr(before, name)) / steps
+        return cls(step_s=step_s, host_wait_s=per("host_wait_s"),
+                   host_update_s=per("host_update_s"),
+                   bus_bytes=per("bytes_h2d") + per("bytes_d2h"),
+                   device_peak_bytes=memory.get("device_peak_bytes"),
+                   device_limit_bytes=memory.get("device_bytes_limit"))
+
+
+def advise(m: Measured, *, machine: Machine, flops_per_step: float, micro_batches: int,
+           compute_dtype: str = "bfloat16",
+           plan_for: Callable[[int], tuple[bool, int]] | None = None) -> list[str]:
+    """One or two lines: what bounds the step (with the figures), then the change that would help
+    most and its predicted effect. plan_for(micro_batches) -> (fits, predicted device peak bytes)
+    says whether a larger data.micro_batches fits (the memory plan)."""
+    on_bus = not machine.compute_on_host and machine.host_device_gbps > 0
+    transfers_s = m.bus_bytes / (machine.host_device_gbps * GB) if on_bus else 0.0
+    device_s = max(m.step_s - m.host_wait_s, 0.0)
+    if machine.bf16_tflops:  # at the assumed MFU, and never more than the device side took
+        compute_s = min(flops_per_step / (machine.bf16_tflops * 1e12 * ASSUMED_MFU), device_s)
+    else:  # what the transfers do not explain
+        compute_s = max(device_s - transfers_s, 0.0)
+    memory = ""
+    if m.device_peak_bytes and m.device_limit_bytes:
+        used = m.device_peak_bytes / m.device_limit_bytes
+        memory = (f"; device memory {used:.0%} used (peak {format_bytes(m.device_peak_bytes)} of "
+                  f"{format_bytes(m.device_limit_bytes)})")
+
+    if m.host_wait_s >= HOST_BOUND * m.step_s:
+        bound, fixed = "the host update", m.host_update_s
+        why = (f"each step waits {m.host_wait_s:.3g} s of its {m.step_s:.3g} s for the optimizer "
+               f"update on the host ({m.host_update_s:.3g} s of host time)")
+    elif transfers_s > compute_s:
+        bound, fixed = "transfers", transfers_s
+        why = (f"{format_bytes(m.bus_bytes)} cross the bus per step, ~{transfers_s:.3g} s at "
+               f"{machine.host_device_gbps:g} GB/s, against ~{compute_s:.3g} s of compute")
+    else:
+        bound, fixed = "device compute", 0.0
+        why = f"~{compute_s:.3g} s of the {m.step_s:.3g} s step computes"
+    lines = [f"advice: steps are bound by {bound}: {why}{memory}"]
+
+    if bound == "device compute":
+        if compute_dtype == "float32" and machine.platform == "gpu":
+            lines.append("advice: train.compute_dtype=bfloat16 would compute at the tensor cores' "
+                         "bf16 rate (several times float32's), at bf16's precision")
+        elif m.device_peak_bytes and m.device_limit_bytes and (
+                m.device_peak_bytes > 0.9 * m.device_limit_bytes):
+            lines.append("advice: the device is nearly full: train.offload_activations=true or a "
+                         "smaller train.tile_size leaves room for longer sequences")
+        return lines
+
+    # A fixed cost per step: more micro-batches add compute that hides it.
+    overhead = max(m.step_s - compute_s, 0.0)  # what is not compute, now
+    factor = 1
+    while factor < MAX_FACTOR and factor * compute_s < fixed:
+        factor *= 2
+    while factor > 1 and plan_for is not None and not plan_for(micro_batches * factor)[0]:
+        factor //= 2
+    if factor == 1:
+        lines.append(f"advice: data.micro_batches={2 * micro_batches} would hide it but does not "
+                     f"fit; train.offload_activations=true makes room for more micro-batches"
+                     if bound == "transfers" else
+                     "advice: no larger data.micro_batches fits to hide it; the host update runs "
+                     "at the host's memory bandwidth (train.grad_dtype=bfloat16 moves less)")
+        return lines
+    new_step = m.step_s + max((factor - 1) * compute_s - overhead, 0.0)
+    gain = factor * m.step_s / new_step
+    fits = ""
+    if plan_for is not None:
+        fits = (f" (fits: a predicted device peak of "
+                f"{format_bytes(plan_for(micro_batches * factor)[1])})")
+    lines.append(f"advice: data.micro_batches={micro_batches * factor}{fits} "
+                 f"{'hides' if factor * compute_s >= fixed else 'shrinks'} it: {factor}x the "
+                 f"tokens per step for ~{new_step:.3g} s a step, up to {gain:.1f}x the tokens/s")
+    return lines
+
+
+def for_run(cfg, engine, machine: Machine, before, step_times: list) -> list[str]:
+    """advise() for a run of cfg: engine.counters against the snapshot `before`, taken
+    len(step_times) steps ago, and a larger data.micro_batches checked with the memory plan
+    (the micro-batch shape is unchanged, so the plan compiles nothing new)."""
+    measured = Measured.between(before, engine.counters, steps=len(step_times),
+                                step_s=sum(step_times) / len(step_times),
+                                memory=progress.device_memory(engine.compute_device))
+
+    def plan_for(micro_batches):
+        data = dataclasses.replace(cfg.data, micro_batches=micro_batches)
+        p = plan_lib.plan(dataclasses.replace(cfg, data=data), machine)
+        return p.fits, p.device_peak
+
+    tokens = cfg.data.micro_batches * cfg.data.batch_size * cfg.data.seq_len
+    return advise(measured, machine=machine, micro_batches=cfg.data.micro_batches,
+                  flops_per_step=plan_lib.flops_per_token(cfg.model, cfg.data.seq_len) * tokens,
+                  compute_dtype=cfg.train.compute_dtype, plan_for=plan_for)

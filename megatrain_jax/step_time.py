@@ -1,0 +1,440 @@
+"""Step-time prediction: a timeline simulation of streamed steps from component rates.
+
+    shape = step_shape(cfg, offload=False)
+    p = simulate(shape, Rates(h2d_gbps=55, d2h_gbps=55, device_tflops=989, host_update_gbps=26))
+    print(p.report())      # step time, tokens/s, MFU, which resource bounds the step
+
+The simulation replays the engine's schedule (engine/step.py, stream.py, host.py) on five
+resources, each doing one thing at a time in the order it was given work:
+
+  dispatch     the Python thread: every jitted call or device_put costs `dispatch_us`, and it
+               blocks where the engine blocks: a fetch waits for the unit's host update
+               (`HostState.bus`); LayerStream waits, before fetching layer pos + prefetch and
+               dispatching layer pos, until layer pos - 1's outputs are done (in the backward
+               that includes its gradient's arrival on the host, and the head's); the bench
+               reads each step's loss (the device queue drains).
+  h2d, d2h     the bus, each way: weights and offloaded activations in; gradients (in
+               train.grad_dtype) and offloaded activations out.
+  device       block forward (2 FLOPs / parameter / token + causal attention), block backward
+               (the block's recompute and its gradients: 6 / parameter / token + 3.5x the
+               forward's attention), the loss head (6 * vocab * hidden / token).
+  host update  the optimizer thread: one unit after another in the order the next forward needs
+               them (stages, layer 0, 1, ...), each after the global gradient norm, which needs
+               every unit's gradient on the host: the engine always waits for it (exact clipping,
+               and a non-finite norm must change nothing). The next step's fetch of a unit waits
+               for that unit's update.
+
+Several steps are simulated and the last one's period is the prediction (the steady state: the
+updates of one step overlap the next one's forward). "What bounds the step" is the critical path
+of that period: the chain of operations, each started by the one before it, that ends the step,
+with its time summed by resource. Rates are effective figures: `device_tflops` is what the
+engine's kernels reach (the datasheet peak is a lower bound on time); `host_update_gbps` counts
+the bytes one update touches, as scripts/bench_optimizer.py does (read and write params and optax
+state, read the gradient, write the bus copy).
+"""
+
+import dataclasses
+import glob
+import json
+import math
+import os
+
+GB = 1e9
+RESOURCES = ("dispatch", "h2d", "d2h", "device", "host update")
+
+# Defaults: an H100 SXM on PCIe 5.
+# - device: 989 TFLOP/s, the H100 SXM datasheet's dense bf16 tensor-core peak (no sparsity); an
+#   8192^3 bf16 matmul measured 769-798 TFLOP/s on the device tool's H100 (its KINDS.md).
+# - bus: ~55 GB/s each way, a typical measured pinned-memory copy on PCIe Gen5 x16 (63 GB/s on
+#   paper); the same figure as plan.MACHINES["h100"].
+# - host update: 25.9 GB/s, the engine's in-place AdamW update on the 2-core CPU box
+#   (docs/benchmarks.md, "Host optimizer", "in place, no clipping"); a 16-core host should do
+#   better: the GPU checklist measures it (scripts/bench_optimizer.py --cores 16).
+# - dispatch: 20 us per jitted call or device_put, an assumption (no figure measured yet): the
+#   checklist measures a tiny jitted op to completion (transfer.json, small_d2h.tiny_op_ms).
+DEFAULTS = {"h2d_gbps": 55.0, "d2h_gbps": 55.0, "device_tflops": 989.0, "host_update_gbps": 25.9,
+            "dispatch_us": 20.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """Component rates. GB = 1e9 bytes."""
+    h2d_gbps: float = DEFAULTS["h2d_gbps"]
+    d2h_gbps: float = DEFAULTS["d2h_gbps"]
+    device_tflops: float = DEFAULTS["device_tflops"]
+    host_update_gbps: float = DEFAULTS["host_update_gbps"]
+    dispatch_us: float = DEFAULTS["dispatch_us"]
+
+    def __post_init__(self):
+        for name, value in dataclasses.asdict(self).items():
+            if not value > 0 and not (name == "dispatch_us" and value == 0):
+                raise ValueError(f"rate {name} must be > 0, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """What one step moves and computes. Bytes and FLOPs; `*_flops` per micro-batch."""
+    layers: int
+    micro_batches: int
+    prefetch: int
+    tokens_per_step: int
+    first_bytes: int  # the first stage's weights (embedding), in the compute dtype
+    last_bytes: int  # the last stage's weights (final norm, head)
+    layer_bytes: int  # one block's weights
+    first_grad_bytes: int  # gradients to the host, in train.grad_dtype
+    last_grad_bytes: int
+    layer_grad_bytes: int
+    act_bytes: int  # one layer's saved inputs, all micro-batches, when offloaded (else 0)
+    layer_fwd_flops: float
+    layer_bwd_flops: float
+    head_flops: float  # the loss head's forward and backward
+    stages_update_bytes: int  # bytes the host update of the stages unit touches
+    layer_update_bytes: int  # of one layer's
+    model_flops: float  # useful FLOPs per step (for MFU): scripts/bench.py's count
+    updates_wait_for_norm: bool = True  # the engine's schedule. False: each unit's update is
+    # submitted as soon as its gradient is on the host, during the backward (no exact clipping,
+    # no non-finite check: not the engine's; a what-if for hiding the update)
+
+    @property
+    def h2d_bytes(self) -> int:
+        """Bytes into the device per step: each layer twice, the embedding twice, the head once,
+        offloaded activations back for the backward."""
+        return (2 * self.layers * self.layer_bytes + 2 * self.first_bytes + self.last_bytes
+                + self.layers * self.act_bytes)
+
+    @property
+    def d2h_bytes(self) -> int:
+        """Bytes out of the device per step: every unit's gradient, offloaded activations."""
+        return (self.layers * (self.layer_grad_bytes + self.act_bytes) + self.first_grad_bytes
+                + self.last_grad_bytes)
+
+
+@dataclasses.dataclass
+class Op:
+    resource: str
+    label: str
+    step: int
+    start: float
+    end: float
+    pred: "Op" = None  # the operation whose end this one waited for (None: time 0)
+
+
+@dataclasses.dataclass
+class Prediction:
+    shape: StepShape
+    rates: Rates
+    step_s: float
+    critical_s: dict  # resource -> seconds of the last step's critical path
+    busy_s: dict  # resource -> seconds busy in the last step's period
+    ops: list  # every operation of every simulated step
+
+    @property
+    def bound(self) -> str:
+        return max(self.critical_s, key=self.critical_s.get)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.shape.tokens_per_step / self.step_s
+
+    def mfu(self, peak_tflops: float) -> float:
+        return self.shape.model_flops / self.step_s / (peak_tflops * 1e12)
+
+    def to_dict(self) -> dict:
+        return {"step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "bound": self.bound,
+                "critical_path_s": self.critical_s, "busy_s": self.busy_s,
+                "rates": dataclasses.asdict(self.rates), "shape": dataclasses.asdict(self.shape)}
+
+    def report(self, peak_tflops: float = DEFAULTS["device_tflops"]) -> str:
+        r = self.rates
+        lines = [f"rates: bus {r.h2d_gbps:.3g} GB/s in, {r.d2h_gbps:.3g} GB/s out; device "
+                 f"{r.device_tflops:.4g} TFLOP/s; host update {r.host_update_gbps:.3g} GB/s; "
+                 f"dispatch {r.dispatch_us:.3g} us",
+                 f"predicted step: {self.step_s * 1e3:,.1f} ms, {self.tokens_per_s:,.0f} tokens/s, "
+                 f"MFU {self.mfu(peak_tflops):.1%} of {peak_tflops:g} TFLOP/s; bound by "
+                 f"{self.bound}",
+                 f"  {'resource':<12}{'critical path':>16}{'busy':>16}"]
+        for res in RESOURCES:
+            cells = [f"{x[res] * 1e3:>10.1f} ms {x[res] / self.step_s:>4.0%}"
+                     for x in (self.critical_s, self.busy_s)]
+            lines.append(f"  {res:<12}" + "".join(cells))
+        return "\n".join(lines)
+
+
+class _Timeline:
+    """Operations in program order on FIFO resources: an operation starts when its resource is
+    free and everything it waits for has ended; the Python thread's clock moves with each call."""
+
+    def __init__(self, rates: Rates):
+        self.rates = rates
+        self.last = {res: None for res in RESOURCES}  # the latest operation on each resource
+        self.ops = []
+        self.step = 0
+
+    def op(self, resource, label, seconds, after=()) -> Op:
+        deps = [o for o in (self.last[resource], *after) if o is not None]
+        pred = max(deps, key=lambda o: o.end, default=None)
+        start = pred.end if pred else 0.0
+        o = Op(resource, label, self.step, start, start + seconds, pred)
+        self.last[resource] = o
+        self.ops.append(o)
+        return o
+
+    def call(self, label, after=()) -> Op:
+        """One dispatch on the Python thread, after what it waits for."""
+        return self.op("dispatch", label, self.rates.dispatch_us * 1e-6, after)
+
+    def h2d(self, label, nbytes, after=()) -> Op:
+        d = self.call(label, after)
+        return self.op("h2d", label, nbytes / (self.rates.h2d_gbps * GB), [d])
+
+    def d2h(self, label, nbytes, after) -> Op:
+        d = self.call(label)
+        return self.op("d2h", label, nbytes / (self.rates.d2h_gbps * GB), [d, *after])
+
+    def compute(self, label, flops, after=()) -> Op:
+        d = self.call(label)
+        return self.op("device", label, flops / (self.rates.device_tflops * 1e12), [d, *after])
+
+    def update(self, label, nbytes, after) -> Op:
+        d = self.call(label)
+        return self.op("host update", label, nbytes / (self.rates.host_update_gbps * GB),
+                       [d, *after])
+
+
+def _stream(t: _Timeline, order, fetch, body, prefetch):
+    """LayerStream: fetches `prefetch` layers ahead; before fetching layer pos + prefetch and
+    running layer pos it waits until layer pos - 1's outputs are done."""
+    order = list(order)
+    in_flight = [fetch(i) for i in order[:prefetch]]
+    finished = None
+    for pos, layer in enumerate(order):
+        if finished is not None:
+            t.call(f"wait layer {order[pos - 1]}", after=finished)  # block_until_ready, then on
+        if pos + prefetch < len(order):
+            in_flight.append(fetch(order[pos + prefetch]))
+        finished = body(layer, in_flight.pop(0))
+
+
+def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
+    """One step; `updates[u]` is unit u's pending host update (None: none). Returns the step's
+    end: the Python thread after reading the loss. Replaces `updates` with this step's."""
+    M = s.micro_batches
+    for _ in range(2 * M):  # inputs and targets of each micro-batch
+        t.call("put batch")
+
+    def fetch(u, nbytes):  # HostState.bus waits for the unit's update, then the put
+        return t.h2d(f"fetch unit {u}", nbytes, after=[updates[u]] if updates[u] else [])
+
+    # embed
+    w = fetch(0, s.first_bytes)
+    for _ in range(M):
+        t.compute("embed", 0, [w])
+
+    # forward
+    def forward(i, w):
+        ys = [t.compute(f"forward {i}", s.layer_fwd_flops, [w]) for _ in range(M)]
+        saves = ([t.d2h(f"save activations {i}", s.act_bytes / M, [y]) for y in ys]
+                 if s.act_bytes else [])
+        return ys + saves
+
+    _stream(t, range(s.layers), lambda i: fetch(1 + i, s.layer_bytes), forward, s.prefetch)
+
+    # loss
+    w = fetch(0, s.last_bytes)
+    heads = [t.compute("loss head", s.head_flops, [w]) for _ in range(M)]
+    last_grads = t.d2h("head gradient", s.last_grad_bytes, [heads[-1]])
+
+    # backward
+    grads = {}
+
+    def fetch_back(i):
+        w = fetch(1 + i, s.layer_bytes)
+        acts = [t.h2d(f"load activations {i}", s.act_bytes / M)
+                for _ in range(M)] if s.act_bytes else []
+        return [w, *acts]
+
+    def backward(i, inputs):
+        dxs = [t.compute(f"backward {i}", s.layer_bwd_flops, inputs) for _ in range(M)]
+        t.compute(f"sum squares {i}", 0)
+        grads[1 + i] = t.d2h(f"gradient {i}", s.layer_grad_bytes, [dxs[-1]])
+        if not s.updates_wait_for_norm:  # submitted as soon as its gradient is on the host
+            updates[1 + i] = t.update(f"update unit {1 + i}", s.layer_update_bytes,
+                                      [grads[1 + i]])
+        return [dxs[-1], grads[1 + i], last_grads]
+
+    _stream(t, reversed(range(s.layers)), fetch_back, backward, s.prefetch)
+
+    # embed backward
+    w = fetch(0, s.first_bytes)
+    embed_bwd = [t.compute("embed backward", 0, [w]) for _ in range(M)]
+    grads[0] = t.d2h("embed gradient", s.first_grad_bytes, [embed_bwd[-1]])
+
+    # update, on the host thread. The norm (dispatched, computed on the host CPU device) needs
+    # every gradient on the host; it reads the stages' (the layers' sums of squares come from the
+    # device). Each update waits for it (the engine's schedule), or only for its own gradient.
+    norm = t.op("host update", "global norm",
+                (s.first_grad_bytes + s.last_grad_bytes) / (t.rates.host_update_gbps * GB),
+                [t.call("global norm"), last_grads, *grads.values()])
+    loss = t.compute("loss total", 0)
+    if s.updates_wait_for_norm:  # in the order the next forward needs them
+        for u in range(s.layers + 1):
+            nbytes = s.stages_update_bytes if u == 0 else s.layer_update_bytes
+            updates[u] = t.update(f"update unit {u}", nbytes, [norm])
+    else:
+        updates[0] = t.update("update unit 0", s.stages_update_bytes, [grads[0]])
+    return t.call("read loss", after=[loss])  # the bench's float(loss): the step's sync point
+
+
+def simulate(shape: StepShape, rates: Rates, steps: int = 4) -> Prediction:
+    """Runs `steps` steps back to back; the prediction is the last one's period."""
+    t = _Timeline(rates)
+    updates = [None] * (shape.layers + 1)
+    ends = []
+    for k in range(steps):
+        t.step = k
+        ends.append(_step(t, shape, updates))
+    begin, end = ends[-2].end, ends[-1].end
+    critical = dict.fromkeys(RESOURCES, 0.0)
+    op = ends[-1]
+    while op is not None and op.end > begin:
+        critical[op.resource] += op.end - max(op.start, begin)
+        op = op.pred
+    busy = dict.fromkeys(RESOURCES, 0.0)
+    for o in t.ops:
+        busy[o.resource] += max(0.0, min(o.end, end) - max(o.start, begin))
+    return Prediction(shape, rates, end - begin, critical, busy, t.ops)
+
+
+# -----------------------------------------------------------------------------
+# the shape of a configured step
+
+
+def attention_flops_per_token(model, seq: int) -> float:
+    """Causal attention's forward FLOPs per token: QK^T and PV over the visible keys."""
+    window = min(model.sliding_window or seq, seq)
+    visible = (window * (window + 1) / 2 + (seq - window) * window) / seq
+    return 4 * model.num_heads * model.head_size * visible
+
+
+def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True) -> StepShape:
+    """The shape of one step of `cfg` on an accelerator (`offload`: activations offloaded)."""
+    from megatrain_jax.plan import MACHINES, _counts  # lazy: plan imports the model
+    from megatrain_jax.train import execution_for
+    execution, _ = execution_for(cfg, "gpu")
+    c = _counts(cfg, execution, MACHINES["h100"])
+    model, (M, B, T) = cfg.model, (cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len)
+    tokens = B * T  # per micro-batch
+    attention = attention_flops_per_token(model, T)
+    params = c.stages + c.layers * c.layer
+    opt_per_param = c.optimizer / params  # bytes of optax state per parameter (AdamW: 8)
+    touched = lambda n: n * (8 + 2 * opt_per_param + c.grad + c.compute)
+    head = model.hidden_size * model.vocab_size
+    matmul_params = model.num_active_params(include_embeddings=False) + head  # MoE: routed
+    full_attention = 12 * model.num_layers * model.num_heads * model.head_size * T
+    return StepShape(
+        layers=c.layers, micro_batches=M, prefetch=c.prefetch, tokens_per_step=M * tokens,
+        first_bytes=c.first * c.compute, last_bytes=c.last * c.compute,
+        layer_bytes=c.layer * c.compute, first_grad_bytes=c.first * c.grad,
+        last_grad_bytes=c.last * c.grad, layer_grad_bytes=c.layer * c.grad,
+        act_bytes=M * tokens * c.hidden * c.compute if offload else 0,
+        layer_fwd_flops=tokens * (2 * c.layer + attention),
+        layer_bwd_flops=tokens * (6 * c.layer + 3.5 * attention),
+        head_flops=tokens * 6 * head,
+        stages_update_bytes=int(touched(c.stages)), layer_update_bytes=int(touched(c.layer)),
+        model_flops=float((6 * matmul_params + full_attention) * M * tokens),
+        updates_wait_for_norm=updates_wait_for_norm)
+
+
+def executed_flops(shape: StepShape) -> float:
+    """FLOPs the device executes in one step (recompute included): the simulation's count."""
+    return shape.micro_batches * (shape.layers * (shape.layer_fwd_flops + shape.layer_bwd_flops)
+                                  + shape.head_flops)
+
+
+# -----------------------------------------------------------------------------
+# measured rates
+
+
+def _load_results(path: str) -> list:
+    """(file name, object) of every JSON file in `path` (a folder), or of the file itself."""
+    files = sorted(glob.glob(os.path.join(path, "*.json"))) if os.path.isdir(path) else [path]
+    out = []
+    for f in files:
+        with open(f) as fh:
+            try:
+                out.append((f, json.load(fh)))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{f}: not JSON ({e})") from None
+    return out
+
+
+def measured_rates(path: str, shape: StepShape = None) -> tuple:
+    """(rates, {rate: where it came from}, the bench record matching `shape` or None) from the
+    results a GPU checklist part wrote in `path`: a folder of the benchmarks' JSON, or one JSON
+    file with a "rates" object (a step-time prediction written with --json). A rate no result
+    gives keeps its default (said so in its source).
+
+    h2d / d2h: bench_transfer.py's `pinned_host -> device` and `device -> cpu backend` rows, the
+    engine's own paths. device: the FLOPs the engine's device functions execute in a step / their
+    time run back to back with no transfers (bench.py's resident_compute_s_per_step), else
+    bench.py's measured matmul. host update: bench_optimizer.py's update_gb_s, else bench.py's
+    host-update seconds per step. dispatch: bench_transfer.py's tiny jitted op to completion."""
+    values, sources, bench = dict(DEFAULTS), {k: "default" for k in DEFAULTS}, None
+    results = _load_results(path)
+    for f, r in results:
+        if isinstance(r, dict) and isinstance(r.get("rates"), dict):
+            for k in DEFAULTS:
+                if k in r["rates"]:
+                    values[k] = float(r["rates"][k])
+                    sources[k] = f"{f} ({r.get('rate_sources', {}).get(k, 'rates')})"
+    by_kind = lambda kind: [(f, r) for f, r in results if isinstance(r, dict)
+                            and r.get("kind") == kind]
+    for f, r in by_kind("transfer")[:1]:
+        paths = {p["path"]: p for p in r.get("paths", [])}
+        for key, row in (("h2d_gbps", "pinned_host -> device"), ("d2h_gbps", "device -> cpu backend")):
+            if paths.get(row, {}).get("gb_per_s"):
+                values[key], sources[key] = paths[row]["gb_per_s"], f"{f}: {row}"
+        tiny = (r.get("small_d2h") or {}).get("tiny_op_ms")
+        if tiny:
+            values["dispatch_us"], sources["dispatch_us"] = tiny * 1e3, f"{f}: tiny jitted op"
+    benches = by_kind("train")
+    if shape is not None:  # the bench of the same step, if there is one
+        bench = next(((f, r) for f, r in benches if r.get("tokens_per_step") == shape.tokens_per_step
+                      and math.isclose(r.get("flops", {}).get("per_step", 0), shape.model_flops)),
+                     None)
+    f, r = bench or (benches[0] if benches else (None, None))
+    if r is not None:
+        s = r["streamed"]
+        if s.get("resident_compute_s_per_step") and bench is not None:
+            values["device_tflops"] = executed_flops(shape) / s["resident_compute_s_per_step"] / 1e12
+            sources["device_tflops"] = f"{f}: executed FLOPs / resident compute time"
+        elif r.get("matmul_peak", {}).get("tflops"):
+            values["device_tflops"] = r["matmul_peak"]["tflops"]
+            sources["device_tflops"] = f"{f}: measured matmul"
+    optimizers = [(f, r) for f, r in results if isinstance(r, dict) and "update_gb_s" in r]
+    if optimizers:
+        f, r = max(optimizers, key=lambda fr: fr[1].get("threads", 0))  # all cores, as the engine
+        values["host_update_gbps"] = r["update_gb_s"]
+        sources["host_update_gbps"] = f"{f}: update_gb_s ({r.get('threads')} threads)"
+    elif bench is not None and bench[1]["streamed"].get("host_update_s_per_step"):
+        seconds = bench[1]["streamed"]["host_update_s_per_step"]
+        total = shape.stages_update_bytes + shape.layers * shape.layer_update_bytes
+        values["host_update_gbps"] = total / seconds / GB
+        sources["host_update_gbps"] = f"{bench[0]}: host update seconds per step (in the run)"
+    return Rates(**values), sources, bench[1] if bench else None
+
+
+def compare(prediction: Prediction, bench: dict) -> dict:
+    """The prediction against a bench.py record of the same step: the step, and the figures
+    bench.py measures that the simulation also gives (device busy fraction, host-update seconds
+    per step, the bus's achieved GB/s over the step)."""
+    s, p = bench["streamed"], prediction
+    h2d, d2h = p.shape.h2d_bytes, p.shape.d2h_bytes
+    pairs = {"step_s": (p.step_s, s["step_s"]),
+             "device_busy": (p.busy_s["device"] / p.step_s, s.get("device_busy")),
+             "host_update_s_per_step": (p.busy_s["host update"], s.get("host_update_s_per_step")),
+             "h2d_gb_per_s": (h2d / p.step_s / GB, s.get("h2d_gb_per_s")),
+             "d2h_gb_per_s": (d2h / p.step_s / GB, s.get("d2h_gb_per_s"))}
+    return {"predicted": {k: v[0] for k, v in pairs.items()},
+            "measured": {k: v[1] for k, v in pairs.items()},
+            "predicted_over_measured": p.step_s / s["step_s"]}

@@ -1,0 +1,106 @@
+"""scripts/gpu_checklist.py: each part fits one device call (timeouts within the budget, few result
+files, every script and config it names exists), and --smoke runs its steps end to end on the CPU.
+
+The smoke test runs a representative subset of part 1 (the machine, transfer and step-time steps; see
+test_smoke_subset_of_part_1) through the same code path as the whole list: the full smoke of all
+three parts (`python scripts/gpu_checklist.py 1 2 3 --smoke`) takes ~3-5 minutes on a 2-core box,
+over this suite's budget. The benchmarks it leaves out run at the same tiny sizes in
+tests/test_bench.py."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "gpu_checklist.py")
+
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+checklist, tables = load_script("gpu_checklist"), load_script("results_tables")
+
+
+def run(*args, timeout=240):
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}  # --out, not the device's $OUT
+    env["PYTHONPATH"] = ROOT
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=timeout)
+
+
+def test_each_part_fits_one_device_call():
+    assert checklist.PART_BUDGET_S <= 570  # the device tool stops a command at 600 s
+    for part, steps in checklist.STEPS.items():
+        assert sum(s.timeout_s for s in steps) <= checklist.PART_BUDGET_S, part
+        files = checklist.files_of(part)
+        assert len(files) <= checklist.MAX_FILES and len(set(files)) == len(files), part
+        names = [s.name for s in steps]
+        assert len(set(names)) == len(names), part
+    # one session's parts are copied into one folder (docs/results/<date>-<gpu>/): no clashes
+    every = [f for part in checklist.STEPS for f in checklist.files_of(part)]
+    assert len(set(every)) == len(every)
+    for part, steps in checklist.STEPS.items():
+        for step in steps:
+            for smoke in (False, True):
+                cmd = step.command(smoke, "/results")
+                for arg in cmd:  # every script and config a step names is in the repository
+                    if arg.startswith(("scripts/", "configs/", "tests/")):
+                        assert os.path.exists(os.path.join(ROOT, arg)), (part, step.name, arg)
+            if step.json:
+                assert step.command(False, "/r")[-2:] == ["--json", f"/r/{step.json}"]
+
+
+def test_smoke_subset_of_part_1(tmp_path):
+    out = tmp_path / "results"
+    proc = run("1", "--smoke", "--out", str(out), "--only",
+               "nvidia-smi,memory and cores,versions,step_time_1b")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "part1.json").read_text())
+    assert summary["kind"] == "gpu_checklist" and summary["smoke"] is True
+    steps = {s["name"]: s for s in summary["steps"]}
+    assert list(steps) == ["nvidia-smi", "memory and cores", "versions", "step_time_1b"]
+    assert "needs a GPU" in steps["nvidia-smi"]["skipped"]
+    for name in ("memory and cores", "versions", "step_time_1b"):
+        assert steps[name]["rc"] == 0 and not steps[name]["timed_out"], name
+    # the step wrote its JSON where the summary says; no benchmark ran: default rates, no comparison
+    prediction = json.loads((out / steps["step_time_1b"]["json"]).read_text())
+    assert prediction["kind"] == "step_time" and prediction["step_s"] > 0
+    assert prediction["shape"]["tokens_per_step"] == 2 * 2 * 32  # the smoke's tiny sizes
+    assert "compare" not in prediction
+    log = (out / "part1.txt").read_text()
+    assert "scripts/plan.py --config configs/tiny.yaml" in log and "jax" in log
+    assert sorted(p.name for p in out.iterdir()) == ["part1.json", "part1.txt", "step_time_1b.json"]
+    assert "part 1  step_time_1b" in proc.stdout
+    # the folder renders as docs/benchmarks.md's tables (scripts/results_tables.py)
+    rendered = "\n".join(tables.render_folder(str(out)))
+    for title in ("Step time", "The checklist's steps"):
+        assert title in rendered, title
+    assert "| part1.json | nvidia-smi | skipped: needs a GPU (--smoke) | | |" in rendered
+
+
+def test_a_step_past_its_timeout_is_ended_and_the_next_part_still_runs(tmp_path):
+    out = tmp_path / "results"
+    proc = run("1", "2", "--smoke", "--out", str(out), "--timeout", "0.5", "--only",
+               "versions,memory and cores")
+    assert proc.returncode == 1  # a step failed
+    first = {s["name"]: s for s in json.loads((out / "part1.json").read_text())["steps"]}
+    assert first["versions"]["timed_out"] and first["versions"]["rc"] == 124
+    assert first["versions"]["seconds"] < 15  # ended, not waited for
+    second = json.loads((out / "part2.json").read_text())["steps"]
+    assert [(s["name"], s["rc"]) for s in second] == [("memory and cores", 0)]
+    assert "TIMED OUT" in proc.stdout
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path):
+    proc = run("9", "--out", str(tmp_path))
+    assert proc.returncode == 2 and "invalid choice: 9" in proc.stderr
+    proc = run("2", "--only", "bench_1b", "--out", str(tmp_path))
+    assert proc.returncode == 2 and "no step named 'bench_1b'" in proc.stderr
+    assert not list(tmp_path.iterdir())

@@ -1,0 +1,189 @@
+"""The step-time simulation's logic on hand-made steps (megatrain_jax.step_time): what bounds a
+transfer-bound and a compute-bound step, the update that waiting for the global norm exposes, the
+rates read from measured results, and `plan --step-time` end to end. Figures, not timings: each
+case's rates make the expected step time exact."""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatrain_jax.step_time import (DEFAULTS, RESOURCES, Rates, StepShape, executed_flops,
+                                     measured_rates, simulate)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# 1 GB/s each way, 1 TFLOP/s, 1 GB/s host update, no dispatch cost: bytes/1e9 and FLOPs/1e12
+# are seconds.
+UNIT = Rates(h2d_gbps=1, d2h_gbps=1, device_tflops=1, host_update_gbps=1, dispatch_us=0)
+
+
+def shape(**kw) -> StepShape:
+    base = dict(layers=4, micro_batches=1, prefetch=1, tokens_per_step=1000, first_bytes=0,
+                last_bytes=0, layer_bytes=0, first_grad_bytes=0, last_grad_bytes=0,
+                layer_grad_bytes=0, act_bytes=0, layer_fwd_flops=0.0, layer_bwd_flops=0.0,
+                head_flops=0.0, stages_update_bytes=0, layer_update_bytes=0, model_flops=1.0)
+    return StepShape(**{**base, **kw})
+
+
+def test_a_transfer_bound_step_is_the_bus_time():
+    """Weights of 1 s each way per layer, nothing else: the bus never rests (prefetch keeps the
+    next layer coming), and the step is every fetch back to back, 2 per layer + the stages'."""
+    s = shape(layers=4, layer_bytes=int(1e9), first_bytes=int(0.5e9), last_bytes=int(0.25e9),
+              layer_fwd_flops=1e9, layer_bwd_flops=2e9)
+    p = simulate(s, UNIT)
+    bus = 2 * 4 * 1.0 + 2 * 0.5 + 0.25  # layers in both passes, the embedding twice, the head
+    assert math.isclose(p.step_s, bus, rel_tol=1e-9)
+    assert p.bound == "h2d" and math.isclose(p.busy_s["h2d"], bus, rel_tol=1e-9)
+    # the critical path covers the step exactly, with no gap
+    assert math.isclose(sum(p.critical_s.values()), p.step_s, rel_tol=1e-12)
+
+
+def test_a_compute_bound_step_is_the_device_time():
+    s = shape(layers=3, micro_batches=2, layer_bytes=1000, layer_grad_bytes=1000,
+              layer_fwd_flops=1e12, layer_bwd_flops=3e12, head_flops=0.5e12,
+              stages_update_bytes=1000, layer_update_bytes=1000, model_flops=10e12)
+    p = simulate(s, dataclasses.replace(UNIT, h2d_gbps=1e6, d2h_gbps=1e6, host_update_gbps=1e6))
+    device = 2 * (3 * (1 + 3) + 0.5)
+    assert math.isclose(executed_flops(s) / 1e12, device)
+    assert p.bound == "device" and math.isclose(p.step_s, device, rel_tol=1e-6)
+    assert math.isclose(p.mfu(1.0), 10 / device, rel_tol=1e-6)
+
+
+def test_waiting_for_the_norm_exposes_the_update_that_overlap_would_hide():
+    """The host update (0.5 s stages + 4 x 0.25 s layers) is shorter than one forward (4 s), so
+    it could hide. With exact clipping every update waits for the norm, i.e. for the whole
+    backward, and the next step needs the stages and (prefetch 1) layers 0 and 1 before it
+    dispatches layer 0: 0.5 + 2 x 0.25 s exposed. Submitted as each gradient arrives, layers
+    3..1's updates hide in the backward; layer 0's and the stages' gradients come last, so
+    0.25 + 0.5 s still show."""
+    s = shape(layers=4, layer_fwd_flops=1e12, layer_bwd_flops=2e12,
+              stages_update_bytes=int(0.5e9), layer_update_bytes=int(0.25e9))
+    device = 4 * (1 + 2)
+    exact = simulate(s, UNIT)
+    assert math.isclose(exact.busy_s["device"], device, rel_tol=1e-9)
+    assert math.isclose(exact.step_s, device + 0.5 + 2 * 0.25, rel_tol=1e-9)
+    assert exact.bound == "device" and math.isclose(exact.critical_s["host update"], 1.0)
+    eager = simulate(dataclasses.replace(s, updates_wait_for_norm=False), UNIT)
+    assert math.isclose(eager.step_s, device + 0.25 + 0.5, rel_tol=1e-9)
+    # a deeper prefetch waits for one more layer's update before the forward starts
+    deeper = simulate(dataclasses.replace(s, prefetch=2), UNIT)
+    assert math.isclose(deeper.step_s, device + 0.5 + 3 * 0.25, rel_tol=1e-9)
+
+
+def test_the_backward_waits_for_each_gradient_to_reach_the_host():
+    """LayerStream retires a backward layer only once its gradient is on the host, before it
+    dispatches the next layer: the gradient's transfer is not hidden behind the next layer."""
+    s = shape(layers=3, layer_fwd_flops=1e12, layer_bwd_flops=1e12, layer_grad_bytes=int(0.5e9))
+    p = simulate(s, UNIT)
+    # every layer's gradient but the last's (the step reads the loss while it travels) is exposed
+    assert math.isclose(p.step_s, 3 * 2 + 2 * 0.5 + 0.5, rel_tol=1e-9)
+    assert math.isclose(p.critical_s["d2h"], 3 * 0.5, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("tied", [True])
+def test_a_configs_shape_moves_the_bytes_the_engine_counts(tied):
+    """step_shape's bytes each way per step equal the engine's own counters after a real step
+    (bf16 bus copies and gradients; with tied embeddings the two stage parts share a leaf)."""
+    import numpy as np
+    from megatrain_jax.config import load_config
+    from megatrain_jax.step_time import step_shape
+    from megatrain_jax.train import build_engine
+    cfg = load_config("configs/tiny.yaml", [
+        "model.num_layers=2", "data.seq_len=16", "data.batch_size=1", "data.micro_batches=2",
+        "train.compute_dtype=bfloat16", "train.grad_dtype=bfloat16",
+        f"model.tie_embeddings={str(tied).lower()}"])
+    engine = build_engine(cfg)
+    tokens = np.ones((2, 1, 16), np.int32)
+    engine.train_step(tokens, tokens)
+    engine.wait()
+    s = step_shape(cfg, offload=False)
+    assert (engine.counters.bytes_h2d, engine.counters.bytes_d2h) == (s.h2d_bytes, s.d2h_bytes)
+    engine.close()
+
+
+def test_rates_bad_value():
+    with pytest.raises(ValueError, match="h2d_gbps"):
+        Rates(h2d_gbps=0)
+
+
+def results(tmp_path, s: StepShape):
+    """A results folder as a checklist part leaves it: transfer, bench (this step and another
+    one) and two optimizer runs."""
+    files = {
+        "transfer.json": {"kind": "transfer", "paths": [
+            {"path": "pinned_host -> device", "gb_per_s": 40.0},
+            {"path": "device -> cpu backend", "gb_per_s": 3.0},
+            {"path": "numpy -> device", "gb_per_s": 9.0}],
+            "small_d2h": {"tiny_op_ms": 0.05}},
+        "bench_1b.json": {"kind": "train", "tokens_per_step": s.tokens_per_step,
+                          "flops": {"per_step": s.model_flops}, "matmul_peak": {"tflops": 700.0},
+                          "streamed": {"step_s": 2.0, "resident_compute_s_per_step": 0.5,
+                                       "host_update_s_per_step": 1.5}},
+        "bench_other.json": {"kind": "train", "tokens_per_step": 7, "flops": {"per_step": 1},
+                             "matmul_peak": {"tflops": 1.0}, "streamed": {"step_s": 1.0}},
+        "optimizer.json": {"update_gb_s": 60.0, "threads": 16},
+        "optimizer_1_core.json": {"update_gb_s": 9.0, "threads": 1},
+    }
+    for name, obj in files.items():
+        (tmp_path / name).write_text(json.dumps(obj))
+    return tmp_path
+
+
+def test_measured_rates_come_from_the_engines_own_paths(tmp_path):
+    s = shape(layer_fwd_flops=1e12, layer_bwd_flops=2e12, model_flops=5e12, tokens_per_step=64)
+    rates, sources, bench = measured_rates(str(results(tmp_path, s)), s)
+    assert (rates.h2d_gbps, rates.d2h_gbps, rates.host_update_gbps) == (40.0, 3.0, 60.0)
+    assert math.isclose(rates.dispatch_us, 50.0)
+    # the device rate: what the step executes over the engine's resident compute time
+    assert math.isclose(rates.device_tflops, executed_flops(s) / 0.5 / 1e12)
+    assert "resident compute" in sources["device_tflops"] and "16 threads" in sources["host_update_gbps"]
+    assert bench["streamed"]["step_s"] == 2.0
+    # another step's bench gives only its measured matmul, and no comparison
+    other = dataclasses.replace(s, tokens_per_step=65)
+    rates, sources, bench = measured_rates(str(tmp_path), other)
+    assert bench is None and "matmul" in sources["device_tflops"]
+    # a folder with nothing in it keeps every default
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rates, sources, _ = measured_rates(str(empty), s)
+    assert dataclasses.asdict(rates) == DEFAULTS and set(sources.values()) == {"default"}
+
+
+def plan_cli(*args):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plan.py"), *args],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+
+
+def test_plan_step_time_end_to_end(tmp_path):
+    """The tiny config, rates from a results folder (its bench is of another step: no
+    comparison), the bus overridden by a flag; then that JSON read back as --rates."""
+    folder = results(tmp_path, shape())
+    out = tmp_path / "prediction.json"
+    proc = plan_cli("--config", "configs/tiny.yaml", "--step-time", "--rates", str(folder),
+                    "--h2d-gbps", "20", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "predicted step:" in proc.stdout and "bound by" in proc.stdout
+    r = json.loads(out.read_text())
+    assert r["kind"] == "step_time" and r["bound"] in RESOURCES and r["step_s"] > 0
+    assert r["rates"]["h2d_gbps"] == 20 and r["rate_sources"]["h2d_gbps"] == "--h2d-gbps"
+    assert r["rates"]["d2h_gbps"] == 3.0 and "compare" not in r
+    assert math.isclose(sum(r["critical_path_s"].values()), r["step_s"], rel_tol=1e-9)
+    # a prediction's JSON gives its rates back, e.g. to predict another config at the same rates
+    rates, sources, _ = measured_rates(str(out))
+    assert rates == Rates(**r["rates"]) and sources["h2d_gbps"] == f"{out} (--h2d-gbps)"
+
+
+def test_plan_step_time_bad_inputs(tmp_path):
+    proc = plan_cli("--config", "configs/tiny.yaml", "--step-time", "--d2h-gbps", "-1")
+    assert proc.returncode == 2 and "--d2h-gbps must be > 0" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = plan_cli("--config", "configs/tiny.yaml", "--step-time", "--rates", str(tmp_path / "x"))
+    assert proc.returncode == 2 and "--rates" in proc.stderr and "no such file" in proc.stderr
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="bad.json: not JSON"):  # the CLI's exit 2, as above
+        measured_rates(str(tmp_path / "bad.json"))
