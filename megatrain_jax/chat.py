@@ -19,7 +19,7 @@ from datetime import datetime
 
 import numpy as np
 
-from megatrain_jax.data import DataError
+from megatrain_jax.data import DataError, WindowOrder
 from megatrain_jax.loss import IGNORE_ID
 
 ROLES = ("system", "user", "assistant")
@@ -414,9 +414,9 @@ def describe_rows(rows: dict, examples: Examples) -> str:
 
 
 class SFTDataset:
-    """Packed rows of SFT examples, shuffled per epoch, deterministic and resumable like
-    data.PackedDataset: epoch e visits the rows in the order `default_rng((seed, e)).permutation`,
-    a partial batch at the end of an epoch is dropped, and `state()` is the same two ints."""
+    """Packed rows of SFT examples, shuffled per epoch, deterministic and resumable as
+    data.PackedDataset's windows are (data.WindowOrder: the same order and the same two-int
+    state)."""
 
     def __init__(self, rows: dict, *, batch_size: int, seed: int, num_micro_batches: int = 1,
                  summary: str = ""):
@@ -432,38 +432,26 @@ class SFTDataset:
                 f"data.micro_batches = {self.batch_size} x {self.num_micro_batches} = "
                 f"{self.windows_per_batch} rows; use more data or lower data.batch_size or "
                 f"data.micro_batches")
-        self.restore({"epoch": 0, "index": 0})
+        self.order = WindowOrder(self.num_windows, self.windows_per_batch, self.seed, "rows")
 
     @property
     def tokens_per_batch(self) -> int:
         return self.windows_per_batch * self.seq_len
 
-    def _set_epoch(self, epoch: int):
-        self.epoch, self.index = epoch, 0
-        self.perm = np.random.default_rng((self.seed, epoch)).permutation(self.num_windows)
-
     def next_batch_with_context(self):
         """(inputs, targets, context): int32 (num_micro_batches, batch_size, seq_len) each, and
         context = {"segment_ids", "positions"} of the same shape."""
-        if self.index + self.windows_per_batch > self.num_windows:
-            self._set_epoch(self.epoch + 1)
-        take = self.perm[self.index:self.index + self.windows_per_batch]
-        self.index += self.windows_per_batch
-        return _batch(self.rows, take, self.num_micro_batches, self.batch_size)
+        return _batch(self.rows, self.order.take(), self.num_micro_batches, self.batch_size)
 
     def next_batch(self):
         """(inputs, targets), as data.PackedDataset's."""
         return self.next_batch_with_context()[:2]
 
     def state(self) -> dict:
-        return {"epoch": int(self.epoch), "index": int(self.index)}
+        return self.order.state()
 
     def restore(self, state: dict):
-        epoch, index = int(state["epoch"]), int(state["index"])
-        if epoch < 0 or not 0 <= index <= self.num_windows:
-            raise DataError(f"bad data state {state!r} for {self.num_windows} rows")
-        self._set_epoch(epoch)
-        self.index = index
+        self.order.restore(state)
 
 
 def _batch(rows: dict, take, num_micro_batches: int, batch_size: int) -> tuple:

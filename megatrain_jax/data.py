@@ -292,12 +292,42 @@ def document_context(inputs, eos_id: int) -> dict:
 # batching
 
 
-class PackedDataset:
-    """Shuffled non-overlapping windows of a token stream, deterministic and resumable.
+class WindowOrder:
+    """Which windows (or packed rows) each batch takes, deterministic and resumable: epoch e visits
+    the `num_windows` in the order `default_rng((seed, e)).permutation`, `per_batch` at a time; a
+    partial batch at the end of an epoch is dropped. The position is two ints, see `state()`."""
 
-    Epoch e visits the windows in the order `default_rng((seed, e)).permutation(n)`; a partial
-    batch at the end of an epoch is dropped. The position is two ints, see `state()`.
-    """
+    def __init__(self, num_windows: int, per_batch: int, seed: int, what: str = "windows"):
+        self.num_windows, self.per_batch, self.seed, self.what = num_windows, per_batch, seed, what
+        self.restore({"epoch": 0, "index": 0})
+
+    def _set_epoch(self, epoch: int):
+        self.epoch, self.index = epoch, 0
+        self.perm = np.random.default_rng((self.seed, epoch)).permutation(self.num_windows)
+
+    def take(self) -> np.ndarray:
+        """The next batch's window indices, (per_batch,)."""
+        if self.index + self.per_batch > self.num_windows:
+            self._set_epoch(self.epoch + 1)
+        taken = self.perm[self.index:self.index + self.per_batch]
+        self.index += self.per_batch
+        return taken
+
+    def state(self) -> dict:
+        """Position as plain ints: epoch, and index = windows already taken in this epoch."""
+        return {"epoch": int(self.epoch), "index": int(self.index)}
+
+    def restore(self, state: dict):
+        epoch, index = int(state["epoch"]), int(state["index"])
+        if epoch < 0 or not 0 <= index <= self.num_windows:
+            raise DataError(f"bad data state {state!r} for {self.num_windows} {self.what}")
+        self._set_epoch(epoch)
+        self.index = index
+
+
+class PackedDataset:
+    """Shuffled non-overlapping windows of a token stream, deterministic and resumable (the
+    windows' order and the position: WindowOrder)."""
 
     def __init__(self, tokens, *, seq_len: int, batch_size: int, seed: int, num_micro_batches: int = 1,
                  eos_id: int | None = None, document_mask: bool = False):
@@ -321,22 +351,15 @@ class PackedDataset:
                 f"data.micro_batches = {self.batch_size} x {self.num_micro_batches} = "
                 f"{self.windows_per_batch} windows ({need:,} tokens); use more data or lower "
                 f"data.seq_len, data.batch_size or data.micro_batches")
-        self.restore({"epoch": 0, "index": 0})
+        self.order = WindowOrder(self.num_windows, self.windows_per_batch, self.seed)
 
     @property
     def tokens_per_batch(self) -> int:
         return self.windows_per_batch * self.seq_len
 
-    def _set_epoch(self, epoch: int):
-        self.epoch, self.index = epoch, 0
-        self.perm = np.random.default_rng((self.seed, epoch)).permutation(self.num_windows)
-
     def next_batch(self):
         """(inputs, targets), int32, shape (num_micro_batches, batch_size, seq_len)."""
-        if self.index + self.windows_per_batch > self.num_windows:
-            self._set_epoch(self.epoch + 1)
-        starts = self.perm[self.index:self.index + self.windows_per_batch] * self.seq_len
-        self.index += self.windows_per_batch
+        starts = self.order.take() * self.seq_len
         # fancy indexing reads only these windows, so a memmapped corpus stays on disk
         idx = starts[:, None] + np.arange(self.seq_len + 1)
         windows = np.asarray(self.tokens[idx]).astype(np.int32)
@@ -354,15 +377,10 @@ class PackedDataset:
         return inputs, targets, document_context(inputs, self.eos_id)
 
     def state(self) -> dict:
-        """Position as plain ints: epoch, and index = windows already taken in this epoch."""
-        return {"epoch": int(self.epoch), "index": int(self.index)}
+        return self.order.state()
 
     def restore(self, state: dict):
-        epoch, index = int(state["epoch"]), int(state["index"])
-        if epoch < 0 or not 0 <= index <= self.num_windows:
-            raise DataError(f"bad data state {state!r} for {self.num_windows} windows")
-        self._set_epoch(epoch)
-        self.index = index
+        self.order.restore(state)
 
 
 # -----------------------------------------------------------------------------

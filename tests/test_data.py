@@ -422,7 +422,7 @@ def test_batch_shapes_and_shift():
     assert x.shape == y.shape == (3, 4, 16)
     assert x.dtype == y.dtype == np.int32
     np.testing.assert_array_equal(x[..., 1:], y[..., :-1])
-    starts = ds.perm[:12] * 16
+    starts = ds.order.perm[:12] * 16
     for k, (xi, yi) in enumerate(zip(x.reshape(12, 16), y.reshape(12, 16))):
         np.testing.assert_array_equal(xi, stream[starts[k]:starts[k] + 16])
         np.testing.assert_array_equal(yi, stream[starts[k] + 1:starts[k] + 17])
