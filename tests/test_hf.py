@@ -256,7 +256,16 @@ def test_one_streamed_adamw_step_equals_torch_adamw(hf_dirs, arch):
     ours = as_hf(cfg, engine.params())
     engine.close()
 
-    # torch: the same decay rule as decay_mask (matrices decay; norms and biases do not)
+    before, _, after, tiny = torch_adamw_step(model, inputs, targets, lr=lr, betas=betas, eps=eps,
+                                              wd=wd)
+    assert_adamw_close(ours, after, tiny)
+    for name in after:  # the step moved every tensor (else the comparison proves little)
+        assert not np.allclose(after[name], before[name]), name
+
+
+def torch_adamw_step(model, inputs, targets, *, lr, betas, eps, wd):
+    """One torch.optim.AdamW step of `model` with decay_mask's rule (matrices decay; norms and
+    biases do not): (params before, loss, params after, {name: |grad| < 100 eps})."""
     named = list(model.named_parameters())
     opt = torch.optim.AdamW(
         [{"params": [p for n, p in named if p.ndim >= 2], "weight_decay": wd},
@@ -267,17 +276,18 @@ def test_one_streamed_adamw_step_equals_torch_adamw(hf_dirs, arch):
     loss.backward()
     tiny = {n: np.abs(p.grad.numpy()) < 100 * eps for n, p in named}
     opt.step()
-    after = torch_params(model)
-    # Adam's first step is lr * g / (|g| + eps): where the true gradient is within ~100 eps of 0 it
-    # turns fp32 rounding noise in g into visible update differences, in any two implementations.
-    # Such elements: k_proj.bias (a key bias shifts all of a query's scores alike except for what
-    # RoPE rotates, so along slowly rotating dimensions |g| ~ 1e-10 here) and the odd weight whose
-    # gradient sum cancels (phi3: one o_proj element, |g| = 8e-8). Every tensor is within 1e-4,
-    # and within 1e-5 with those elements left out.
+    return before, loss.item(), torch_params(model), tiny
+
+
+def assert_adamw_close(ours, after, tiny):
+    """Adam's first step is lr * g / (|g| + eps): where the true gradient is within ~100 eps of 0
+    it turns fp32 rounding noise in g into visible update differences, in any two implementations.
+    Such elements: k_proj.bias (a key bias shifts all of a query's scores alike except for what
+    RoPE rotates, so along slowly rotating dimensions |g| ~ 1e-10 here) and the odd weight whose
+    gradient sum cancels (phi3: one o_proj element, |g| = 8e-8). Every tensor is within 1e-4,
+    and within 1e-5 with those elements left out."""
     assert_close({n: np.where(tiny[n], after[n], x) for n, x in ours.items()}, after, 1e-5)
     assert_close(ours, after, 1e-4)
-    for name in after:  # the step moved every tensor (else the comparison proves little)
-        assert not np.allclose(after[name], before[name]), name
 
 
 def save_checkpoint(run_dir, cfg, state, step):
