@@ -364,12 +364,16 @@ def load_examples(path: str, tokenizer, template: ChatTemplate, *, seq_len: int,
 # packing
 
 
+PADDING_SEGMENT = -1  # model.Block: a negative segment id is padding
+
+
 def pack(examples: Examples, seq_len: int) -> dict:
     """Rows of seq_len positions holding whole examples: {"inputs", "targets", "segment_ids",
     "positions"}, each (R, seq_len) int32. An example of n tokens takes n - 1 positions (inputs
     ids[:-1], targets labels[1:]); its segment id is its place in the row and its positions count
-    from 0, so it attends only to itself and its RoPE restarts. The rest of a row is padding: its
-    own segment, target IGNORE_ID. Best-fit decreasing: each example, longest first, goes to the
+    from 0, so it attends only to itself and its RoPE restarts. The rest of a row is padding:
+    segment PADDING_SEGMENT (-1: a segment of its own, which a mixture of experts' router
+    statistics leave out), target IGNORE_ID. Best-fit decreasing: each example, longest first, goes to the
     fullest row it fits in (rows in file order of their first example; deterministic)."""
     lengths = [len(ids) - 1 for ids in examples.ids]
     order = sorted(range(len(lengths)), key=lambda k: (-lengths[k], k))
@@ -398,7 +402,7 @@ def pack(examples: Examples, seq_len: int) -> dict:
             out["segment_ids"][r, t:t + n] = segment
             out["positions"][r, t:t + n] = np.arange(n)
             t += n
-        out["segment_ids"][r, t:] = len(row)  # padding: a segment of its own
+        out["segment_ids"][r, t:] = PADDING_SEGMENT
         out["positions"][r, t:] = np.arange(seq_len - t)
     return out
 

@@ -360,8 +360,8 @@ class Block(nnx.Module):
             if cfg.post_norms:
                 out = norm(out, self.attn_post_norm[...])
             x = x + out
-        if cfg.num_experts:
-            return self._moe(x)
+        if cfg.num_experts:  # padding (a negative segment id) stays out of the router's statistics
+            return self._moe(x, None if segment_ids is None else segment_ids >= 0)
         with jax.named_scope("mlp"):
             weights = (self.mlp_norm[...], self.w_gate[...], self.w_up[...], self.w_down[...])
             if cfg.post_norms:
@@ -372,9 +372,10 @@ class Block(nnx.Module):
                 return over_tiles(mlp, x, weights, ex.tile_size)
             return mlp(x, weights)
 
-    def _moe(self, x):
-        """x + the sparse MLP of norm(x), and this layer's router statistics: the block returns
-        (x, stats), the engine sums the stats over layers for moe.load_balancing_loss."""
+    def _moe(self, x, valid):
+        """x + the sparse MLP of norm(x), and this layer's router statistics over the `valid`
+        tokens (B, T) (None: all): the block returns (x, stats), the engine sums the stats over
+        layers for moe.load_balancing_loss."""
         cfg = self.cfg
         with jax.named_scope("moe"):
             y = rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
@@ -382,7 +383,7 @@ class Block(nnx.Module):
                        self.experts_down[...])
             out, stats = moe.moe_mlp(y, weights, top_k=cfg.experts_per_token,
                                      renormalize=cfg.moe_renormalize,
-                                     tile=self.execution.expert_tile)
+                                     tile=self.execution.expert_tile, valid=valid)
             return x + out, stats
 
 

@@ -81,13 +81,15 @@ def experts_swiglu(rows, expert_ids, w_gate, w_up, w_down, tile: int):
     return jnp.zeros_like(out_sorted).at[order].set(out_sorted)  # back to routed-row order
 
 
-def moe_mlp(y, weights, *, top_k: int, renormalize: bool, tile: int):
+def moe_mlp(y, weights, *, top_k: int, renormalize: bool, tile: int, valid=None):
     """The sparse MLP on normalised (B, T, D) tokens: (out (B, T, D), router statistics).
 
     `weights` = (w_router (D, E), w_gate, w_up (E, D, F), w_down (E, F, D)). The statistics are
     the per-layer sums the load-balancing loss needs (see `load_balancing_loss`), each fp32:
     expert_counts (E,) top-k assignments per expert, router_prob_sum (E,) the router's
-    probabilities summed over tokens, rows () the number of tokens."""
+    probabilities summed over tokens, rows () the number of tokens. `valid` (B, T) bool, or None
+    for all: the tokens that count in the statistics (padding does not, as transformers leaves
+    out what its attention_mask masks); every token is still computed."""
     w_router, w_gate, w_up, w_down = weights
     b, t, d = y.shape
     num_experts = w_router.shape[1]
@@ -98,11 +100,14 @@ def moe_mlp(y, weights, *, top_k: int, renormalize: bool, tile: int):
     out = experts_swiglu(rows, ids, w_gate, w_up, w_down, tile)  # (N*k, D)
     # Weighted in fp32, summed over the k experts of each token, cast back (as Mixtral does).
     out = jnp.einsum("nkd,nk->nd", out.reshape(b * t, top_k, d).astype(jnp.float32), route_w)
+    counted = (jnp.ones((b * t,), jnp.float32) if valid is None
+               else valid.reshape(b * t).astype(jnp.float32))
     stats = {
         "expert_counts": lax.stop_gradient(
-            jnp.zeros((num_experts,), jnp.float32).at[ids].add(1.0)),
-        "router_prob_sum": jnp.sum(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), axis=0),
-        "rows": jnp.asarray(b * t, jnp.float32),
+            jnp.zeros((num_experts,), jnp.float32).at[ids].add(jnp.repeat(counted, top_k))),
+        "router_prob_sum": jnp.sum(  # elementwise, not a matmul: (N, E) is small
+            jax.nn.softmax(logits.astype(jnp.float32), axis=-1) * counted[:, None], axis=0),
+        "rows": jnp.sum(counted),
     }
     return out.astype(y.dtype).reshape(b, t, d), stats
 

@@ -109,13 +109,20 @@ def batch(seed=1, b=2, t=12):
 _block = jax.jit(lambda graphdef, params, x: nnx.merge(graphdef, params)(x), static_argnums=0)
 
 
-def forward(stages, blocks, inputs):
+_block_in_context = jax.jit(lambda graphdef, params, x, c: nnx.merge(graphdef, params)(x, c),
+                            static_argnums=0)
+
+
+def forward(stages, blocks, inputs, context=None):
     """(logits, summed router statistics) of our modules (one compiled block for all layers)."""
     first, last = stages
     x, stats = first(jnp.asarray(inputs)), []
     for block in blocks:
         graphdef, params = nnx.split(block)
-        x, s = _block(graphdef, params, x)
+        if context is None:
+            x, s = _block(graphdef, params, x)
+        else:
+            x, s = _block_in_context(graphdef, params, x, context)
         stats.append(s)
     return np.asarray(last.logits(x)), jax.tree.map(lambda *s: sum(s), *stats)
 
@@ -144,6 +151,27 @@ def test_import_matches_transformers_logits_and_aux_loss(hf_dirs, arch):
     np.testing.assert_allclose(logits, ref_logits.numpy(), rtol=0, atol=1e-5)
     np.testing.assert_allclose(float(moe.load_balancing_loss(stats, cfg.num_experts)),
                                ref_aux.item(), rtol=1e-6)
+
+
+def test_padding_stays_out_of_the_aux_loss_as_transformers_attention_mask_leaves_it(hf_dirs):
+    """Rows ending in padding (segment id -1, as chat.pack writes it): the load-balancing loss is
+    transformers' with an attention_mask over the same padding, and differs from counting it."""
+    model, path = hf_dirs["mixtral"]
+    cfg, stages, blocks, _ = import_model(path)
+    inputs, _ = batch()
+    b, t = inputs.shape
+    real = np.array([t, t - 5])[:, None] > np.arange(t)  # row 1 ends in 5 padding tokens
+    context = {"segment_ids": jnp.asarray(np.where(real, 0, -1), jnp.int32),
+               "positions": jnp.asarray(np.broadcast_to(np.arange(t), (b, t)), jnp.int32)}
+    _, stats = forward(stages, blocks, inputs, context)
+    _, all_stats = forward(stages, blocks, inputs)
+    with torch.no_grad():
+        out = model(torch.tensor(inputs, dtype=torch.long),
+                    attention_mask=torch.tensor(real, dtype=torch.long), output_router_logits=True)
+    ours = float(moe.load_balancing_loss(stats, cfg.num_experts))
+    np.testing.assert_allclose(ours, out.aux_loss.item(), rtol=1e-6)
+    assert float(stats["rows"]) == cfg.num_layers * real.sum()
+    assert abs(float(moe.load_balancing_loss(all_stats, cfg.num_experts)) - ours) > 1e-4
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -16,7 +16,8 @@ from flax import nnx
 
 from chat_tokenizers import make_tokenizer_dir
 from megatrain_jax import chat
-from megatrain_jax.chat import ChatTemplate, Examples, SFTDataset, encode_conversation, load_examples, pack
+from megatrain_jax.chat import (PADDING_SEGMENT, ChatTemplate, Examples, SFTDataset,
+                                 encode_conversation, load_examples, pack)
 from megatrain_jax.config import ConfigError, load_config
 from megatrain_jax.data import DataError, PackedDataset, document_context, load_tokenizer
 from megatrain_jax.loss import IGNORE_ID
@@ -187,7 +188,7 @@ def test_masked_tokens_contribute_nothing(model, bundled):
     rows = pack(_examples(bundled), 128)
     r = int(np.argmax((rows["targets"] == IGNORE_ID).sum(1)))  # the row with the most padding
     inputs, targets, context = _batch(rows, r)
-    pad = np.flatnonzero(rows["segment_ids"][r] == rows["segment_ids"][r].max())
+    pad = np.flatnonzero(rows["segment_ids"][r] == PADDING_SEGMENT)
     assert len(pad) >= 8
     loss, grads = loss_and_grad(params, inputs, jnp.asarray(targets), context)
 
