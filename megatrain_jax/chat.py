@@ -19,7 +19,7 @@ from datetime import datetime
 
 import numpy as np
 
-from megatrain_jax.data import DataError, WindowOrder
+from megatrain_jax.data import DataError, WindowOrder, jsonl_objects
 from megatrain_jax.loss import IGNORE_ID
 
 ROLES = ("system", "user", "assistant")
@@ -270,7 +270,7 @@ def encode_conversation(template: ChatTemplate, tokenizer, messages: list, where
 
 
 def read_conversations(path: str):
-    """(line number, messages) for every non-blank line of a chat JSONL file."""
+    """("path:line", messages) for every non-blank line of a chat JSONL file."""
     if os.path.isdir(path):
         raise DataError(f"{path} is a directory, not a JSONL file of conversations")
     try:
@@ -280,19 +280,8 @@ def read_conversations(path: str):
     except OSError as e:
         raise DataError(f"{path}: cannot read data file ({e.strerror})") from None
     with f:
-        for lineno, raw in enumerate(f, start=1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: not valid UTF-8 (byte {e.start} of the line)") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON ({e.msg})") from None
-            yield lineno, _conversation(obj, where)
+        for where, obj in jsonl_objects(f, path):
+            yield where, _conversation(obj, where)
 
 
 # -----------------------------------------------------------------------------
@@ -334,9 +323,8 @@ def load_examples(path: str, tokenizer, template: ChatTemplate, *, seq_len: int,
     if overlong not in OVERLONG:
         raise DataError(f"data.overlong must be one of {', '.join(OVERLONG)}, got {overlong!r}")
     out = Examples(path, [], [])
-    for lineno, messages in read_conversations(path):
+    for where, messages in read_conversations(path):
         out.conversations += 1
-        where = f"{path}:{lineno}"
         ids, assistant = encode_conversation(template, tokenizer, messages, where)
         if vocab_size is not None and len(ids) and ids.max() >= vocab_size:
             raise DataError(f"{where}: token id {int(ids.max())} >= model.vocab_size ({vocab_size})")

@@ -105,23 +105,30 @@ def _pack(docs, eos_id: int) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
 
 
+def jsonl_objects(f, path: str):
+    """(where, object) for every non-blank line of the JSONL file opened as `f` (bytes, so that
+    invalid UTF-8 is reported with its line); where = "path:line". Bad lines raise DataError."""
+    for lineno, raw in enumerate(f, start=1):
+        where = f"{path}:{lineno}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{where}: not valid UTF-8 (byte {e.start} of the line)") from None
+        if not line.strip():
+            continue
+        try:
+            yield where, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: invalid JSON ({e.msg})") from None
+
+
 def _jsonl_docs(path: str, tokenizer, text_field: str):
-    with open(path, "rb") as f:  # bytes, so that invalid UTF-8 is reported with its line
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start} of the line)") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+    with open(path, "rb") as f:
+        for where, obj in jsonl_objects(f, path):
             if not isinstance(obj, dict) or text_field not in obj:
-                raise DataError(f"{path}:{lineno}: missing field {text_field!r} (data.text_field)")
+                raise DataError(f"{where}: missing field {text_field!r} (data.text_field)")
             if not isinstance(obj[text_field], str):
-                raise DataError(f"{path}:{lineno}: field {text_field!r} is not a string")
+                raise DataError(f"{where}: field {text_field!r} is not a string")
             yield tokenizer.encode(obj[text_field])
 
 
