@@ -16,17 +16,15 @@ torch = pytest.importorskip("torch")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from test_hf import (V, as_hf, assert_adamw_close, assert_close, batch, export,  # noqa: E402
-                     import_model, save_checkpoint, torch_adamw_step)
+from test_hf import (ADAMW, V, adamw_engine, as_hf, assert_adamw_close, assert_close,  # noqa: E402
+                     batch, eager_fp32_perturbed, export, import_model, save_checkpoint,
+                     torch_adamw_step)
 
 from megatrain_jax import hf  # noqa: E402
 from megatrain_jax.cli import run_cli  # noqa: E402
 from megatrain_jax.config import load_config  # noqa: E402
-from megatrain_jax.engine import StreamedEngine  # noqa: E402
 from megatrain_jax.model import Execution  # noqa: E402
-from megatrain_jax.train import decay_mask  # noqa: E402
 
 # A local and a global layer; a window (5) shorter than the batch's 12 tokens; a query scale
 # (24**-0.5) that is not head_dim's (16**-0.5); linear RoPE scaling on the global layers only.
@@ -41,13 +39,9 @@ GEMMA = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_laye
 
 def make_gemma(seed: int = 0):
     torch.manual_seed(seed)
-    model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**GEMMA)).float()
-    model.config._attn_implementation = "eager"
-    with torch.no_grad():  # Gemma's norms start at 0 (they scale by 1 + w): make them matter
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.3 * torch.randn_like(p))
-    return model.eval()
+    # Gemma's norms start at 0 (they scale by 1 + w): a larger perturbation makes them matter
+    return eager_fp32_perturbed(
+        transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**GEMMA)), 0.3)
 
 
 @pytest.fixture(scope="module")
@@ -127,16 +121,7 @@ def test_one_streamed_adamw_step_equals_torch_adamw_in_one_compiled_block(gemma_
     """The step equals torch's; the layer's kind is data, so one compiled block forward and one
     backward serve the local and the global layer."""
     model = make_gemma()
-    lr, betas, eps, wd = 1e-3, (0.9, 0.95), 1e-8, 0.1
-    cfg = hf.model_config_from_hf(gemma_dir)
-    source = hf.HFSource(gemma_dir)
-    first, last = hf.load_stages(cfg, source)
-    engine = StreamedEngine(
-        first=first, last=last, make_block=lambda i: hf.load_block(cfg, source, i),
-        num_layers=cfg.num_layers, compute_dtype=jnp.float32, max_grad_norm=None,
-        optimizer=optax.adamw(lr, b1=betas[0], b2=betas[1], eps=eps, weight_decay=wd,
-                              mask=decay_mask),
-        compute_device=jax.devices("cpu")[0], host_device=jax.devices("cpu")[1])
+    cfg, engine = adamw_engine(gemma_dir)
     inputs, targets = batch(seed=2)
     loss = float(engine.train_step(inputs[None], targets[None])["loss"])
     params = engine.params()
@@ -147,8 +132,7 @@ def test_one_streamed_adamw_step_equals_torch_adamw_in_one_compiled_block(gemma_
     assert [float(p["sliding"]) for p in params["layers"]] == [1.0, 0.0]
     engine.close()
 
-    before, ref_loss, after, tiny = torch_adamw_step(model, inputs, targets, lr=lr, betas=betas,
-                                                     eps=eps, wd=wd)
+    before, ref_loss, after, tiny = torch_adamw_step(model, inputs, targets, **ADAMW)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_adamw_close(ours, after, tiny)
     for name in after:  # the step moved every tensor (else the comparison proves little)

@@ -52,13 +52,37 @@ def make_hf_model(arch: str, seed: int = 0, **overrides):
     config_cls, model_cls, options = ARCHS[arch]
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**COMMON, **{**options, **overrides})
-    model = getattr(transformers, model_cls)(config).float()
+    return eager_fp32_perturbed(getattr(transformers, model_cls)(config))
+
+
+def eager_fp32_perturbed(model, scale: float = 0.1):
+    """`model` in fp32 with eager attention, in eval mode, its norms (initialised to 1, or 0 for
+    Gemma's 1 + w) and biases (0) perturbed by `scale` so that they matter in a comparison."""
+    model = model.float()
     model.config._attn_implementation = "eager"
-    with torch.no_grad():  # norms init to 1 and biases to 0: make them matter
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or "bias" in name:
-                p.add_(0.1 * torch.randn_like(p))
+                p.add_(scale * torch.randn_like(p))
     return model.eval()
+
+
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, wd=0.1)  # the AdamW of the parity steps
+
+
+def adamw_engine(path):
+    """(cfg, a StreamedEngine of the HF model at `path` with ADAMW, fp32, no clipping)."""
+    lr, betas, eps, wd = ADAMW["lr"], ADAMW["betas"], ADAMW["eps"], ADAMW["wd"]
+    cfg = hf.model_config_from_hf(path)
+    source = hf.HFSource(path)
+    first, last = hf.load_stages(cfg, source)
+    engine = StreamedEngine(
+        first=first, last=last, make_block=lambda i: hf.load_block(cfg, source, i),
+        num_layers=cfg.num_layers, compute_dtype=jnp.float32, max_grad_norm=None,
+        optimizer=optax.adamw(lr, b1=betas[0], b2=betas[1], eps=eps, weight_decay=wd,
+                              mask=decay_mask),
+        compute_device=jax.devices("cpu")[0], host_device=jax.devices("cpu")[1])
+    return cfg, engine
 
 
 @pytest.fixture(scope="module")
@@ -241,23 +265,13 @@ def test_sharded_checkpoint_has_several_shards(hf_dirs):
 def test_one_streamed_adamw_step_equals_torch_adamw(hf_dirs, arch):
     _, path = hf_dirs[arch]
     model = make_hf_model(arch)  # a fresh copy: this test changes its weights
-    lr, betas, eps, wd = 1e-3, (0.9, 0.95), 1e-8, 0.1
-    cfg = hf.model_config_from_hf(path)
-    source = hf.HFSource(path)
-    first, last = hf.load_stages(cfg, source)
-    engine = StreamedEngine(
-        first=first, last=last, make_block=lambda i: hf.load_block(cfg, source, i),
-        num_layers=cfg.num_layers, compute_dtype=jnp.float32, max_grad_norm=None,
-        optimizer=optax.adamw(lr, b1=betas[0], b2=betas[1], eps=eps, weight_decay=wd,
-                              mask=decay_mask),
-        compute_device=jax.devices("cpu")[0], host_device=jax.devices("cpu")[1])
+    cfg, engine = adamw_engine(path)
     inputs, targets = batch(seed=2)
     engine.train_step(inputs[None], targets[None])
     ours = as_hf(cfg, engine.params())
     engine.close()
 
-    before, _, after, tiny = torch_adamw_step(model, inputs, targets, lr=lr, betas=betas, eps=eps,
-                                              wd=wd)
+    before, _, after, tiny = torch_adamw_step(model, inputs, targets, **ADAMW)
     assert_adamw_close(ours, after, tiny)
     for name in after:  # the step moved every tensor (else the comparison proves little)
         assert not np.allclose(after[name], before[name]), name

@@ -27,7 +27,7 @@ from megatrain_jax.engine import StreamedEngine  # noqa: E402
 from megatrain_jax.model import Block, Execution, ModelConfig  # noqa: E402
 from megatrain_jax.train import decay_mask  # noqa: E402
 from test_engine import count_compiles  # noqa: E402
-from test_hf import assert_close, export, save_checkpoint  # noqa: E402
+from test_hf import assert_close, eager_fp32_perturbed, export, save_checkpoint  # noqa: E402
 
 V = 101
 COMMON = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -48,13 +48,7 @@ def make_hf_model(arch: str, seed: int = 0, **overrides):
     config_cls, model_cls, options = ARCHS[arch]
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**COMMON, **{**options, **overrides})
-    model = getattr(transformers, model_cls)(config).float()
-    model.config._attn_implementation = "eager"
-    with torch.no_grad():  # norms init to 1: make them matter
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return model.eval()
+    return eager_fp32_perturbed(getattr(transformers, model_cls)(config))
 
 
 @pytest.fixture(scope="module")
