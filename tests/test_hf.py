@@ -70,19 +70,25 @@ def eager_fp32_perturbed(model, scale: float = 0.1):
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, wd=0.1)  # the AdamW of the parity steps
 
 
-def adamw_engine(path):
-    """(cfg, a StreamedEngine of the HF model at `path` with ADAMW, fp32, no clipping)."""
-    lr, betas, eps, wd = ADAMW["lr"], ADAMW["betas"], ADAMW["eps"], ADAMW["wd"]
+def hf_engine(path, optimizer, **options):
+    """(cfg, a StreamedEngine of the HF model at `path` with `optimizer`, fp32, no clipping;
+    `options` go to StreamedEngine, e.g. aux_loss)."""
     cfg = hf.model_config_from_hf(path)
     source = hf.HFSource(path)
     first, last = hf.load_stages(cfg, source)
     engine = StreamedEngine(
         first=first, last=last, make_block=lambda i: hf.load_block(cfg, source, i),
         num_layers=cfg.num_layers, compute_dtype=jnp.float32, max_grad_norm=None,
-        optimizer=optax.adamw(lr, b1=betas[0], b2=betas[1], eps=eps, weight_decay=wd,
-                              mask=decay_mask),
-        compute_device=jax.devices("cpu")[0], host_device=jax.devices("cpu")[1])
+        optimizer=optimizer, compute_device=jax.devices("cpu")[0],
+        host_device=jax.devices("cpu")[1], **options)
     return cfg, engine
+
+
+def adamw_engine(path):
+    """hf_engine with ADAMW (decay_mask's rule: matrices decay)."""
+    lr, betas, eps, wd = ADAMW["lr"], ADAMW["betas"], ADAMW["eps"], ADAMW["wd"]
+    return hf_engine(path, optax.adamw(lr, b1=betas[0], b2=betas[1], eps=eps, weight_decay=wd,
+                                       mask=decay_mask))
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,8 @@ from megatrain_jax.engine import StreamedEngine  # noqa: E402
 from megatrain_jax.model import Block, Execution, ModelConfig  # noqa: E402
 from megatrain_jax.train import decay_mask  # noqa: E402
 from test_engine import count_compiles  # noqa: E402
-from test_hf import assert_close, eager_fp32_perturbed, export, save_checkpoint  # noqa: E402
+from test_hf import (assert_close, eager_fp32_perturbed, export, hf_engine,  # noqa: E402
+                     save_checkpoint)
 
 V = 101
 COMMON = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -198,20 +199,16 @@ def engine_step(path, optimizer, inputs, targets):
     """(step output, params after it, the gradient), the last two as {HF name: array}, of one
     engine step on `path`'s model over M = len(inputs) micro-batches with
     optax.chain(keep_gradient(), optimizer); then a second step must compile nothing."""
+    arch = hf.HFSource(path).arch
     cfg = hf.model_config_from_hf(path)
-    source = hf.HFSource(path)
-    first, last = hf.load_stages(cfg, source)
-    engine = StreamedEngine(
-        first=first, last=last, make_block=lambda i: hf.load_block(cfg, source, i),
-        num_layers=cfg.num_layers, compute_dtype=jnp.float32, max_grad_norm=None,
-        optimizer=optax.chain(keep_gradient(), optimizer), aux_loss=moe.aux_loss(cfg),
-        compute_device=jax.devices("cpu")[0], host_device=jax.devices("cpu")[1])
+    cfg, engine = hf_engine(path, optax.chain(keep_gradient(), optimizer),
+                            aux_loss=moe.aux_loss(cfg))
     out = engine.train_step(inputs, targets)
     out = {k: float(v) for k, v in out.items()}
     state = engine.state()
-    params = as_hf(cfg, engine.params(), source.arch)  # copies
+    params = as_hf(cfg, engine.params(), arch)  # copies
     grads = as_hf(cfg, {"stages": state["stages"]["opt_state"][0],
-                        "layers": [u["opt_state"][0] for u in state["layers"]]}, source.arch)
+                        "layers": [u["opt_state"][0] for u in state["layers"]]}, arch)
     with count_compiles() as compiles:  # the aux loss's functions too compile once
         float(engine.train_step(inputs, targets)["aux_loss"])
     assert compiles == []
