@@ -273,8 +273,14 @@ def encode_conversation(template: ChatTemplate, tokenizer, messages: list, where
 
 def read_conversations(path: str):
     """("path:line", messages) for every non-blank line of a chat JSONL file."""
+    for where, obj in read_records(path, "conversations"):
+        yield where, _conversation(obj, where)
+
+
+def read_records(path: str, what: str):
+    """("path:line", JSON value) for every non-blank line of a JSONL file of `what`."""
     if os.path.isdir(path):
-        raise DataError(f"{path} is a directory, not a JSONL file of conversations")
+        raise DataError(f"{path} is a directory, not a JSONL file of {what}")
     try:
         f = open(path, "rb")  # bytes, so that invalid UTF-8 is reported with its line
     except FileNotFoundError:
@@ -282,8 +288,7 @@ def read_conversations(path: str):
     except OSError as e:
         raise DataError(f"{path}: cannot read data file ({e.strerror})") from None
     with f:
-        for where, obj in jsonl_objects(f, path):
-            yield where, _conversation(obj, where)
+        yield from jsonl_objects(f, path)
 
 
 # -----------------------------------------------------------------------------

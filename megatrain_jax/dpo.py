@@ -20,14 +20,17 @@ Losses, as TRL writes them (h = (pi_c - ref_c) - (pi_r - ref_r), pi the summed l
 """
 
 import concurrent.futures
+import dataclasses
 import hashlib
 import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from megatrain_jax.chat import ChatTemplate
 from megatrain_jax.data import DataError
 from megatrain_jax.loss import IGNORE_ID
 from megatrain_jax.model import LMHead
@@ -191,3 +194,36 @@ class ReferenceCache:
             os.remove(tmp)
             raise DataError(f"{self.path}: appeared while the reference pass ran; not overwritten")
         os.replace(tmp, self.path)
+
+
+def reference_key(cfg, engine) -> dict:
+    """What the reference log-probs depend on: the data file, the tokenizer and its chat
+    template, the model (its config and its weights as the engine holds them now: the starting
+    weights) and the settings that change the sequences or their arithmetic."""
+    d = cfg.data
+    template = ChatTemplate.for_tokenizer(d.tokenizer)
+    model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "from_hf"}
+    return {"data": file_digest(d.path),
+            "tokenizer": text_digest(file_digest(d.tokenizer), template.source, template.variables),
+            "model": text_digest(model, weights_digest(engine.params())),
+            "settings": text_digest(d.format, d.seq_len, d.overlong, cfg.train.compute_dtype)}
+
+
+def prepare_reference(cfg, engine, dataset, log=print):
+    """Fills dataset.rows["reference"] with the reference log-probs of the engine's current (the
+    starting) weights: from the cache when its key matches, else from a reference pass, saved."""
+    cache = ReferenceCache(cfg.dpo.reference_dir or cfg.run_dir, reference_key(cfg, engine))
+    rows = len(dataset.rows["inputs"])
+    logps = cache.load(rows)
+    if logps is not None:
+        log(f"reference log-probs: {rows} sequences from {cache.path} (key matches)")
+    else:
+        t0 = time.perf_counter()
+        logps = reference_logps(engine, dataset)
+        if not np.all(np.isfinite(logps)):
+            raise DataError(f"the reference pass gave non-finite log-probs for "
+                            f"{int(np.sum(~np.isfinite(logps)))} sequences; nothing saved")
+        cache.save(logps)
+        log(f"reference log-probs: {rows} sequences, one streamed forward pass of the starting "
+            f"weights in {time.perf_counter() - t0:.1f} s, saved to {cache.path}")
+    dataset.rows["reference"][:] = logps
