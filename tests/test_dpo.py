@@ -136,3 +136,286 @@ def test_dpo_loss_and_gradient_equal_trl_formula_in_torch(llama, loss_type):
         for key, value in metrics.items():
             np.testing.assert_allclose(ours[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
     assert_close(grads, ref_grads, 1e-5)
+
+
+# ----------------------------------------------------------------------------- the reference pass
+
+BUNDLED_PAIRS = os.path.join(ROOT, "megatrain_jax", "texts", "dpo_tiny.jsonl")
+BUNDLED_TOKENIZER = os.path.join(ROOT, "megatrain_jax", "texts", "sft_tokenizer")
+
+
+def write_pairs(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records),
+                    encoding="utf-8")
+    return str(path)
+
+
+def bundled_pairs(n):
+    with open(BUNDLED_PAIRS, encoding="utf-8") as f:
+        return [json.loads(line) for line in f][:n]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """(model, dir): a tiny Qwen2 over the bundled 512-token ChatML tokenizer, saved with its
+    tokenizer files, as a local HF model directory is."""
+    from test_hf import COMMON
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(**{**COMMON, "vocab_size": 512, "rope_theta": 1e6,
+                                         "tie_word_embeddings": False})
+    from test_hf import eager_fp32_perturbed
+    model = eager_fp32_perturbed(transformers.Qwen2ForCausalLM(config))
+    path = tmp_path_factory.mktemp("chat_model")
+    model.save_pretrained(str(path))
+    for name in os.listdir(BUNDLED_TOKENIZER):
+        shutil.copy(os.path.join(BUNDLED_TOKENIZER, name), path / name)
+    return model, str(path)
+
+
+def preference_cfg(tmp_path, data, *overrides, model_dir=None):
+    """configs/dpo_tiny.yaml on `data`, with a small random model or the HF model `model_dir`."""
+    import yaml
+
+    from megatrain_jax.config import load_config
+    config = os.path.join(ROOT, "configs", "dpo_tiny.yaml")
+    given = [f"data.path={data}", f"run_dir={tmp_path / 'run'}", "data.seq_len=64",
+             "data.batch_size=4", "data.micro_batches=2"]
+    if model_dir:  # the architecture from config.json: no model section
+        sections = yaml.safe_load(open(config))
+        del sections["model"]
+        config = tmp_path / "dpo_hf.yaml"
+        config.write_text(yaml.safe_dump(sections))
+        given += [f"model.from_hf={model_dir}", f"data.tokenizer={model_dir}/tokenizer.json"]
+    else:
+        given += ["model.num_layers=1", "model.hidden_size=32", "model.intermediate_size=64"]
+    return load_config(str(config), given + list(overrides))
+
+
+def build(cfg):
+    """(the PreferenceDataset of cfg, its engine on the two CPU devices)."""
+    from megatrain_jax.train import build_engine, load_data
+    dataset, _ = load_data(cfg)
+    engine = build_engine(cfg, compute_device=jax.devices("cpu")[0],
+                          host_device=jax.devices("cpu")[1])
+    return dataset, engine
+
+
+def test_reference_logps_equal_transformers(chat_model, tmp_path):
+    """The streamed reference pass's per-sequence log-probs (micro-batches of whole pairs, the
+    last batch wrapped) equal transformers' on the same token rows to 1e-5, and the rows hold the
+    chat template's rendering with the completion's tokens only as targets."""
+    model, path = chat_model
+    data = write_pairs(tmp_path / "pairs.jsonl", bundled_pairs(10))  # 20 rows: batches of 8
+    dataset, engine = build(preference_cfg(tmp_path, data, model_dir=path))
+    ours = dpo.reference_logps(engine, dataset)
+    engine.close()
+    rows = dataset.rows
+    with torch.no_grad():
+        ref = torch_logps(model, rows["inputs"], rows["targets"]).numpy()
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
+    # the first pair's chosen: its targets are the completion, as the template closes it
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    pair = bundled_pairs(1)[0]
+    messages = [{"role": "user", "content": pair["prompt"]}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    full = tok.apply_chat_template(messages + [{"role": "assistant", "content": pair["chosen"]}],
+                                   tokenize=False)
+    ids = tok(full, add_special_tokens=False)["input_ids"]
+    n = len(ids) - 1
+    np.testing.assert_array_equal(rows["inputs"][0, :n], ids[:-1])
+    trained = rows["targets"][0][rows["targets"][0] != IGNORE_ID]
+    assert tok.decode(trained) == full[len(prompt):]  # "<answer><|im_end|>\n"
+
+
+def test_reference_cache_reused_and_rebuilt_on_each_input(tmp_path, monkeypatch):
+    """The cache is reused when data, tokenizer and model match; a change to any of them builds a
+    new file and leaves the old one as it was; a stale or foreign file at the cache's name is
+    refused, named, and not overwritten."""
+    from megatrain_jax.data import DataError
+    data = write_pairs(tmp_path / "pairs.jsonl", bundled_pairs(6))
+    cfg = preference_cfg(tmp_path, data)
+    dataset, engine = build(cfg)
+    lines = []
+    dpo.prepare_reference(cfg, engine, dataset, lines.append)
+    (first,) = [f for f in os.listdir(tmp_path / "run") if f.startswith("reference_logps")]
+    cached = tmp_path / "run" / first
+    before = cached.read_bytes()
+    computed = dataset.rows["reference"].copy()
+    assert np.all(computed < 0)
+
+    calls = []
+    real = dpo.reference_logps
+    monkeypatch.setattr(dpo, "reference_logps", lambda *a: calls.append(1) or real(*a))
+    dataset.rows["reference"][:] = 0
+    dpo.prepare_reference(cfg, engine, dataset, lines.append)
+    assert calls == [] and "(key matches)" in lines[-1]
+    np.testing.assert_array_equal(dataset.rows["reference"], computed)
+
+    def rebuilt(cfg, dataset, engine):
+        dpo.prepare_reference(cfg, engine, dataset, lines.append)
+        assert len(calls) == 1 and "saved to" in lines[-1]
+        calls.clear()
+        assert cached.read_bytes() == before  # the old one untouched
+        return lines[-1].rsplit(" ", 1)[1]
+
+    made = set()
+    # data: one more pair
+    data2 = write_pairs(tmp_path / "pairs2.jsonl", bundled_pairs(7))
+    cfg2 = preference_cfg(tmp_path, data2)
+    made.add(rebuilt(cfg2, build(cfg2)[0], engine))
+    # tokenizer: the same tokenizer.json, another chat template (its default system message)
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(BUNDLED_TOKENIZER, tok_dir)
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = config["chat_template"].replace("a helpful", "an honest")
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    cfg3 = preference_cfg(tmp_path, data, f"data.tokenizer={tok_dir}/tokenizer.json")
+    made.add(rebuilt(cfg3, build(cfg3)[0], engine))
+    # model: other starting weights
+    cfg4 = preference_cfg(tmp_path, data, "train.seed=1")
+    dataset4, engine4 = build(cfg4)
+    made.add(rebuilt(cfg4, dataset4, engine4))
+    engine4.close()
+    assert len(made) == 3 and str(cached) not in made
+
+    # stale: another key's file at this key's name; foreign: not ours at all
+    other = sorted(made)[0]
+    for content, message in [(open(other, "rb").read(), "stale or foreign reference cache: its "
+                                                         "key differs in (data|tokenizer|model)"),
+                             (b"not an npz", "not a reference log-prob cache")]:
+        cached.write_bytes(content)
+        with pytest.raises(DataError, match=f"^{cached}: {message}.*not overwritten"):
+            dpo.prepare_reference(cfg, engine, dataset, lines.append)
+        assert cached.read_bytes() == content and calls == []
+    engine.close()
+
+
+# ----------------------------------------------------------------------------- preference data
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    from megatrain_jax.chat import ChatTemplate
+    from megatrain_jax.data import load_tokenizer
+    path = os.path.join(BUNDLED_TOKENIZER, "tokenizer.json")
+    return load_tokenizer(path), ChatTemplate.for_tokenizer(path)
+
+
+def test_pair_shapes_masks_and_overlong(tmp_path, bundled):
+    """Text, message lists and an implicit prompt give the same sequences; the masks hold the
+    completion only (not the prompt's earlier assistant turn); overlong pairs are truncated or
+    skipped, and counted."""
+    from megatrain_jax.preference import load_pairs
+    tok, template = bundled
+    user = {"role": "user", "content": "What is 2 + 2?"}
+    good, bad = ({"role": "assistant", "content": a} for a in ("2 + 2 = 4.", "2 + 2 = 5."))
+    path = write_pairs(tmp_path / "p.jsonl", [
+        {"prompt": user["content"], "chosen": good["content"], "rejected": bad["content"]},
+        {"prompt": [user], "chosen": [good], "rejected": [bad]},
+        {"chosen": [user, good], "rejected": [user, bad]}])
+    pairs = load_pairs(path, tok, template, seq_len=64)
+    for k in (2, 4):
+        np.testing.assert_array_equal(pairs.ids[k], pairs.ids[0])
+        np.testing.assert_array_equal(pairs.labels[k + 1], pairs.labels[1])
+    completion = tok.decode(pairs.labels[0][pairs.labels[0] != IGNORE_ID])
+    assert completion == "2 + 2 = 4.<|im_end|>\n"
+    # a multi-turn prompt: its own assistant turn is not trained on
+    turns = [user, good, {"role": "user", "content": "Sure?"}]
+    path = write_pairs(tmp_path / "t.jsonl", [{"prompt": turns, "chosen": [good],
+                                               "rejected": [bad]}])
+    pairs = load_pairs(path, tok, template, seq_len=128)
+    assert tok.decode(pairs.labels[1][pairs.labels[1] != IGNORE_ID]) == "2 + 2 = 5.<|im_end|>\n"
+
+    long = {"prompt": "Hi?", "chosen": "word " * 60, "rejected": "No."}
+    path = write_pairs(tmp_path / "l.jsonl", [{"prompt": "Hi?", "chosen": "Yes.",
+                                               "rejected": "No."}, long])
+    kept = load_pairs(path, tok, template, seq_len=48, overlong="truncate")
+    assert (kept.lines, kept.num_pairs, kept.truncated) == (2, 2, 1)
+    assert max(len(ids) for ids in kept.ids) == 49
+    assert "2 pairs, 2 used; 1 truncated to data.seq_len=48" in kept.report(48, "truncate")
+    skipped = load_pairs(path, tok, template, seq_len=48, overlong="skip")
+    assert (skipped.num_pairs, skipped.skipped) == (1, 1)
+    assert "1 skipped (a sequence over data.seq_len=48)" in skipped.report(48, "skip")
+
+
+def test_batches_keep_pairs_whole_and_resume(tmp_path, bundled):
+    from megatrain_jax.preference import PreferenceDataset, load_pairs, rows
+    tok, template = bundled
+    pairs = load_pairs(write_pairs(tmp_path / "p.jsonl", bundled_pairs(20)), tok, template,
+                       seq_len=64)
+    table = rows(pairs, 64)
+    table["reference"][:] = np.arange(40)  # row r's reference is r: pairs are (2p, 2p + 1)
+    make = lambda: PreferenceDataset(table, batch_size=4, seed=1, num_micro_batches=2)
+    a, b = make(), make()
+    for _ in range(7):  # past an epoch (5 steps of 4 pairs)
+        inputs, targets, context = a.next_batch_with_context()
+        assert inputs.shape == targets["tokens"].shape == context["segment_ids"].shape == (2, 4, 64)
+        ref = targets["reference"].reshape(-1, 2)
+        assert np.all(ref[:, 0] % 2 == 0) and np.all(ref[:, 1] == ref[:, 0] + 1)
+    b.restore(a.state())
+    jax.tree.map(np.testing.assert_array_equal, a.next_batch_with_context(),
+                 b.next_batch_with_context())
+
+
+def test_bad_pairs_name_file_and_line(tmp_path, bundled):
+    from megatrain_jax.data import DataError
+    from megatrain_jax.preference import load_pairs
+    tok, template = bundled
+    good = {"prompt": "a", "chosen": "b", "rejected": "c"}
+    cases = [
+        ({"prompt": "a", "chosen": "b"}, 'missing "rejected"'),
+        ({"chosen": "b", "rejected": "c"}, 'missing "prompt"'),
+        ({"prompt": "a", "chosen": "b", "rejected": "b"}, '"chosen" and "rejected" are identical'),
+        ({"prompt": "a", "chosen": 3, "rejected": "c"}, '"chosen" must be a string or'),
+        ({"prompt": [{"role": "robot", "content": "a"}], "chosen": "b", "rejected": "c"},
+         '"prompt" message 0 must be an object with a role'),
+        ({"prompt": "a " * 80, "chosen": "b", "rejected": "c"},
+         r"the prompt is \d+ tokens, longer than data.seq_len=32"),
+        ("{not json", "invalid JSON"),
+    ]
+    for record, message in cases:
+        path = write_pairs(tmp_path / "bad.jsonl", [good, "", record])
+        for overlong in ("truncate", "skip"):
+            with pytest.raises(DataError, match=f"^{path}:3: {message}") as e:
+                load_pairs(path, tok, template, seq_len=32, overlong=overlong)
+            assert "\n" not in str(e.value)
+
+
+def run(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train.py"), *args],
+                          capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+
+
+def test_cli_refuses_a_bad_pair(tmp_path):
+    config = os.path.join(ROOT, "configs", "dpo_tiny.yaml")
+    path = write_pairs(tmp_path / "bad.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"},
+                                                {"prompt": "a", "chosen": "b"}])
+    result = run("--config", config, f"data.path={path}", f"run_dir={tmp_path / 'run'}")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f'error: {path}:2: missing "rejected" (a preference pair needs "prompt", "chosen" and '
+        f'"rejected"; keys: chosen, prompt)']
+    assert not (tmp_path / "run").exists()
+
+
+def test_dpo_tiny_runs_and_resumes_via_the_cli(tmp_path):
+    """configs/dpo_tiny.yaml (a smaller model) trains a few steps through the CLI, logs the DPO
+    metrics, and a resumed run reuses the reference cache built from the starting weights."""
+    small = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128",
+             "train.log_every=1", f"run_dir={tmp_path}"]
+    config = os.path.join(ROOT, "configs", "dpo_tiny.yaml")
+    result = run("--config", config, "train.steps=2", *small)
+    assert result.returncode == 0, result.stderr
+    assert "reference log-probs: 640 sequences, one streamed forward pass" in result.stdout
+    assert "preference data: megatrain_jax/texts/dpo_tiny.jsonl: 320 pairs, 320 used" in result.stdout
+    assert "reward acc" in result.stdout and "logps chosen" in result.stdout
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    for key in ("loss", "reward_margin", "reward_accuracy", "logps_chosen", "logps_rejected"):
+        assert all(np.isfinite(r[key]) for r in records), key
+    assert abs(records[0]["loss"] - np.log(2)) < 1e-3  # the policy is the reference at step 1
+    result = run("--config", config, "train.steps=3", "checkpoint.allow_changes=[train.steps]",
+                 *small)
+    assert result.returncode == 0, result.stderr
+    assert "(key matches)" in result.stdout and "resumed from checkpoint step 2" in result.stdout
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [1, 2, 3]
