@@ -419,3 +419,59 @@ def test_dpo_tiny_runs_and_resumes_via_the_cli(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "(key matches)" in result.stdout and "resumed from checkpoint step 2" in result.stdout
     assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
+def readme_commands(section: str) -> list:
+    """The bash block of README.md's `section`, as argv lists (continuations joined, comments
+    dropped), with its variable assignments substituted."""
+    import re
+    import shlex
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    block = re.search(re.escape(section) + r"\n.*?```bash\n(.*?)```", text, re.S).group(1)
+    commands, variables = [], {}
+    for line in block.replace("\\\n", " ").splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, eq, value = line.partition("=")
+        if eq and re.fullmatch(r"[A-Z_]+", name):
+            variables[name] = value
+            continue
+        for name, value in variables.items():
+            line = line.replace(f"${name}", value)
+        commands.append(shlex.split(line))
+    return commands
+
+
+def test_readme_sft_then_dpo_commands_run(chat_model, tmp_path):
+    """README's "SFT then DPO from a local HF model" commands, as written, on the tiny chat model
+    (its directory for MODEL, small data files, run directories under tmp_path, and fewer steps
+    and shorter rows appended): both runs train, both exports load in transformers, and DPO moved
+    the SFT model's weights."""
+    from megatrain_jax import commands
+    _, model_dir = chat_model
+    sft = os.path.join(ROOT, "megatrain_jax", "texts", "sft_tiny.jsonl")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(open(sft, encoding="utf-8").readlines()[:24]), encoding="utf-8")
+    pairs = write_pairs(tmp_path / "pairs.jsonl", bundled_pairs(8))
+    scripts = {"scripts/train.py": commands.train, "scripts/export_hf.py": commands.export}
+    ran = []
+    for argv in readme_commands("### SFT then DPO from a local HF model"):
+        assert argv[0] == "python" and argv[1] in scripts, argv
+        args = [a.replace("models/Qwen2.5-0.5B-Instruct", model_dir)
+                .replace("=chats.jsonl", f"={chats}").replace("=pairs.jsonl", f"={pairs}")
+                .replace("runs/", f"{tmp_path}/runs/") for a in argv[2:]]
+        if argv[1] == "scripts/train.py":
+            args += ["train.steps=2", "data.seq_len=96", "data.batch_size=4",
+                     "train.compute_dtype=float32", "optimizer.learning_rate=1e-3",
+                     "optimizer.warmup_steps=0"]
+        assert scripts[argv[1]](args) == 0, argv
+        ran.append(argv[1])
+    assert ran == ["scripts/train.py", "scripts/export_hf.py"] * 2
+    sft_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "runs/sft/hf")
+    dpo_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "runs/dpo/hf")
+    assert os.path.exists(tmp_path / "runs/dpo/hf/tokenizer.json")
+    moved = [not torch.equal(a, b) for a, b in zip(sft_model.parameters(), dpo_model.parameters())]
+    assert all(moved)
+    records = [json.loads(line) for line in open(tmp_path / "runs/dpo/metrics.jsonl")]
+    assert abs(records[0]["loss"] - np.log(2)) < 1e-4 and "reward_accuracy" in records[0]
