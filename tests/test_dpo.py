@@ -27,6 +27,9 @@ from test_moe import keep_gradient  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BETA = 0.3
+# configs/dpo_tiny.yaml with a smaller model and batch (one set of shapes: compiled once)
+SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128",
+         "data.batch_size=8"]
 
 
 @pytest.fixture(scope="module")
@@ -178,8 +181,7 @@ def preference_cfg(tmp_path, data, *overrides, model_dir=None):
 
     from megatrain_jax.config import load_config
     config = os.path.join(ROOT, "configs", "dpo_tiny.yaml")
-    given = [f"data.path={data}", f"run_dir={tmp_path / 'run'}", "data.seq_len=64",
-             "data.batch_size=4", "data.micro_batches=2"]
+    given = [f"data.path={data}", f"run_dir={tmp_path / 'run'}"]
     if model_dir:  # the architecture from config.json: no model section
         sections = yaml.safe_load(open(config))
         del sections["model"]
@@ -187,7 +189,7 @@ def preference_cfg(tmp_path, data, *overrides, model_dir=None):
         config.write_text(yaml.safe_dump(sections))
         given += [f"model.from_hf={model_dir}", f"data.tokenizer={model_dir}/tokenizer.json"]
     else:
-        given += ["model.num_layers=1", "model.hidden_size=32", "model.intermediate_size=64"]
+        given += SMALL
     return load_config(str(config), given + list(overrides))
 
 
@@ -206,7 +208,8 @@ def test_reference_logps_equal_transformers(chat_model, tmp_path):
     chat template's rendering with the completion's tokens only as targets."""
     model, path = chat_model
     data = write_pairs(tmp_path / "pairs.jsonl", bundled_pairs(10))  # 20 rows: batches of 8
-    dataset, engine = build(preference_cfg(tmp_path, data, model_dir=path))
+    dataset, engine = build(preference_cfg(tmp_path, data, "data.batch_size=4",
+                                           "data.micro_batches=2", model_dir=path))
     ours = dpo.reference_logps(engine, dataset)
     engine.close()
     rows = dataset.rows
@@ -399,25 +402,25 @@ def test_cli_refuses_a_bad_pair(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_dpo_tiny_runs_and_resumes_via_the_cli(tmp_path):
-    """configs/dpo_tiny.yaml (a smaller model) trains a few steps through the CLI, logs the DPO
-    metrics, and a resumed run reuses the reference cache built from the starting weights."""
-    small = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128",
-             "train.log_every=1", f"run_dir={tmp_path}"]
+def test_dpo_tiny_runs_and_resumes_via_the_command_line(tmp_path, capsys):
+    """configs/dpo_tiny.yaml (a smaller model) trains a few steps through the command line
+    (`megatrain train`, as scripts/train.py runs it), logs the DPO metrics, and a resumed run
+    reuses the reference cache built from the starting weights."""
+    from megatrain_jax import commands
     config = os.path.join(ROOT, "configs", "dpo_tiny.yaml")
-    result = run("--config", config, "train.steps=2", *small)
-    assert result.returncode == 0, result.stderr
-    assert "reference log-probs: 640 sequences, one streamed forward pass" in result.stdout
-    assert "preference data: megatrain_jax/texts/dpo_tiny.jsonl: 320 pairs, 320 used" in result.stdout
-    assert "reward acc" in result.stdout and "logps chosen" in result.stdout
+    small = ["--config", config, *SMALL, "train.log_every=1", f"run_dir={tmp_path}"]
+    assert commands.train([*small, "train.steps=2"]) == 0
+    out = capsys.readouterr().out
+    assert "reference log-probs: 640 sequences, one streamed forward pass" in out
+    assert "preference data: megatrain_jax/texts/dpo_tiny.jsonl: 320 pairs, 320 used" in out
+    assert "reward acc" in out and "logps chosen" in out
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     for key in ("loss", "reward_margin", "reward_accuracy", "logps_chosen", "logps_rejected"):
         assert all(np.isfinite(r[key]) for r in records), key
-    assert abs(records[0]["loss"] - np.log(2)) < 1e-3  # the policy is the reference at step 1
-    result = run("--config", config, "train.steps=3", "checkpoint.allow_changes=[train.steps]",
-                 *small)
-    assert result.returncode == 0, result.stderr
-    assert "(key matches)" in result.stdout and "resumed from checkpoint step 2" in result.stdout
+    assert abs(records[0]["loss"] - np.log(2)) < 1e-4  # the policy is the reference at step 1
+    assert commands.train([*small, "train.steps=3", "checkpoint.allow_changes=[train.steps]"]) == 0
+    out = capsys.readouterr().out
+    assert "(key matches)" in out and "resumed from checkpoint step 2" in out
     assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [1, 2, 3]
 
 
