@@ -33,13 +33,18 @@ def run(args) -> dict:
     hostmem.set_mmap_threshold(1 << 20)  # as train() sets it
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run_dir = tempfile.mkdtemp(prefix="bench-dpo-")
+    data = os.path.join(run_dir, "pairs.jsonl")  # the first --pairs bundled pairs
+    with open(os.path.join(root, "megatrain_jax", "texts", "dpo_tiny.jsonl"), encoding="utf-8") as f:
+        lines = f.readlines()[:args.pairs]
+    with open(data, "w", encoding="utf-8") as f:
+        f.writelines(lines)
     heads = max(1, args.hidden // 64)
     cfg = load_config(os.path.join(root, "configs", "dpo_tiny.yaml"), [
         f"model.hidden_size={args.hidden}", f"model.intermediate_size={int(2.75 * args.hidden)}",
         f"model.num_layers={args.layers}", f"model.num_heads={heads}",
         f"model.num_kv_heads={heads}", f"data.batch_size={args.batch_size}",
         f"train.steps={args.steps}", f"train.compute_dtype={args.compute_dtype}",
-        f"run_dir={run_dir}", "train.offload_activations=false"])
+        f"run_dir={run_dir}", f"data.path={data}", "train.offload_activations=false"])
     cpu = jax.devices("cpu")
     devices = ({"compute_device": cpu[0], "host_device": cpu[1]}
                if jax.devices()[0].platform == "cpu" else {})
@@ -75,15 +80,18 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=16, help="rows per step (pairs x 2)")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--pairs", type=int, default=64, help="bundled pairs the reference pass scores")
     p.add_argument("--compute-dtype", default="bfloat16")
     p.add_argument("--json", help="also write the result to this file")
     args = p.parse_args(argv)
     if args.hidden < 64 or args.hidden % 64 or args.layers < 1 or args.steps < 1:
         p.error("--hidden must be a multiple of 64, --layers and --steps >= 1")
+    if args.batch_size % 2 or args.pairs < args.batch_size // 2:
+        p.error("--batch-size must be even and --pairs at least --batch-size / 2")
     r = run(args)
     gb = lambda n: f"{n / 1e9:.2f} GB"
     base = r["baseline_rss_bytes"]
-    print(f"{r['params'] / 1e6:.0f}M params on {r['device']}, {r['sequences']} sequences of "
+    print(f"{r['params'] / 1e6:.1f}M params on {r['device']}, {r['sequences']} sequences of "
           f"{r['seq_len']} tokens")
     print(f"  engine built:    RSS {gb(r['engine_rss_bytes'])} "
           f"(+{gb(r['engine_rss_bytes'] - base)} over the baseline {gb(base)})")

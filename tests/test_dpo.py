@@ -408,20 +408,23 @@ def test_dpo_tiny_runs_and_resumes_via_the_command_line(tmp_path, capsys):
     reuses the reference cache built from the starting weights."""
     from megatrain_jax import commands
     config = os.path.join(ROOT, "configs", "dpo_tiny.yaml")
-    small = ["--config", config, *SMALL, "train.log_every=1", f"run_dir={tmp_path}"]
+    data = write_pairs(tmp_path / "pairs.jsonl", bundled_pairs(12))  # a quicker reference pass
+    small = ["--config", config, *SMALL, "train.log_every=1", f"run_dir={tmp_path / 'run'}",
+             f"data.path={data}", "logging.tensorboard=false"]
     assert commands.train([*small, "train.steps=2"]) == 0
     out = capsys.readouterr().out
-    assert "reference log-probs: 640 sequences, one streamed forward pass" in out
-    assert "preference data: megatrain_jax/texts/dpo_tiny.jsonl: 320 pairs, 320 used" in out
+    assert "reference log-probs: 24 sequences, one streamed forward pass" in out
+    assert f"preference data: {data}: 12 pairs, 12 used" in out
     assert "reward acc" in out and "logps chosen" in out
-    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     for key in ("loss", "reward_margin", "reward_accuracy", "logps_chosen", "logps_rejected"):
         assert all(np.isfinite(r[key]) for r in records), key
     assert abs(records[0]["loss"] - np.log(2)) < 1e-4  # the policy is the reference at step 1
     assert commands.train([*small, "train.steps=3", "checkpoint.allow_changes=[train.steps]"]) == 0
     out = capsys.readouterr().out
     assert "(key matches)" in out and "resumed from checkpoint step 2" in out
-    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")] == [
+        1, 2, 3]
 
 
 def readme_commands(section: str) -> list:
@@ -465,9 +468,9 @@ def test_readme_sft_then_dpo_commands_run(chat_model, tmp_path):
                 .replace("=chats.jsonl", f"={chats}").replace("=pairs.jsonl", f"={pairs}")
                 .replace("runs/", f"{tmp_path}/runs/") for a in argv[2:]]
         if argv[1] == "scripts/train.py":
-            args += ["train.steps=2", "data.seq_len=96", "data.batch_size=4",
+            args += ["train.steps=2", "data.seq_len=64", "data.batch_size=4",
                      "train.compute_dtype=float32", "optimizer.learning_rate=1e-3",
-                     "optimizer.warmup_steps=0"]
+                     "optimizer.warmup_steps=0", "logging.tensorboard=false"]
         assert scripts[argv[1]](args) == 0, argv
         ran.append(argv[1])
     assert ran == ["scripts/train.py", "scripts/export_hf.py"] * 2
