@@ -5,6 +5,7 @@ through the CLI."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -384,6 +385,24 @@ def test_bad_pairs_name_file_and_line(tmp_path, bundled):
             assert "\n" not in str(e.value)
 
 
+def test_config_keys():
+    from megatrain_jax.config import ConfigError, load_config
+    config = os.path.join(ROOT, "configs", "dpo_tiny.yaml")
+    cfg = load_config(config)
+    assert cfg.data.format == "preference" and cfg.data.document_mask  # implied: padding marked
+    assert (cfg.dpo.beta, cfg.dpo.loss, cfg.dpo.reference_dir) == (0.5, "sigmoid", "")
+    for override, message in [
+            ("dpo.beta=0", "dpo.beta must be > 0, got 0"),
+            ("dpo.loss=ipa", "dpo.loss must be one of sigmoid, ipo, got 'ipa' (did you mean ipo?)"),
+            ("data.batch_size=7", "data.batch_size must be even with data.format=preference"),
+            ("data.eval_fraction=0.1", "not supported with data.format=preference"),
+            ("data.document_mask=false", "data.document_mask=false with data.format=preference"),
+            ("data.tokenizer=byte", "data.format=preference needs data.tokenizer to be a "
+                                    "tokenizer.json")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(config, [override])
+
+
 def run(*args, cwd=ROOT):
     return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train.py"), *args],
                           capture_output=True, text=True, cwd=cwd,
@@ -430,7 +449,6 @@ def test_dpo_tiny_runs_and_resumes_via_the_command_line(tmp_path, capsys):
 def readme_commands(section: str) -> list:
     """The bash block of README.md's `section`, as argv lists (continuations joined, comments
     dropped), with its variable assignments substituted."""
-    import re
     import shlex
     text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     block = re.search(re.escape(section) + r"\n.*?```bash\n(.*?)```", text, re.S).group(1)
