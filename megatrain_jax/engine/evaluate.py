@@ -4,6 +4,8 @@
     forward   for layer i (weights prefetched, at most prefetch + 1 resident, as in a step):
                 x_{i+1}[m] = block_i(x_i[m]); x_i[m] is freed once layer i is done
     loss      fetch the last stage's weights; loss_sum[m], weight[m] = last(x_L[m])
+              (`outputs`: any output(last, x_L[m], targets[m]) instead, e.g. per-sequence
+              log-probabilities of a frozen model)
 
 The loss is the last stage's alone: a block's auxiliary statistics (a mixture of experts'
 load balancing) are dropped, so a MoE model's evaluation loss is its language-model loss.
