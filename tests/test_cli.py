@@ -7,7 +7,10 @@ import sys
 
 import pytest
 
+from megatrain_jax import commands
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 FAST = ["train.steps=3", "model.num_layers=2", "data.seq_len=32", "data.batch_size=2",
         "train.log_every=1"]
 
@@ -46,22 +49,23 @@ BAD_INPUTS = [
 ]
 
 
+# In-process: scripts/train.py's main is commands.train (tests/test_commands.py), and a bad input
+# through the script itself (exit status, one line, no traceback) is tests/test_bad_inputs.py's.
 @pytest.mark.parametrize("overrides,message", BAD_INPUTS, ids=[m.split(":")[0][:30] for _, m in BAD_INPUTS])
-def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, overrides, message):
+def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, overrides, message):
     run_dir = tmp_path / "run"
     (tmp_path / "a_file").write_text("a file where run_dir wants a directory")
     overrides = [o.format(tmp=tmp_path) for o in overrides]
-    proc = run("--config", "configs/tiny.yaml", *FAST, f"run_dir={run_dir}", *overrides)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
+    assert commands.train(["--config", TINY, *FAST, f"run_dir={run_dir}", *overrides]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ")
     assert message.format(tmp=tmp_path) in lines[0]
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in err
     if "run_dir=" not in " ".join(overrides):
         assert not run_dir.exists()  # nothing written
 
 
-def test_missing_config_file(tmp_path):
-    proc = run("--config", str(tmp_path / "nope.yaml"))
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == f"error: config file not found: {tmp_path / 'nope.yaml'}"
+def test_missing_config_file(tmp_path, capsys):
+    assert commands.train(["--config", str(tmp_path / "nope.yaml")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: config file not found: {tmp_path / 'nope.yaml'}"
