@@ -8,6 +8,8 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
+
 from megatrain_jax import commands
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,34 +21,38 @@ def megatrain(*args, cwd=ROOT):
                           text=True, cwd=cwd, timeout=300)
 
 
-def test_help_lists_the_commands():
-    proc = megatrain("--help")
+def test_help_lists_the_commands(capsys):
+    proc = megatrain("--help")  # `python -m megatrain_jax` names itself so
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: python -m megatrain_jax {train,plan,export,plot}")
     for name in ("train", "plan", "export", "plot"):
         assert f"\n  {name} " in proc.stdout
+    # each command's --help in-process (what `python -m megatrain_jax` runs: commands.run with
+    # that prog, as above)
     for name, options in [("train", ["--config", "key=value"]),
                           ("plan", ["--config", "--device", "--sweep", "--json"]),
                           ("export", ["--run-dir", "--out", "--step", "--dtype", "--shard-size"]),
                           ("plot", ["RUN_DIR", "--out"])]:
-        sub = megatrain(name, "--help")
-        assert sub.returncode == 0, sub.stderr
-        assert sub.stdout.startswith(f"usage: python -m megatrain_jax {name} ")
+        with pytest.raises(SystemExit) as exit_:
+            commands.run([name, "--help"], prog="python -m megatrain_jax")
+        assert exit_.value.code == 0
+        sub = capsys.readouterr()
+        assert sub.out.startswith(f"usage: python -m megatrain_jax {name} "), sub.err
         for option in options:
-            assert option in sub.stdout, (name, option)
+            assert option in sub.out, (name, option)
 
 
-def test_unknown_or_missing_command_is_exit_2():
+def test_unknown_or_missing_command_is_exit_2(capsys):
     proc = megatrain("trian", "--config", "configs/tiny.yaml")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == ("error: unknown command 'trian' (did you mean train?); expected "
                                    "one of train, plan, export, plot (`python -m megatrain_jax --help`)")
-    nothing = megatrain()
-    assert nothing.returncode == 2 and nothing.stderr.startswith("usage: ")
+    assert commands.run([], prog="python -m megatrain_jax") == 2  # in-process from here
+    nothing = capsys.readouterr()
+    assert nothing.out == "" and nothing.err.startswith("usage: python -m megatrain_jax ")
     # A bad option of a command is one line too.
-    bad = megatrain("export", "--run-dir", "x")
-    assert bad.returncode == 2
-    assert bad.stderr.strip() == "error: the following arguments are required: --out"
+    assert commands.run(["export", "--run-dir", "x"]) == 2
+    assert capsys.readouterr().err.strip() == "error: the following arguments are required: --out"
 
 
 def test_train_trains_and_writes_metrics(tmp_path):
