@@ -21,11 +21,13 @@ def run(*args, cwd=ROOT):
 
 
 def test_tiny_config_trains_and_writes_metrics(tmp_path):
-    # A relative run_dir, as in the README's command, from another working directory.
+    # A relative run_dir, as in the README's command, from another working directory. (The one
+    # training run through a command line: `megatrain train` is the same function,
+    # tests/test_commands.py.)
     run_dir = tmp_path / "runs" / "tiny"
     proc = run("--config", os.path.join(ROOT, "configs", "tiny.yaml"), *FAST, "data.micro_batches=2",
                f"data.path={ROOT}/megatrain_jax/texts/devils_dictionary.txt", "run_dir=runs/tiny",
-               cwd=tmp_path)
+               "optimizer.schedule=wsd", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert (run_dir / "checkpoints" / "3").is_dir()  # the final checkpoint, committed
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -34,7 +36,7 @@ def test_tiny_config_trains_and_writes_metrics(tmp_path):
         assert {"step", "loss", "tokens_per_sec", "step_time_s"} <= set(r)
         assert 0 < r["loss"] < 10 and r["tokens_per_sec"] > 0 and r["step_time_s"] > 0
     saved = (run_dir / "config.yaml").read_text()
-    assert "num_layers: 2" in saved and "micro_batches: 2" in saved
+    assert "num_layers: 2" in saved and "micro_batches: 2" in saved and "schedule: wsd" in saved
     assert "num_layers: 2" in proc.stdout  # the resolved config is printed
     assert "step     3 | loss" in proc.stdout
 

@@ -2,7 +2,6 @@
 same functions as scripts/*.py."""
 
 import importlib.metadata
-import json
 import os
 import subprocess
 import sys
@@ -55,21 +54,10 @@ def test_unknown_or_missing_command_is_exit_2(capsys):
     assert capsys.readouterr().err.strip() == "error: the following arguments are required: --out"
 
 
-def test_train_trains_and_writes_metrics(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = megatrain("train", "--config", "configs/tiny.yaml", "train.steps=2", f"run_dir={run_dir}",
-                     "data.seq_len=32", "data.batch_size=2", "optimizer.schedule=wsd")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2]
-    assert all(0 < r["loss"] < 10 and r["tokens_per_sec"] > 0 for r in records)
-    assert (run_dir / "checkpoints" / "2").is_dir()
-    assert "schedule: wsd" in (run_dir / "config.yaml").read_text()
-    assert "step     2 | loss" in proc.stdout
-
-
 # In-process: `python -m megatrain_jax` reaches commands.run (the tests above), whose exit code
-# the process exits with. `megatrain plan`: tests/test_plan.py::test_script_prints_the_plan_and_writes_json.
+# the process exits with. A training run through the command line (metrics, checkpoint, the saved
+# config, here with optimizer.schedule=wsd): tests/test_cli.py::test_tiny_config_trains_and_writes_metrics;
+# `megatrain plan`: tests/test_plan.py::test_script_prints_the_plan_and_writes_json.
 def test_train_bad_input_is_one_line_exit_2(tmp_path, capsys):
     assert commands.run(["train", "--config", TINY, "train.stepz=2",
                          f"run_dir={tmp_path / 'run'}"]) == 2
