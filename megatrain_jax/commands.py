@@ -160,9 +160,12 @@ def plan(argv=None, prog=None) -> int:
             print(_sweep_table(rows))
             out = [{"seq_len": s, **p.to_dict()} for s, p in rows]
         else:
-            p = make_plan(load_config(args.config, args.overrides), machine)
+            cfg = load_config(args.config, args.overrides)
+            p = make_plan(cfg, machine)
             print(p.report())
-            out = p.to_dict()
+            lines = _advice(cfg, machine, p, args)
+            print("\n".join(lines))
+            out = {**p.to_dict(), "advice": lines}
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:
@@ -171,8 +174,9 @@ def plan(argv=None, prog=None) -> int:
     return _run(lambda: parser.parse_args(argv), go)
 
 
-def _step_time(cfg, machine, args) -> dict:
-    """Prints the step-time prediction of cfg; returns it as plain data."""
+def _rates(machine, args, shape=None) -> tuple:
+    """(rates, where each comes from, a bench.py result of the same step or None): the defaults,
+    the machine preset's bus and bf16 peak, --rates, then the rate flags, each over the last."""
     from megatrain_jax import step_time
     from megatrain_jax.config import ConfigError
     for key, flag in RATE_FLAGS.items():
@@ -181,8 +185,6 @@ def _step_time(cfg, machine, args) -> dict:
             raise ConfigError(f"{flag} must be > 0, got {value:g}")
     if args.rates and not os.path.exists(args.rates):
         raise ConfigError(f"--rates {args.rates}: no such file or folder")
-    offload = cfg.train.offload_activations is True
-    shape = step_time.step_shape(cfg, offload)
     rates, sources, bench = dict(step_time.DEFAULTS), {k: "default" for k in step_time.DEFAULTS}, None
     if machine.bf16_tflops > 0:  # the preset's bus and peak
         for key, value in (("h2d_gbps", machine.host_device_gbps),
@@ -200,7 +202,28 @@ def _step_time(cfg, machine, args) -> dict:
     for key, flag in RATE_FLAGS.items():
         if getattr(args, key) is not None:
             rates[key], sources[key] = getattr(args, key), flag
-    prediction = step_time.simulate(shape, step_time.Rates(**rates))
+    return step_time.Rates(**rates), sources, bench
+
+
+def _advice(cfg, machine, run_plan, args) -> list:
+    """The advice a run prints after its first steps (megatrain_jax.advice), from predicted
+    quantities: the step-time model's step at run_plan's activation offload, its device peak."""
+    from megatrain_jax import advice, step_time
+    if machine.bf16_tflops <= 0 and args.device_tflops is None and not args.rates:
+        return [f"advice: none before the run: {machine.name} has no known peak for the step-time "
+                f"model (--tflops, --rates); the run advises after its first steps"]
+    shape = step_time.step_shape(cfg, run_plan.offload_activations)
+    prediction = step_time.simulate(shape, _rates(machine, args, shape)[0])
+    return advice.for_plan(cfg, machine, run_plan, prediction)
+
+
+def _step_time(cfg, machine, args) -> dict:
+    """Prints the step-time prediction of cfg; returns it as plain data."""
+    from megatrain_jax import step_time
+    offload = cfg.train.offload_activations is True
+    shape = step_time.step_shape(cfg, offload)
+    rates, sources, bench = _rates(machine, args, shape)
+    prediction = step_time.simulate(shape, rates)
     peak = machine.bf16_tflops or step_time.DEFAULTS["device_tflops"]
     print(f"step: {shape.micro_batches} micro-batch(es), {shape.tokens_per_step:,} tokens, "
           f"{shape.layers} layers, prefetch {shape.prefetch}, activations "

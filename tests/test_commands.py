@@ -1,9 +1,10 @@
-"""The one command line: `megatrain train|plan|export` and `python -m megatrain_jax ...`, over the
+"""The one command line: `megatrain train|plan|export|generate|plot` and `python -m megatrain_jax ...`, over the
 same functions as scripts/*.py."""
 
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -21,12 +22,14 @@ def megatrain(*args, cwd=ROOT):
 def test_help_lists_the_commands():
     proc = megatrain("--help")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("usage: python -m megatrain_jax {train,plan,export,plot}")
-    for name in ("train", "plan", "export", "plot"):
+    assert proc.stdout.startswith("usage: python -m megatrain_jax {train,plan,export,generate,plot}")
+    for name in ("train", "plan", "export", "generate", "plot"):
         assert f"\n  {name} " in proc.stdout
     for name, options in [("train", ["--config", "key=value"]),
                           ("plan", ["--config", "--device", "--sweep", "--json"]),
                           ("export", ["--run-dir", "--out", "--step", "--dtype", "--shard-size"]),
+                          ("generate", ["--run", "--hf", "--step", "--prompt", "--max-new-tokens",
+                                        "--temperature", "--top-p", "--seed"]),
                           ("plot", ["RUN_DIR", "--out"])]:
         sub = megatrain(name, "--help")
         assert sub.returncode == 0, sub.stderr
@@ -39,7 +42,7 @@ def test_unknown_or_missing_command_is_exit_2():
     proc = megatrain("trian", "--config", "configs/tiny.yaml")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == ("error: unknown command 'trian' (did you mean train?); expected "
-                                   "one of train, plan, export, plot (`python -m megatrain_jax --help`)")
+                                   "one of train, plan, export, generate, plot (`python -m megatrain_jax --help`)")
     nothing = megatrain()
     assert nothing.returncode == 2 and nothing.stderr.startswith("usage: ")
     # A bad option of a command is one line too.
@@ -75,7 +78,11 @@ def test_plan_prints_the_plan(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for label in ("host RAM", "optimizer", "peak", "largest that fits"):
         assert label in proc.stdout, label
-    assert json.loads(out.read_text())["fits"]
+    # the advice a run prints after step 3, from the predicted step (megatrain_jax.advice)
+    assert re.search(r"^advice: steps are bound by (transfers|the host update|device compute): ",
+                     proc.stdout, re.M)
+    plan = json.loads(out.read_text())
+    assert plan["fits"] and plan["advice"][0].startswith("advice: steps are bound by ")
     bad = megatrain("plan", "--config", "configs/tiny.yaml", "--device", "tpu")
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --device 'tpu'")
 
@@ -84,7 +91,8 @@ def test_scripts_are_the_same_functions():
     """scripts/*.py are thin shells: their main is the command's function."""
     from importlib import util
     for script, fn in [("train.py", commands.train), ("plan.py", commands.plan),
-                       ("export_hf.py", commands.export)]:
+                       ("export_hf.py", commands.export), ("generate.py", commands.generate),
+                       ("plot.py", commands.plot)]:
         spec = util.spec_from_file_location(script[:-3], os.path.join(ROOT, "scripts", script))
         module = util.module_from_spec(spec)
         spec.loader.exec_module(module)
