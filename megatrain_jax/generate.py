@@ -64,6 +64,7 @@ class Model:
     context: int
     context_source: str
     what: str
+    close: Callable = lambda: None  # once the weights are read (a run's checkpoint manager)
 
 
 def _eos_ids(model_dir: str) -> tuple:
@@ -166,7 +167,7 @@ def from_run(run_dir: str, step: int | None = None) -> Model:
         return _module(abstract, params)
 
     return Model(cfg=cfg, first_last=first_last, block=block, tokenizer=tokenizer,
-                 context=context, context_source=source, what=where)
+                 context=context, context_source=source, what=where, close=manager.close)
 
 
 def decoder(model: Model, max_len: int, *, compute_dtype=None, compute_device=None,
@@ -222,7 +223,9 @@ def generate(model: Model, prompt_ids, *, max_new_tokens: int, temperature: floa
     prompt = np.asarray(prompt_ids, np.int32).reshape(1, -1)
     check_length(model, prompt.shape[1])
     total = min(model.context, prompt.shape[1] + max_new_tokens)
-    decode = decode or decoder(model, total, compute_dtype=compute_dtype)
+    if decode is None:
+        decode = decoder(model, total, compute_dtype=compute_dtype)
+        model.close()  # every weight is read
     key = jax.random.key(seed)
     t0 = time.perf_counter()
     logits = decode.start(prompt)

@@ -3,6 +3,8 @@
 The model knows nothing about streaming: it is three plain modules, `Embed`, `Block` and `LMHead`,
 that the engine (or a plain reference loop) calls in order. `Execution` says how they compute
 (attention implementation, MLP tiles, loss chunks), so that long sequences fit in bounded memory.
+For generation, `Block.prefill` and `Block.decode` run the same attention and MLP code with a KV
+cache (megatrain_jax/generate.py).
 Shapes use the letters B batch, T sequence, D hidden, N query heads, K kv heads, H head dim,
 F MLP hidden, V vocab.
 """
