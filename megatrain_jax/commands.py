@@ -1,4 +1,4 @@
-"""The command line: `megatrain train|plan|export|generate|plot ...` (also `python -m megatrain_jax ...`).
+"""The command line: `megatrain train|plan|export|generate|plot ...` (or python -m megatrain_jax).
 
     megatrain train --config configs/tiny.yaml [key=value ...]       # = scripts/train.py
     megatrain plan --config configs/llama3_8b.yaml [--device h100]   # = scripts/plan.py

@@ -1,5 +1,5 @@
-"""The one command line: `megatrain train|plan|export|generate|plot` and `python -m megatrain_jax ...`, over the
-same functions as scripts/*.py."""
+"""The one command line: `megatrain train|plan|export|generate|plot` and `python -m megatrain_jax
+...`, over the same functions as scripts/*.py."""
 
 import importlib.metadata
 import json

@@ -177,7 +177,7 @@ def test_readme_generate_command_as_written(tiny_run):
     readme = open(os.path.join(ROOT, "README.md")).read()
     lines = [line for line in readme.splitlines() if line.startswith("python scripts/generate.py")]
     assert lines, "the README shows no generate command"
-    command = lines[0].split("  #")[0].replace("python scripts/", f"{sys.executable} {ROOT}/scripts/")
+    command = lines[0].replace("python scripts/", f"{sys.executable} {ROOT}/scripts/")
     result = subprocess.run(command, shell=True, cwd=home, capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
     assert result.returncode == 0, result.stderr
@@ -227,4 +227,5 @@ def test_hf_directory_with_its_tokenizer_through_the_cli(tmp_path, capsys):
     assert out == prompt + fast.decode(expected) + "\n"
     shutil.copytree(tmp_path, tmp_path / "no_tok", ignore=shutil.ignore_patterns("tokenizer*"))
     code, _, err = cli(capsys, "--hf", str(tmp_path / "no_tok"), "--prompt", "w1")
-    assert code == 2 and err == f"error: --hf {tmp_path / 'no_tok'}: no tokenizer.json to encode the prompt\n"
+    assert code == 2 and err == (f"error: --hf {tmp_path / 'no_tok'}: no tokenizer.json to "
+                                 f"encode the prompt\n")
