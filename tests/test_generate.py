@@ -25,8 +25,7 @@ from megatrain_jax import commands, hf  # noqa: E402
 from megatrain_jax import generate as gen  # noqa: E402
 from megatrain_jax.config import load_config  # noqa: E402
 from megatrain_jax.data import ByteTokenizer  # noqa: E402
-from megatrain_jax.engine.decode import StreamedDecoder  # noqa: E402
-from megatrain_jax.model import Execution, ModelConfig, make_block, make_stages  # noqa: E402
+from megatrain_jax.model import Execution  # noqa: E402
 from megatrain_jax.train import train  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,42 +79,6 @@ def test_greedy_equals_transformers_and_cache_logits_equal_the_full_forward(arch
     np.testing.assert_allclose(np.stack(cached), full, rtol=1e-5, atol=1e-5)
 
 
-def test_layers_stream_with_bounded_residency_and_cross_once_per_token():
-    """At most prefetch + 1 layers' weights on the compute device at once, and per new token
-    every layer and the head's part cross the bus exactly once (the embedding stays on the
-    host: only the token's hidden state crosses)."""
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4,
-                      num_heads=4, num_kv_heads=2)
-    first, last = make_stages(cfg, 0)
-    decoder = StreamedDecoder(
-        first=first, last=last, make_block=lambda i: make_block(cfg, 0, i),
-        num_layers=cfg.num_layers, start=lambda b, x: b.prefill(x, 16),
-        extend=lambda b, x, c, p: b.decode(x, c, p), logits=lambda s, x: s.logits(x),
-        compute_dtype=jnp.float32, compute_device=CPU0, host_device=CPU1)
-    for prefetch in (0, 2):
-        decoder.prefetch = prefetch  # read by each forward: the compiled functions are reused
-        shape = (cfg.hidden_size, cfg.num_heads, cfg.head_size)
-        seen, peak = {}, [0]
-
-        def check(layer):
-            for a in jax.live_arrays():
-                if (a.shape == shape and a.sharding.device_set
-                        == {CPU0} and a.sharding.memory_kind == "device"):  # not pinned_host
-                    seen[id(a)] = a
-            peak[0] = max(peak[0], sum(not a.is_deleted() for a in seen.values()))
-
-        decoder.on_layer = check
-        decoder.start(np.zeros((1, 4), np.int32))
-        before = decoder.counters.bytes_h2d
-        logits = decoder.extend(np.zeros((1, 1), np.int32))
-        assert logits.shape == (1, cfg.vocab_size)
-        per_token = decoder.counters.bytes_h2d - before
-        layer_bytes = sum(x.nbytes for x in jax.tree.leaves(decoder.layers))
-        head_bytes = (cfg.hidden_size + cfg.hidden_size * cfg.vocab_size) * 4  # norm, w_out
-        assert per_token == layer_bytes + head_bytes + cfg.hidden_size * 4
-        assert peak[0] == prefetch + 1, (prefetch, peak[0])
-
-
 # ----------------------------------------------------------------------------- from a run
 
 
@@ -158,10 +121,17 @@ def test_greedy_from_a_run_equals_transformers_on_its_export(tiny_run, tmp_path,
     assert last.endswith(f"stopped at the model's context of 32 tokens (data.seq_len of {run_dir})")
 
 
-def test_seeded_sampling_is_reproducible(tiny_run):
+@pytest.fixture(scope="module")
+def run_decoder(tiny_run):
+    """The tiny run's model and a decoder of 32 positions (the shapes of the test above), the
+    layers streamed from the second CPU device to the first: every fetch is a real transfer."""
     model = gen.from_run(tiny_run[1])
+    return model, gen.decoder(model, 32, compute_device=CPU0, host_device=CPU1)
+
+
+def test_seeded_sampling_is_reproducible(run_decoder):
+    model, decoder = run_decoder
     prompt = model.tokenizer.encode("CYNIC, n.")
-    decoder = gen.decoder(model, 32)  # the shapes of the test above: compiled once
     sample = lambda **kw: gen.generate(model, prompt, max_new_tokens=20, decode=decoder, **kw)
     first = sample(temperature=1.0, top_p=0.9, seed=7)
     assert len(first) == 20
@@ -169,6 +139,37 @@ def test_seeded_sampling_is_reproducible(tiny_run):
     assert sample(temperature=1.0, top_p=0.9, seed=8) != first
     # the nucleus of a tiny top_p is the most likely token alone: greedy
     assert sample(temperature=1.0, top_p=1e-9, seed=7) == sample(temperature=0.0)
+
+
+def test_layers_stream_with_bounded_residency_and_cross_once_per_token(run_decoder):
+    """At most prefetch + 1 layers' weights on the compute device at once, and per new token
+    every layer and the head's part cross the bus exactly once (the embedding stays on the
+    host: only the token's hidden state crosses)."""
+    model, decoder = run_decoder
+    cfg = model.cfg.model  # 2 layers, untied, fp32
+    shape = (cfg.hidden_size, cfg.num_heads, cfg.head_size)
+    for prefetch in (0, 1):
+        decoder.prefetch = prefetch  # read by each forward: the compiled functions are reused
+        seen, peak = {}, [0]
+
+        def check(layer):
+            for a in jax.live_arrays():
+                if (a.shape == shape and a.sharding.device_set == {CPU0}
+                        and a.sharding.memory_kind == "device"):  # fetched, not the bus copies
+                    seen[id(a)] = a
+            peak[0] = max(peak[0], sum(not a.is_deleted() for a in seen.values()))
+
+        decoder.on_layer = check
+        decoder.start(model.tokenizer.encode("CYNIC, n.")[None])
+        before = decoder.counters.bytes_h2d
+        logits = decoder.extend(np.zeros((1, 1), np.int32))
+        assert logits.shape == (1, cfg.vocab_size)
+        per_token = decoder.counters.bytes_h2d - before
+        layer_bytes = sum(x.nbytes for x in jax.tree.leaves(decoder.layers))
+        head_bytes = (cfg.hidden_size + cfg.hidden_size * cfg.vocab_size) * 4  # norm, w_out
+        assert per_token == layer_bytes + head_bytes + cfg.hidden_size * 4
+        assert peak[0] == prefetch + 1, (prefetch, peak[0])
+    decoder.on_layer = None
 
 
 def test_readme_generate_command_as_written(tiny_run):
