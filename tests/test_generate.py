@@ -208,18 +208,25 @@ def test_bad_input_is_one_line_exit_2(tiny_run, tmp_path, capsys):
     assert code == 2 and "--run" in err and "--hf" in err and err.count("\n") == 1
 
 
-def test_hf_directory_with_its_tokenizer_through_the_cli(tmp_path, capsys):
-    """--hf DIR: the prompt tokenized by DIR/tokenizer.json, greedy equals transformers."""
+def llama_with_tokenizer(path):
+    """(the tiny HF Llama saved at `path` with a word-level tokenizer.json of 92 tokens, that
+    tokenizer as transformers loads it)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     reference = make_hf_model("llama")
-    reference.save_pretrained(str(tmp_path))
+    reference.save_pretrained(str(path))
     words = [f"w{i}" for i in range(90)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["</s>", "<unk>", *words])},
                                      unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>",
                                                 unk_token="<unk>")
-    fast.save_pretrained(str(tmp_path))
+    fast.save_pretrained(str(path))
+    return reference, fast
+
+
+def test_hf_directory_with_its_tokenizer_through_the_cli(tmp_path, capsys):
+    """--hf DIR: the prompt tokenized by DIR/tokenizer.json, greedy equals transformers."""
+    reference, fast = llama_with_tokenizer(tmp_path)
     prompt = "w3 w17 w40 w2 w88 w0 w61 w23"  # as many tokens as PROMPT: the same shapes
     ids = fast(prompt)["input_ids"]
     expected = hf_greedy(reference, ids, NEW)
@@ -231,3 +238,36 @@ def test_hf_directory_with_its_tokenizer_through_the_cli(tmp_path, capsys):
     code, _, err = cli(capsys, "--hf", str(tmp_path / "no_tok"), "--prompt", "w1")
     assert code == 2 and err == (f"error: --hf {tmp_path / 'no_tok'}: no tokenizer.json to "
                                  f"encode the prompt\n")
+
+
+def test_readme_finetuning_recipe_as_written_through_a_sample(tmp_path, capsys):
+    """README's "Fine-tuning a Hugging Face model" commands, as written (train, export, sample),
+    on the tiny Llama with its tokenizer (its directory for the model's, a small corpus, run
+    directories under tmp_path; fewer steps and shorter rows appended to the training)."""
+    import numpy as np
+    from test_dpo import readme_commands
+    model_dir = tmp_path / "model"
+    llama_with_tokenizer(model_dir)
+    rng = np.random.default_rng(0)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(
+        '{"text": "%s"}\n' % " ".join(rng.choice([f"w{i}" for i in range(90)], size=20))
+        for _ in range(40)))
+    scripts = {"scripts/train.py": commands.train, "scripts/export_hf.py": commands.export,
+               "scripts/generate.py": commands.generate}
+    ran = []
+    for argv in readme_commands("## Fine-tuning a Hugging Face model"):
+        assert argv[0] == "python" and argv[1] in scripts, argv
+        args = [a.replace("models/Qwen2.5-0.5B", str(model_dir))
+                .replace("=corpus.jsonl", f"={corpus}").replace("runs/", f"{tmp_path}/runs/")
+                for a in argv[2:]]
+        if argv[1] == "scripts/train.py":
+            args += ["train.steps=2", "data.seq_len=16", "data.batch_size=2",
+                     "data.micro_batches=1", "train.compute_dtype=float32",
+                     "logging.tensorboard=false"]
+        assert scripts[argv[1]](args) == 0, (argv, capsys.readouterr().err)
+        ran.append(argv[1])
+    assert ran == ["scripts/train.py", "scripts/export_hf.py", "scripts/generate.py"]
+    out = capsys.readouterr()
+    assert out.out.endswith("\n") and "The meaning of life is" in out.out
+    assert f"tokens from checkpoint step 2 in {tmp_path}/runs/ft/checkpoints" in out.err
