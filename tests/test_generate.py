@@ -2,7 +2,8 @@
 transformers' generate(do_sample=False) token for token (Llama, Qwen3, Gemma 3 with local and
 global layers, Qwen3-MoE; and a run's checkpoint after a few training steps, through the CLI), the
 cache's logits equal the full-sequence forward's, seeded sampling is reproducible, the layers
-stream with bounded residency, the README's command line, and bad input."""
+stream with bounded residency, the README's commands (the tiny run's sample, the fine-tuning
+recipe through a sample), and bad input."""
 
 import os
 import shutil
