@@ -1,5 +1,5 @@
 """Generation with a KV cache (megatrain_jax.generate, engine/decode.py): greedy decoding equals
-transformers' generate(do_sample=False) token for token (Llama, Qwen3, Gemma 3 with local and
+transformers' generate(do_sample=False) token for token (Llama, Gemma 3 with local and
 global layers, Qwen3-MoE; and a run's checkpoint after a few training steps, through the CLI), the
 cache's logits equal the full-sequence forward's, seeded sampling is reproducible, the layers
 stream with bounded residency, the README's commands (the tiny run's sample, the fine-tuning
