@@ -3,8 +3,8 @@ the state), and scripts/plan.py end to end."""
 
 import dataclasses
 import json
-import re
 import os
+import re
 
 import jax
 import jax.numpy as jnp
