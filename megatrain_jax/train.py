@@ -29,6 +29,7 @@ from megatrain_jax import plan as plan_lib
 from megatrain_jax import progress
 from megatrain_jax.config import Config, ConfigError, resume_changes, to_dict
 from megatrain_jax.engine import StreamedEngine
+from megatrain_jax.engine import tier as tier_lib
 from megatrain_jax.engine.tier import DiskTierOptions
 from megatrain_jax.model import Execution, make_block, make_stages
 from megatrain_jax.runlock import RunLock
@@ -358,6 +359,11 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console) -> list[dict]:
     if not run_plan.fits:
         raise ConfigError(f"this config does not fit: {' '.join(run_plan.summary().split())} "
                           f"(python scripts/plan.py --config ... shows what would)")
+    if cfg.offload.tier == "disk":  # the engine checks its exact bytes again, before writing
+        try:
+            tier_lib.check_space(cfg.offload.path, run_plan.disk_bytes)
+        except tier_lib.TierError as e:
+            raise ConfigError(str(e)) from None
     engine = build_engine(cfg, offload_activations=run_plan.offload_activations)
     ckpt = cfg.checkpoint
     manager = checkpoint.make_manager(ckpt_dir, keep=ckpt.keep, async_save=ckpt.async_save,

@@ -55,6 +55,22 @@ def free_bytes(path: str) -> int:
     return shutil.disk_usage(path).free
 
 
+def check_space(path: str, needed: int):
+    """Raises TierError unless the disk of `path` (a directory, or its nearest existing parent)
+    has room for `needed` bytes of tier files beyond the unit files already there."""
+    where = os.path.abspath(path)
+    existing = 0
+    if os.path.isdir(where):
+        existing = sum(os.path.getsize(os.path.join(where, name)) for name in os.listdir(where)
+                       if name.startswith("unit_") and name.endswith(".bin"))
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    free = free_bytes(where)
+    if needed - existing > free:
+        raise TierError(f"offload.path {path}: the disk tier needs {(needed - existing) / 1e9:.2f} "
+                        f"GB more and the disk has {free / 1e9:.2f} GB free")
+
+
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -159,12 +175,7 @@ class DiskTier:
                  and name.endswith(".bin") and name not in ours]
         for name in stale:  # units of a deeper model of this run
             os.remove(os.path.join(path, name))
-        existing = sum(os.path.getsize(f) for f in self.files if os.path.exists(f))
-        needed = self.total_bytes - existing
-        free = free_bytes(path)
-        if needed > free:
-            raise TierError(f"{where}: the disk tier needs {needed / 1e9:.2f} GB more and the "
-                            f"disk has {free / 1e9:.2f} GB free")
+        check_space(self.options.path, self.total_bytes)
         manifest = {"format": FORMAT, "run": self.options.run, "model": self.options.model,
                     "layout": describe_layouts(self.layouts), "units": len(self.layouts),
                     "bytes": self.total_bytes}
