@@ -5,6 +5,8 @@ import dataclasses
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -210,3 +212,21 @@ def test_plan_reports_the_disk_tier(tmp_path):
     assert p.tier == "disk" and p.host["master"] == p.host["optimizer"] == 0
     assert p.host_by_tier["disk"] == p.host_total < p.host_by_tier["ram"]
     assert p.tier_line().startswith("offload.tier=disk: host RAM ")  # a line of report()
+
+
+def test_bench_disk_tier_smoke(tmp_path):
+    """scripts/bench_disk_tier.py end to end on a toy model: both tiers train alike (the script
+    asserts equal losses), and every figure is there and positive."""
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_disk_tier.py"),
+                           "--smoke", "--path", str(tmp_path / "disk"), "--json", str(out)],
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT),
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "disk tier: " in done.stdout and " ram tier: " in done.stdout
+    result = json.load(open(out))
+    assert result["disk"]["read_gbps"] > 0 and result["disk"]["write_gbps"] > 0
+    ram, disk = result["runs"]["ram"], result["runs"]["disk"]
+    assert ram["loss"] == disk["loss"] and ram["params"] == disk["params"]
+    assert disk["tier_bytes"] >= 12 * disk["params"]  # fp32 master, Adam mu and nu; and disk["tier_read_gbps"] > 0
+    assert all(r["step_s"] > 0 and r["steady_peak_rss_bytes"] > 0 for r in (ram, disk))

@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from typing import Optional
 
 import jax
@@ -133,7 +134,10 @@ class DiskTier:
         self._reads = {}  # unit -> Future of (buffer, views)
         self._writes = {}  # unit -> Future of its last write
         self._free = {}  # nbytes -> [aligned buffers]: reused, never page-faulted again
+        # Bytes moved and the seconds the I/O threads spent moving them (summed over threads):
+        # bytes / seconds is the tier's own throughput, for benchmarks.
         self.bytes_read = self.bytes_written = 0
+        self.read_s = self.write_s = 0.0
 
     # ----------------------------------------------------------------- the directory
     def _claim_directory(self) -> str:
@@ -208,6 +212,7 @@ class DiskTier:
     def _read(self, u: int):
         """Runs on the I/O pool: unit u's file into a reused aligned buffer."""
         fd, nbytes = self._fds[u], self.layouts[u].nbytes
+        t0 = time.perf_counter()
         self._check(u, fd)
         with self._lock:
             free = self._free.get(nbytes)
@@ -221,19 +226,26 @@ class DiskTier:
                 self._check(u, fd)
                 raise TierError(f"disk tier file {self.files[u]}: unexpected end at {done} bytes")
             done += n
-        self.bytes_read += nbytes
+        with self._lock:
+            self.bytes_read += nbytes
+            self.read_s += time.perf_counter() - t0
         return buffer
 
     def _write(self, u: int, leaves: list):
         """Runs on the I/O pool: unit u's leaves (host arrays) into its file."""
         fd = self._fds[u]
+        t0 = time.perf_counter()
         self._check(u, fd)
+        written = 0
         for (_, _, offset), leaf in zip(self.layouts[u].leaves, leaves):
             data = memoryview(np.ascontiguousarray(np.asarray(leaf)).reshape(-1).view(np.uint8))
             done = 0
             while done < len(data):
                 done += os.pwrite(fd, data[done:], offset + done)
-            self.bytes_written += len(data)
+            written += len(data)
+        with self._lock:
+            self.bytes_written += written
+            self.write_s += time.perf_counter() - t0
 
     def _release(self, buffer):
         with self._lock:
