@@ -11,6 +11,7 @@ Modules, by concern:
   evaluate.py   forward-only evaluation (the loss at the current weights)
   stream.py     transfers with back-pressure, activation offload, counters
   host.py       host state: master weights, optax state, bus copies, the update thread
+  tier.py       the disk tier: each unit's master weights and optax state in a file
   functions.py  the jitted device functions
 """
 

@@ -28,7 +28,6 @@ import shutil
 import tempfile
 import threading
 import time
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -324,11 +323,3 @@ class DiskTier:
             for fd in self._fds:
                 os.close(fd)
             self._fds = []
-
-
-def tier_bytes(layouts: list) -> int:
-    return sum(layout.nbytes for layout in layouts)
-
-
-def make_tier(options: Optional[DiskTierOptions], layouts: list) -> Optional[DiskTier]:
-    return None if options is None else DiskTier(options, layouts)
