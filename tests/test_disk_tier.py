@@ -16,7 +16,7 @@ from test_engine import CFG, DEVICE_SETUPS, batches, make_engine
 
 from megatrain_jax import checkpoint
 from megatrain_jax import plan as plan_lib
-from megatrain_jax.config import load_config
+from megatrain_jax.config import ConfigError, load_config
 from megatrain_jax.cli import run_cli
 from megatrain_jax.engine import tier as tier_lib
 from megatrain_jax.engine.tier import DiskTier, DiskTierOptions, TierError, UnitLayout
@@ -231,3 +231,13 @@ def test_bench_disk_tier_smoke(tmp_path):
     assert disk["tier_bytes"] >= 12 * disk["params"]  # fp32 master, Adam's mu and nu
     assert disk["tier_read_gbps"] > 0 and disk["tier_write_gbps"] > 0
     assert all(r["step_s"] > 0 and r["steady_peak_rss_bytes"] > 0 for r in (ram, disk))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["offload.tier=disk"], "offload.tier=disk needs offload.path"),
+    (["offload.tier=dsk"], "offload.tier must be one of ram, disk, got 'dsk' (did you mean disk?)"),
+    (["offload.read_ahead=-1"], "offload.read_ahead must be >= 0, got -1")])
+def test_bad_offload_keys_are_one_line(tmp_path, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        make_cfg(tmp_path, *overrides)
+    assert str(e.value) == message or str(e.value).startswith(message)
