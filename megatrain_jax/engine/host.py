@@ -122,7 +122,8 @@ class HostState:
     def make_bus(self, params):
         if self.bus_is_params:
             return params
-        if self.compute_dtype == jnp.float32:  # a copy, not the weights (see bus_is_params)
+        if self.bus_in_place and self.compute_dtype == jnp.float32:  # disk tier: a copy, not
+            # the weights (astype and device_put would return them: see bus_is_params)
             params = jax.tree.map(lambda p: jnp.array(p, copy=True, device=self.host_device),
                                   params)
         return jax.device_put(jax.tree.map(lambda p: p.astype(self.compute_dtype), params),
