@@ -19,12 +19,13 @@ import sys
 from megatrain_jax.checkpoint import CheckpointError, SaveError
 from megatrain_jax.config import ConfigError
 from megatrain_jax.data import DataError
+from megatrain_jax.engine.tier import TierError
 from megatrain_jax.hf import HFError
 from megatrain_jax.runlock import LockedError
 from megatrain_jax.train import TrainingError
 
 USER_ERRORS = (ConfigError, DataError, HFError, CheckpointError, LockedError)  # exit code 2
-RUN_FAULTS = (SaveError, OSError, TrainingError)  # exit code 1: e.g. a disk filled up
+RUN_FAULTS = (SaveError, OSError, TrainingError, TierError)  # exit code 1: e.g. a disk filled up
 NOISY_LOGGERS = ("absl", "asyncio")  # Orbax's background threads log through these
 
 _as_script = False

@@ -133,6 +133,20 @@ class LoggingConfig:
     peak_tflops: float = 0.0
 
 
+TIERS = ("ram", "disk")  # offload.tier
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    # Where each layer's fp32 master weights and optimizer state live between its updates: ram
+    # (~16 B/param of host RAM) or disk (files under offload.path, read just before each layer's
+    # update and written back after it: ~2-4 B/param of RAM for the bus copies plus a few layers
+    # in flight; bit-identical training). See engine/tier.py.
+    tier: str = "ram"
+    path: str = ""  # disk: a directory of its own on a fast local disk (NVMe)
+    read_ahead: int = 2  # disk: layers read ahead of the one being updated (and written behind)
+
+
 @dataclasses.dataclass(frozen=True)
 class DPOConfig:
     """Preference training (data.format=preference; megatrain_jax/dpo.py)."""
@@ -152,6 +166,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
     dpo: DPOConfig = DPOConfig()
+    offload: OffloadConfig = OffloadConfig()
     run_dir: str = "runs/tiny"
 
 
@@ -429,6 +444,14 @@ def _check(cfg: Config):
     if cfg.dpo.loss not in DPO_LOSSES:
         raise ConfigError(f"dpo.loss must be one of {', '.join(DPO_LOSSES)}, got {cfg.dpo.loss!r}"
                           f"{did_you_mean(cfg.dpo.loss, DPO_LOSSES)}")
+    offload = cfg.offload
+    if offload.tier not in TIERS:
+        raise ConfigError(f"offload.tier must be one of {', '.join(TIERS)}, got {offload.tier!r}"
+                          f"{did_you_mean(offload.tier, TIERS)}")
+    if offload.tier == "disk" and not offload.path:
+        raise ConfigError("offload.tier=disk needs offload.path, a directory on a fast local disk")
+    if offload.read_ahead < 0:
+        raise ConfigError(f"offload.read_ahead must be >= 0, got {offload.read_ahead}")
     train = cfg.train
     if train.eval_every < 0:
         raise ConfigError(f"train.eval_every must be >= 0 (0: only at the end), "

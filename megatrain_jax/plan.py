@@ -203,6 +203,8 @@ class _Counts:
     stages: int  # parameters of the stages unit
     optimizer: int  # bytes of every unit's optax state
     accelerator: bool  # compute device apart from the host: fetches copy, bus copies are staged
+    stages_state: int = 0  # bytes of the stages' master weights and optax state
+    layer_state: int = 0  # bytes of one layer's
 
     def host(self, tokens: int, offload: bool) -> dict:
         """Kind -> bytes of host RAM at the end of a step, `tokens` per micro-batch.
@@ -223,6 +225,17 @@ class _Counts:
             "staging": self.compute * (self.stages + self.layer) if self.accelerator else 0,
             "activations": self.layers * self._acts(tokens) if offload else 0,
         }
+
+    def host_on_disk(self, tokens: int, offload: bool, read_ahead: int) -> dict:
+        """`host` with offload.tier=disk (engine/tier.py): no master weights or optax state in
+        RAM, a bus copy even in fp32, and the units in flight: read_ahead + 1 read buffers, the
+        unit being updated and up to read_ahead written behind (at least 1); the stages' read
+        buffer is kept (pooled) and at most one copy of them is updated or written at a time."""
+        params = self.stages + self.layers * self.layer
+        return {**self.host(tokens, offload), "master": 0, "optimizer": 0,
+                "bus": self.compute * params,
+                "tier buffers": 2 * self.stages_state
+                + (2 * read_ahead + 2) * self.layer_state}
 
     def _acts(self, tokens: int) -> int:
         """One layer's activations (input or output) for all micro-batches."""
@@ -353,6 +366,13 @@ class Plan:
     notes: tuple  # what the figures rest on, where it matters
     counts: _Counts = dataclasses.field(repr=False, compare=False)  # parameter counts per unit
     _largest: Callable = dataclasses.field(repr=False, compare=False)
+    # offload.tier, and what each tier takes: host RAM (bytes, {"ram": .., "disk": ..}), the disk
+    # tier's files, and the disk read + write GB/s a step needs to hide them under its compute
+    # (every unit read and written once per step, at ASSUMED_MFU; 0 where unknown)
+    tier: str = "ram"
+    host_by_tier: dict = dataclasses.field(default_factory=dict)
+    disk_bytes: int = 0
+    disk_gbps_to_hide: float = 0.0
 
     @functools.cached_property
     def largest_batch(self) -> int:
@@ -440,8 +460,18 @@ class Plan:
                   f"seq_len {self.largest_seq_len:,} at batch {B}",
                   f"tokens per step for compute to hide the transfers at {ASSUMED_MFU:.0%} MFU: "
                   f"{hide}"]
+        lines += [self.tier_line()]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def tier_line(self) -> str:
+        """Host RAM with each offload.tier, the disk tier's bytes and the bandwidth it needs."""
+        hide = (f"; hiding its I/O under a step's compute needs {self.disk_gbps_to_hide:.2f} GB/s "
+                f"of disk reads + writes" if self.disk_gbps_to_hide else "")
+        ram, disk = self.host_by_tier.get("ram", 0), self.host_by_tier.get("disk", 0)
+        return (f"offload.tier={self.tier}: host RAM {format_bytes(ram)} with the ram tier, "
+                f"{format_bytes(disk)} with the disk tier, which puts {format_bytes(self.disk_bytes)} "
+                f"on disk{hide}")
 
     def layer_line(self) -> str:
         """What one layer streams: its weights (every expert of a MoE layer), and what a token
@@ -457,7 +487,8 @@ class Plan:
         names = ("host", "host_total", "device", "device_peak", "peak_phase", "fits",
                  "offload_activations", "offload_reason", "attention", "attention_reason",
                  "workspace", "largest_batch", "largest_seq_len", "tokens_per_step",
-                 "tokens_to_hide_transfers")
+                 "tokens_to_hide_transfers", "tier", "host_by_tier", "disk_bytes",
+                 "disk_gbps_to_hide")
         return {"machine": dataclasses.asdict(self.machine), "micro_batch": list(self.micro_batch),
                 "execution": dataclasses.asdict(self.execution), "notes": list(self.notes),
                 "layer_params": self.counts.layer, "layer_bus_bytes":
@@ -490,7 +521,9 @@ def _counts(cfg: Config, execution: Execution, machine: Machine) -> _Counts:
         first=size(parts.take("first", leaves)),
         last=size(parts.take("last", leaves)), stages=size(stages),
         optimizer=optimizer_bytes(stages) + cfg.model.num_layers * optimizer_bytes(block),
-        accelerator=not machine.compute_on_host)
+        accelerator=not machine.compute_on_host,
+        stages_state=4 * size(stages) + optimizer_bytes(stages),
+        layer_state=4 * size(block) + optimizer_bytes(block))
 
 
 def plan(cfg: Config, machine: Machine) -> Plan:
@@ -528,6 +561,9 @@ def plan(cfg: Config, machine: Machine) -> Plan:
         offload, offload_reason = requested, "requested"
     options = [False, True] if requested == "auto" and not machine.compute_on_host else [offload]
 
+    host_of = counts.host if cfg.offload.tier == "ram" else functools.partial(
+        counts.host_on_disk, read_ahead=cfg.offload.read_ahead)
+
     def largest(axis: str) -> int:
         """The largest batch_size (axis "batch") or seq_len ("seq") that fits, everything else as
         configured, offload as the config allows. The arrays the plan counts are linear in a
@@ -546,12 +582,18 @@ def plan(cfg: Config, machine: Machine) -> Plan:
             return out
 
         def ok(b, t):
-            return any(_fits(sum(counts.host(b * t, o).values()),
+            return any(_fits(sum(host_of(b * t, o).values()),
                              peak(counts.device(b * t, o, fitted(b, t))), machine) for o in options)
 
         return _largest_int(lambda b: ok(b, T) if axis == "batch" else ok(B, b))
 
-    host = counts.host(B * T, offload)
+    read_ahead = cfg.offload.read_ahead
+    host_by_kind = {"ram": counts.host(B * T, offload),
+                    "disk": counts.host_on_disk(B * T, offload, read_ahead)}
+    host = host_by_kind[cfg.offload.tier]
+    disk_bytes = 4 * (counts.stages + counts.layers * counts.layer) + counts.optimizer
+    compute_s = (flops_per_token(cfg.model, T) * M * B * T
+                 / (machine.bf16_tflops * 1e12 * ASSUMED_MFU)) if machine.bf16_tflops else 0
     pinned = host["bus"] + host["activations"]
     if machine.platform == "gpu" and pinned > PINNED_POOL_DEFAULT_GIB * 2**30:
         notes.append(f"the bus copies and offloaded activations take {format_bytes(pinned)} of "
@@ -562,4 +604,7 @@ def plan(cfg: Config, machine: Machine) -> Plan:
                 attention=execution.attention, attention_reason=attention_reason,
                 execution=execution, machine=machine, workspace=workspace, micro_batch=(M, B, T),
                 tokens_to_hide_transfers=_tokens_to_hide(cfg.model, counts, T, machine, offload),
-                notes=tuple(notes), counts=counts, _largest=largest)
+                notes=tuple(notes), counts=counts, _largest=largest, tier=cfg.offload.tier,
+                host_by_tier={k: sum(v.values()) for k, v in host_by_kind.items()},
+                disk_bytes=disk_bytes,
+                disk_gbps_to_hide=2 * disk_bytes / compute_s / GB if compute_s else 0.0)

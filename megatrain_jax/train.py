@@ -5,6 +5,7 @@ scripts/train.py and `megatrain train` (megatrain_jax.commands) are a thin CLI o
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -28,6 +29,8 @@ from megatrain_jax import plan as plan_lib
 from megatrain_jax import progress
 from megatrain_jax.config import Config, ConfigError, resume_changes, to_dict
 from megatrain_jax.engine import StreamedEngine
+from megatrain_jax.engine import tier as tier_lib
+from megatrain_jax.engine.tier import DiskTierOptions
 from megatrain_jax.model import Execution, make_block, make_stages
 from megatrain_jax.runlock import RunLock
 
@@ -124,6 +127,8 @@ def build_engine(cfg: Config, *, offload_activations: bool | None = None,
             block = lambda i: make_block(model, cfg.train.seed, i, execution)
         if cfg.data.format == "preference":  # the same head weights, the DPO loss
             last = dpo.PreferenceHead(last, beta=cfg.dpo.beta, loss=cfg.dpo.loss)
+    if cfg.offload.tier == "disk" and "disk_tier" not in engine_kwargs:
+        engine_kwargs["disk_tier"] = disk_tier_options(cfg)
     try:
         return StreamedEngine(
             first=first, last=last, make_block=block,
@@ -134,6 +139,15 @@ def build_engine(cfg: Config, *, offload_activations: bool | None = None,
             aux_loss=moe.aux_loss(model), **engine_kwargs)
     except ValueError as e:  # e.g. offload asked on a device without host memory kinds
         raise ConfigError(str(e)) from None
+
+
+def disk_tier_options(cfg: Config) -> DiskTierOptions:
+    """offload.* as the engine's options: the directory is owned by this run_dir and records a
+    hash of the model config (engine/tier.py refuses another run's directory)."""
+    model = json.dumps(to_dict(cfg.model), sort_keys=True)
+    return DiskTierOptions(cfg.offload.path, read_ahead=cfg.offload.read_ahead,
+                           run=os.path.abspath(cfg.run_dir),
+                           model=hashlib.sha256(model.encode()).hexdigest()[:16])
 
 
 def load_dataset(cfg: Config) -> data_lib.PackedDataset:
@@ -350,6 +364,11 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console) -> list[dict]:
     if not run_plan.fits:
         raise ConfigError(f"this config does not fit: {' '.join(run_plan.summary().split())} "
                           f"(python scripts/plan.py --config ... shows what would)")
+    if cfg.offload.tier == "disk":  # the engine checks its exact bytes again, before writing
+        try:
+            tier_lib.check_space(cfg.offload.path, run_plan.disk_bytes)
+        except tier_lib.TierError as e:
+            raise ConfigError(str(e)) from None
     engine = build_engine(cfg, offload_activations=run_plan.offload_activations)
     ckpt = cfg.checkpoint
     manager = checkpoint.make_manager(ckpt_dir, keep=ckpt.keep, async_save=ckpt.async_save,
@@ -369,6 +388,10 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console) -> list[dict]:
         f"{dataset.tokens_per_batch} tokens/step | compute {engine.compute_device.platform} | "
         f"{peak_source}")
     log(run_plan.summary())
+    if engine.disk_tier is not None:
+        tier = engine.disk_tier
+        log(f"disk tier: {tier.total_bytes / 1e9:.2f} GB in {tier.path} ({tier.opened}), "
+            f"read ahead {cfg.offload.read_ahead} layers")
     if cfg.data.format in ("sft", "preference"):  # what was truncated, skipped, packed: said
         log(dataset.summary)
     if eval_set:

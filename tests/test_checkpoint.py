@@ -143,13 +143,13 @@ runpy.run_path(os.path.join(os.getcwd(), "scripts", "train.py"), run_name="__mai
 """
 
 
-def kill_at(tmp_path, mode, arg, run_dir, env):
+def kill_at(tmp_path, mode, arg, run_dir, env, *extra, timeout=120):
     marker = tmp_path / "marker"
     proc = subprocess.Popen([sys.executable, "-c", RUNNER, mode, str(marker), str(arg),
-                             "--config", "configs/tiny.yaml", *FAST, f"run_dir={run_dir}"],
+                             "--config", "configs/tiny.yaml", *FAST, f"run_dir={run_dir}", *extra],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **env})
-    deadline = time.time() + 120
+    deadline = time.time() + timeout
     while not marker.exists():
         assert proc.poll() is None, proc.stderr.read()
         assert time.time() < deadline
@@ -166,6 +166,20 @@ def test_sigkill_between_saves_resumes_from_last_save(tmp_path, reference, compi
     train(make_cfg(run_dir), log=lines.append)
     assert "resumed from checkpoint step 4" in "\n".join(lines)
     assert losses(run_dir) == reference["losses"]  # step 5 (after the checkpoint) not duplicated
+    assert_states_equal(saved_state(run_dir), reference["final"])
+
+
+def test_sigkill_with_the_disk_tier_resumes_bit_exact(tmp_path, reference, compile_once):
+    """The disk tier's files are scratch: after a SIGKILL mid-run (files half-updated) the run
+    resumes from its last checkpoint, rewrites them, and ends as the uninterrupted RAM-tier run."""
+    run_dir, tier = tmp_path / "run", ["offload.tier=disk", f"offload.path={tmp_path / 'tier'}"]
+    kill_at(tmp_path, "block_batch", "6:4", run_dir, compile_once, *tier, timeout=300)
+    assert [s for s, _ in losses(run_dir)] == [1, 2, 3, 4, 5]
+    lines = []
+    train(make_cfg(run_dir, *tier), log=lines.append)
+    text = "\n".join(lines)
+    assert "resumed from checkpoint step 4" in text and "(this run's files, rewritten)" in text
+    assert losses(run_dir) == reference["losses"]
     assert_states_equal(saved_state(run_dir), reference["final"])
 
 

@@ -13,6 +13,7 @@ Modules, by concern:
   decode.py     StreamedDecoder: forwards that carry a per-layer state (a KV cache), to generate
   stream.py     transfers with back-pressure, activation offload, counters
   host.py       host state: master weights, optax state, bus copies, the update thread
+  tier.py       the disk tier: each unit's master weights and optax state in a file
   functions.py  the jitted device functions
 """
 

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from megatrain_jax.engine import tier as tier_lib
+
 
 @dataclasses.dataclass
 class Unit:
@@ -36,7 +38,8 @@ class HostState:
     """
 
     def __init__(self, units: list, optimizer: optax.GradientTransformation, *, max_grad_norm,
-                 compute_dtype, grad_dtype, compute_device, host_device, counters):
+                 compute_dtype, grad_dtype, compute_device, host_device, counters,
+                 disk_tier: Optional[tier_lib.DiskTierOptions] = None, num_units=None):
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
         self.compute_dtype = jnp.dtype(compute_dtype)
@@ -50,8 +53,10 @@ class HostState:
         # When state and compute share a device, the bus is a host buffer rewritten in place.
         kinds = {m.kind for m in compute_device.addressable_memories()}
         self.bus_in_place = compute_device == host_device or "pinned_host" not in kinds
-        # In place and fp32 compute: the bus copy is the master weights themselves.
-        self.bus_is_params = self.bus_in_place and self.compute_dtype == jnp.float32
+        # In place and fp32 compute: the bus copy is the master weights themselves (not with
+        # the disk tier, where the weights leave RAM between updates).
+        self.bus_is_params = (self.bus_in_place and self.compute_dtype == jnp.float32
+                              and disk_tier is None)
         self.bus_sharding = (self.host if self.bus_in_place else jax.sharding.SingleDeviceSharding(
             compute_device, memory_kind="pinned_host"))
         self.staging = {}
@@ -70,21 +75,57 @@ class HostState:
         # out_shardings: optax state that does not depend on the params (counts, zeros) would
         # otherwise land uncommitted on the default device, the accelerator.
         init = jax.jit(optimizer.init, out_shardings=self.host)
-        self.units = []
-        for params in units:
+        self.units, self.tier = [], None
+        for params in units:  # an iterable: with the disk tier, one unit in RAM at a time
             params = jax.device_put(jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params),
                                     self.host)
             self.units.append(Unit(params, init(params), self.make_bus(params)))
+            if len(self.units) == 1:  # the stages' leaf shapes, for their gradient (step.py)
+                leaves, treedef = jax.tree.flatten(params)
+                self.stage_shapes = (tuple(tuple(p.shape) for p in leaves), treedef)
+            if disk_tier is not None:  # --- disk tier (tier.py): the state goes to its file
+                self._to_tier(disk_tier, num_units or len(units))
         if not self.bus_in_place:  # made now, so the update compiles once per unit structure
             zeros = lambda p: jnp.zeros(p.shape, self.compute_dtype, device=host_device)
-            self.staging = {key: jax.tree.map(zeros, self.units[key].params)
-                            for key in range(min(2, len(units)))}
+            self.staging = {key: jax.tree.map(zeros, self.units[key].bus)
+                            for key in range(min(2, len(self.units)))}
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-optim")
+
+    # ----------------------------------------------------------------- disk tier hooks
+    def _to_tier(self, options, num_units: int):
+        """Construction with the disk tier: each unit's state to its file, only its bus kept.
+        The files are made once the first block is known (all blocks share its layout)."""
+        if len(self.units) < 2:
+            return
+        layout = lambda unit: tier_lib.UnitLayout.of(unit.params, unit.opt_state)
+        if self.tier is None:
+            stages, block = self.units
+            self.tier = tier_lib.DiskTier(options, [layout(stages)] + [layout(block)] * (
+                num_units - 1))
+        u = len(self.units) - 1
+        if layout(self.units[u]) != self.tier.layouts[u]:
+            raise ValueError(f"disk tier: block {u - 1}'s layout differs from block 0's")
+        for v in ([0, 1] if u == 1 else [u]):
+            unit = self.units[v]
+            self.tier.write_now(v, unit.params, unit.opt_state)
+            unit.params = unit.opt_state = None
+
+    def unit_state(self, u: int) -> tuple:
+        """(params, opt_state) of unit u once its update has finished: host arrays, or with the
+        disk tier read-only numpy arrays mapped from its file."""
+        unit = self.ready(u)
+        if self.tier is not None:
+            return self.tier.view(u)
+        return unit.params, unit.opt_state
 
     # ----------------------------------------------------------------- bus copies
     def make_bus(self, params):
         if self.bus_is_params:
             return params
+        if self.bus_in_place and self.compute_dtype == jnp.float32:  # disk tier: a copy, not
+            # the weights (astype and device_put would return them: see bus_is_params)
+            params = jax.tree.map(lambda p: jnp.array(p, copy=True, device=self.host_device),
+                                  params)
         return jax.device_put(jax.tree.map(lambda p: p.astype(self.compute_dtype), params),
                               self.bus_sharding)
 
@@ -92,7 +133,7 @@ class HostState:
         """Unit u's bus copy, once its pending update has finished."""
         unit = self.ready(u)
         if unit.bus is None:  # released by a step that then failed: rebuilt from the weights
-            unit.bus = self.make_bus(unit.params)
+            unit.bus = self.make_bus(self.unit_state(u)[0])
         return unit.bus
 
     def release_bus(self, u: int):
@@ -123,10 +164,13 @@ class HostState:
         return params, opt_state, None if self.bus_is_params else jax.tree.map(
             lambda p: p.astype(self.compute_dtype), params)
 
-    def _apply(self, unit: Unit, grads, grad_norm, scale, staging_key):
+    def _apply(self, u: int, grads, grad_norm, scale, staging_key):
         """Runs on the host-optimizer thread: one jitted, in-place optax step of one unit, its
         bus copy written in the same call. XLA:CPU spreads each large fused loop over all cores."""
         t0 = time.perf_counter()
+        unit = self.units[u]
+        if self.tier is not None:  # --- disk tier: the state from its file (read ahead)
+            unit.params, unit.opt_state = self.tier.load(u, self.host)
         if self.bus_in_place:
             old_bus = None if self.bus_is_params else unit.bus
         else:
@@ -141,6 +185,9 @@ class HostState:
         else:
             unit.bus = jax.device_put(bus, self.bus_sharding)
             self.staging[staging_key] = bus  # reused by the next unit: this copy is waited for
+        if self.tier is not None:  # --- disk tier: written back behind, out of RAM
+            self.tier.store(u, unit.params, unit.opt_state)
+            unit.params = unit.opt_state = None
         jax.block_until_ready(unit.bus)  # the future completes when the weights are usable
         self.counters.host_update_s += time.perf_counter() - t0
 
@@ -148,7 +195,9 @@ class HostState:
         """Queues unit u's update with its host-resident gradient, the global norm of the scaled
         gradient and the scale (host scalars)."""
         unit = self.units[u]
-        unit.pending = self._thread.submit(self._apply, unit, grads, grad_norm, scale, min(u, 1))
+        if self.tier is not None:
+            self.tier.expect(u)  # --- disk tier: its read may start ahead
+        unit.pending = self._thread.submit(self._apply, u, grads, grad_norm, scale, min(u, 1))
 
     def ready(self, u: int) -> Unit:
         unit = self.units[u]
@@ -160,16 +209,26 @@ class HostState:
         return unit
 
     def wait(self):
-        """Blocks until every pending update has finished."""
+        """Blocks until every pending update has finished (with the disk tier, written back)."""
         for u in range(len(self.units)):
             self.ready(u)
+        if self.tier is not None:
+            self.tier.flush()
 
     def load_unit(self, u: int, unit_state: dict):
         unit = self.ready(u)
+        if self.tier is not None:  # --- disk tier: into its file, only the bus in RAM
+            self.tier.write_now(u, unit_state["params"], unit_state["opt_state"])
+            unit.bus = self.make_bus(jax.device_put(unit_state["params"], self.host))
+            return
         unit.params = jax.device_put(unit_state["params"], self.host)
         unit.opt_state = jax.device_put(unit_state["opt_state"], self.host)
         unit.bus = self.make_bus(unit.params)
 
     def close(self):
-        self.wait()
-        self._thread.shutdown()
+        try:
+            self.wait()
+        finally:
+            self._thread.shutdown()
+            if self.tier is not None:
+                self.tier.close()

@@ -27,11 +27,11 @@ from megatrain_jax.engine.host import nbytes
 from megatrain_jax.engine.stream import LayerStream, delete
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 5))
-def _merge_stage_grads(first, last, first_idx, last_idx, params, dtype):
-    """Unit 0's gradient leaves, in `dtype`, from the two parts' (tied leaves get the sum of both,
-    taken in fp32)."""
-    leaves = [jnp.zeros(p.shape, jnp.float32) for p in params]
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def _merge_stage_grads(first, last, first_idx, last_idx, shapes, dtype):
+    """Unit 0's gradient leaves (`shapes`), in `dtype`, from the two parts' (tied leaves get the
+    sum of both, taken in fp32)."""
+    leaves = [jnp.zeros(shape, jnp.float32) for shape in shapes]
     for i, g in zip(first_idx, first):
         leaves[i] = leaves[i] + g.astype(jnp.float32)
     for i, g in zip(last_idx, last):
@@ -150,9 +150,9 @@ def run(engine, inputs, targets, contexts) -> dict:
     hook("embed backward")
 
     # ---- update, on the host
-    stage_leaves, stage_def = jax.tree.flatten(host.units[0].params)
+    stage_shapes, stage_def = host.stage_shapes
     stage_grads = _merge_stage_grads(first_grads, last_grads, engine.parts.first, engine.parts.last,
-                                     stage_leaves, host.grad_dtype)
+                                     stage_shapes, host.grad_dtype)
     on_host = lambda x: jax.device_put(x, engine.host_sharding)
     total_weight = f.total(weights)
     grad_norm, scale, stages_sq = _norm_and_scale(on_host(layer_sq), stage_grads,

@@ -13,6 +13,7 @@ from megatrain_jax.engine import step
 from megatrain_jax.engine.functions import DeviceFunctions, stage_parts
 from megatrain_jax.engine.host import HostState
 from megatrain_jax.engine.stream import Activations, Counters
+from megatrain_jax.engine.tier import DiskTierOptions
 
 
 def _param_split(module: nnx.Module, what: str):
@@ -59,6 +60,9 @@ class StreamedEngine:
         activations instead of all of them.
       compute_device / host_device: where blocks run / where state lives and the optimizer runs.
         Defaults: the default device, and the first CPU device.
+      disk_tier: DiskTierOptions: each unit's master weights and optax state live in a file
+        under its path between updates (engine/tier.py); host RAM keeps the bus copies and a few
+        units in flight. Training is bit-identical to keeping them in RAM (None, the default).
 
     A step whose gradient is not finite changes nothing (see `train_step`); a step that raises
     leaves the state as it was before it.
@@ -68,7 +72,8 @@ class StreamedEngine:
                  num_layers: int, optimizer: optax.GradientTransformation,
                  max_grad_norm: Optional[float] = None, compute_dtype=jnp.bfloat16, prefetch: int = 1,
                  compute_device=None, host_device=None, grad_dtype=jnp.float32,
-                 offload_activations: bool = False, aux_loss: Optional[Callable] = None):
+                 offload_activations: bool = False, aux_loss: Optional[Callable] = None,
+                 disk_tier: Optional[DiskTierOptions] = None):
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         if prefetch < 0:
@@ -87,22 +92,24 @@ class StreamedEngine:
         # embed, forward, loss, backward, embed backward): for tests and instrumentation.
         self.on_phase = None
 
-        with jax.default_device(self.host_device):
-            self._stages_def, stages = _param_split((first, last), "the first/last stages")
-            units = [stages]
-            for i in range(num_layers):
-                graphdef, params = _param_split(make_block(i), f"block {i}")
-                if i == 0:
-                    self._block_def = graphdef
-                elif graphdef != self._block_def or (jax.tree.structure(params)
-                                                      != jax.tree.structure(units[1])):
-                    raise ValueError(f"block {i} differs in structure from block 0; all streamed "
-                                     "blocks must share one structure")
-                units.append(params)
-        self.host = HostState(units, optimizer, max_grad_norm=max_grad_norm,
+        def units():  # one at a time: the disk tier never holds the whole model in RAM
+            with jax.default_device(self.host_device):
+                self._stages_def, stages = _param_split((first, last), "the first/last stages")
+                yield stages
+                for i in range(num_layers):
+                    graphdef, params = _param_split(make_block(i), f"block {i}")
+                    if i == 0:
+                        self._block_def, structure = graphdef, jax.tree.structure(params)
+                    elif graphdef != self._block_def or jax.tree.structure(params) != structure:
+                        raise ValueError(f"block {i} differs in structure from block 0; all "
+                                         "streamed blocks must share one structure")
+                    yield params
+
+        self.host = HostState(units(), optimizer, max_grad_norm=max_grad_norm,
                               compute_dtype=compute_dtype, grad_dtype=grad_dtype,
                               compute_device=self.compute_device, host_device=self.host_device,
-                              counters=self.counters)
+                              counters=self.counters, disk_tier=disk_tier,
+                              num_units=1 + num_layers)
         self.parts = self.functions = None  # built at the first step, from its shapes
         self.unit_sq = None
         self._broken = None
@@ -113,7 +120,7 @@ class StreamedEngine:
         """The jitted device functions for micro-batches shaped like inputs[0], targets[0]
         (arrays or jax.ShapeDtypeStruct), e.g. to compile them and read `memory_analysis()`."""
         if self.functions is None:
-            stages = self.host.units[0].params
+            stages = self.host.unit_state(0)[0]
             self.parts = stage_parts(self._stages_def, stages, inputs, targets)
             self.functions = DeviceFunctions(self._stages_def, jax.tree.structure(stages),
                                              self.parts, self._block_def, self.host.grad_dtype,
@@ -214,16 +221,21 @@ class StreamedEngine:
         (`jax.tree.map(np.array, ...)`). `nnx.merge(engine.stages_graphdef, params["stages"])`
         gives back (first, last)."""
         self.wait()
-        units = self.host.units
-        return {"stages": units[0].params, "layers": [u.params for u in units[1:]]}
+        params = [self.host.unit_state(u)[0] for u in range(len(self.host.units))]
+        return {"stages": params[0], "layers": params[1:]}
 
     def state(self) -> dict:
         """The full training state (params and optax state per unit), host-resident; a view
         valid until the next `train_step`, like `params()`."""
         self.wait()
-        unit = lambda u: {"params": u.params, "opt_state": u.opt_state}
-        units = self.host.units
-        return {"stages": unit(units[0]), "layers": [unit(u) for u in units[1:]]}
+        units = [dict(zip(("params", "opt_state"), self.host.unit_state(u)))
+                 for u in range(len(self.host.units))]
+        return {"stages": units[0], "layers": units[1:]}
+
+    @property
+    def disk_tier(self):
+        """The DiskTier (engine/tier.py) holding the state, or None when it is in RAM."""
+        return self.host.tier
 
     def load_state(self, state: dict):
         """Replaces the training state with `state` (same structure as `state()`).

@@ -1,0 +1,325 @@
+"""The disk tier: each unit's fp32 master weights and optax state in a preallocated file.
+
+    tier = DiskTier(DiskTierOptions("/nvme/run1", read_ahead=2, run="runs/a"), layouts)
+    tier.expect(u)                 # unit u's update is queued: its read may start
+    params, opt_state = tier.load(u)     # host arrays, read (ahead) from unit u's file
+    tier.store(u, params, opt_state)     # written back in the background
+
+One file per unit, `unit_00000.bin` (the stages), `unit_00001.bin` (layer 0), ...: the unit's
+leaves (params then optax state, in tree order) at 4 KiB-aligned offsets. Reads are one `preadv`
+per unit into a reused, aligned numpy buffer; writes one `pwrite` per leaf from a zero-copy view
+of the updated host array. Both run on a small I/O thread pool: while the host thread updates unit
+i, units i + 1 .. i + read_ahead are being read and unit i - 1 written, so at most
+`read_ahead + 1` units are read and `read_ahead` written at once: host RAM holds the bus copies
+plus a few units' state, not the whole model's.
+
+The files are scratch, not state of record: the engine writes them whole at construction and a
+run resumes from its last checkpoint, never from them. `tier.json` in the directory names the run,
+the model and the layout; a directory holding another run's tier, or other files, is refused
+(TierError, one line), never reused. A file deleted or truncated mid-run is a TierError naming it.
+"""
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ALIGN = 4096  # page and sector size: the offsets and buffers an O_DIRECT reader would need too
+MANIFEST = "tier.json"
+FORMAT = 1
+
+
+class TierError(ValueError):
+    """The disk tier cannot be used or has been damaged: one line naming the path."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskTierOptions:
+    path: str  # a directory on a fast local disk (created if missing)
+    read_ahead: int = 2  # units read ahead of the one being updated
+    run: str = ""  # the run owning the directory (e.g. its run_dir): another run's is refused
+    model: str = ""  # what the caller calls the model (a config hash), recorded in tier.json
+
+
+def free_bytes(path: str) -> int:
+    """Free bytes on the filesystem of `path` (a seam: tests replace it with a small figure)."""
+    return shutil.disk_usage(path).free
+
+
+def check_space(path: str, needed: int):
+    """Raises TierError unless the disk of `path` (a directory, or its nearest existing parent)
+    has room for `needed` bytes of tier files beyond the unit files already there."""
+    where = os.path.abspath(path)
+    existing = 0
+    if os.path.isdir(where):
+        existing = sum(os.path.getsize(os.path.join(where, name)) for name in os.listdir(where)
+                       if name.startswith("unit_") and name.endswith(".bin"))
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    free = free_bytes(where)
+    if needed - existing > free:
+        raise TierError(f"offload.path {path}: the disk tier needs {(needed - existing) / 1e9:.2f} "
+                        f"GB more and the disk has {free / 1e9:.2f} GB free")
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitLayout:
+    """Where one unit's leaves lie in its file."""
+    treedef: object  # of (params, opt_state)
+    leaves: tuple  # ((shape, dtype name, offset), ...)
+    nbytes: int  # the file's size (aligned)
+
+    @staticmethod
+    def of(params, opt_state) -> "UnitLayout":
+        leaves, treedef = jax.tree.flatten((params, opt_state))
+        out, offset = [], 0
+        for x in leaves:
+            out.append((tuple(x.shape), np.dtype(x.dtype).name, offset))
+            offset += _align(x.size * np.dtype(x.dtype).itemsize)
+        return UnitLayout(treedef, tuple(out), max(offset, ALIGN))
+
+    def describe(self) -> list:
+        return [[list(shape), dtype, offset] for shape, dtype, offset in self.leaves]
+
+    def views(self, buffer) -> tuple:
+        """(params, opt_state) as numpy views into `buffer` (bytes of the file)."""
+        arrays = [np.ndarray(shape, np.dtype(dtype), buffer=buffer, offset=offset)
+                  for shape, dtype, offset in self.leaves]
+        return jax.tree.unflatten(self.treedef, arrays)
+
+
+def _aligned_empty(nbytes: int) -> np.ndarray:
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = (-raw.ctypes.data) % ALIGN
+    return raw[start:start + nbytes]
+
+
+def describe_layouts(layouts) -> str:
+    """A short hash of the layout of every unit (shapes, dtypes, offsets)."""
+    text = json.dumps([layout.describe() for layout in layouts])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class DiskTier:
+    """Unit files under `options.path`, with reads ahead and writes behind on an I/O pool."""
+
+    def __init__(self, options: DiskTierOptions, layouts: list):
+        if options.read_ahead < 0:
+            raise TierError(f"offload.read_ahead must be >= 0, got {options.read_ahead}")
+        self.options = options
+        self.path = os.path.abspath(options.path)
+        self.layouts = layouts
+        self.files = [os.path.join(self.path, f"unit_{u:05d}.bin") for u in range(len(layouts))]
+        self.total_bytes = sum(layout.nbytes for layout in layouts)
+        self.opened = self._claim_directory()
+        self._fds = [self._create(u) for u in range(len(layouts))]
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max(2, options.read_ahead + 1), thread_name_prefix="disk-tier")
+        self._lock = threading.Lock()
+        self._upcoming = []  # units whose update is queued, in order (the reads to start)
+        self._reads = {}  # unit -> Future of (buffer, views)
+        self._writes = {}  # unit -> Future of its last write
+        self._free = {}  # nbytes -> [aligned buffers]: reused, never page-faulted again
+        # Bytes moved and the seconds the I/O threads spent moving them (summed over threads):
+        # bytes / seconds is the tier's own throughput, for benchmarks.
+        self.bytes_read = self.bytes_written = 0
+        self.read_s = self.write_s = 0.0
+
+    # ----------------------------------------------------------------- the directory
+    def _claim_directory(self) -> str:
+        """Checks the directory and writes tier.json; what was there, in words (for the log)."""
+        path, where = self.path, f"offload.path {self.options.path}"
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise TierError(f"{where} is not a directory")
+        try:
+            os.makedirs(path, exist_ok=True)
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as e:
+            raise TierError(f"{where} is not writable ({e.strerror or e})") from None
+        manifest_path = os.path.join(path, MANIFEST)
+        ours = set(map(os.path.basename, self.files)) | {MANIFEST}
+        opened = "new"
+        if os.path.exists(manifest_path):
+            try:
+                with open(manifest_path) as f:
+                    old = json.load(f)
+                old_run, old_model = old["run"], old.get("model", "")
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise TierError(f"{where}: {manifest_path} is not a disk tier's manifest ({e}); "
+                                f"delete the directory or choose another offload.path") from None
+            if old_run != self.options.run:
+                raise TierError(f"{where} holds the disk tier of another run ({old_run!r}, this "
+                                f"is {self.options.run!r}); give each run its own offload.path, "
+                                f"or delete {path} if that run is over")
+            same = (old_model == self.options.model
+                    and old.get("layout") == describe_layouts(self.layouts))
+            opened = ("this run's files, rewritten" if same else
+                      f"this run's files of another model ({old_model!r}), rebuilt")
+        else:
+            others = sorted(set(os.listdir(path)) - ours)
+            if others:
+                raise TierError(f"{where} is not empty and holds no {MANIFEST} (e.g. {others[0]}"
+                                f"); the disk tier needs a directory of its own")
+        stale = [name for name in os.listdir(path) if name.startswith("unit_")
+                 and name.endswith(".bin") and name not in ours]
+        for name in stale:  # units of a deeper model of this run
+            os.remove(os.path.join(path, name))
+        check_space(self.options.path, self.total_bytes)
+        manifest = {"format": FORMAT, "run": self.options.run, "model": self.options.model,
+                    "layout": describe_layouts(self.layouts), "units": len(self.layouts),
+                    "bytes": self.total_bytes}
+        with open(manifest_path + ".tmp", "w") as f:
+            json.dump(manifest, f, indent=1)
+        os.replace(manifest_path + ".tmp", manifest_path)
+        return opened
+
+    def _create(self, u: int) -> int:
+        fd = os.open(self.files[u], os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, self.layouts[u].nbytes)
+            if hasattr(os, "posix_fallocate"):  # the blocks now, not ENOSPC mid-run
+                os.posix_fallocate(fd, 0, self.layouts[u].nbytes)
+        except OSError as e:
+            os.close(fd)
+            raise TierError(f"offload.path {self.options.path}: cannot allocate {self.files[u]} "
+                            f"({e.strerror or e})") from None
+        return fd
+
+    # ----------------------------------------------------------------- raw I/O
+    def _check(self, u: int, fd: int):
+        st = os.fstat(fd)
+        if st.st_nlink == 0 or st.st_size < self.layouts[u].nbytes:
+            what = "was deleted" if st.st_nlink == 0 else (
+                f"was truncated to {st.st_size} of {self.layouts[u].nbytes} bytes")
+            raise TierError(f"disk tier file {self.files[u]} {what} mid-run; the run must resume "
+                            f"from its last checkpoint (the tier files are rebuilt from it)")
+
+    def _read(self, u: int):
+        """Runs on the I/O pool: unit u's file into a reused aligned buffer."""
+        fd, nbytes = self._fds[u], self.layouts[u].nbytes
+        t0 = time.perf_counter()
+        self._check(u, fd)
+        with self._lock:
+            free = self._free.get(nbytes)
+            buffer = free.pop() if free else None
+        if buffer is None:
+            buffer = _aligned_empty(nbytes)
+        view, done = memoryview(buffer), 0
+        while done < nbytes:
+            n = os.preadv(fd, [view[done:]], done)
+            if n == 0:
+                self._check(u, fd)
+                raise TierError(f"disk tier file {self.files[u]}: unexpected end at {done} bytes")
+            done += n
+        with self._lock:
+            self.bytes_read += nbytes
+            self.read_s += time.perf_counter() - t0
+        return buffer
+
+    def _write(self, u: int, leaves: list):
+        """Runs on the I/O pool: unit u's leaves (host arrays) into its file."""
+        fd = self._fds[u]
+        t0 = time.perf_counter()
+        self._check(u, fd)
+        written = 0
+        for (_, _, offset), leaf in zip(self.layouts[u].leaves, leaves):
+            data = memoryview(np.ascontiguousarray(np.asarray(leaf)).reshape(-1).view(np.uint8))
+            done = 0
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], offset + done)
+            written += len(data)
+        with self._lock:
+            self.bytes_written += written
+            self.write_s += time.perf_counter() - t0
+
+    def _release(self, buffer):
+        with self._lock:
+            self._free.setdefault(buffer.nbytes, []).append(buffer)
+
+    def _start_read(self, u: int):
+        if u not in self._reads:
+            write = self._writes.pop(u, None)
+            if write is not None:
+                write.result()  # the read must see the last write
+            self._reads[u] = self._pool.submit(self._read, u)
+
+    # ----------------------------------------------------------------- the host thread's API
+    def expect(self, u: int):
+        """Unit u's update has been queued (main thread): its read starts within read_ahead."""
+        with self._lock:
+            self._upcoming.append(u)
+
+    def load(self, u: int, host) -> tuple:
+        """(params, opt_state) of unit u as arrays on `host` (a sharding), its read started ahead;
+        the reads of the next read_ahead queued units are started before waiting."""
+        with self._lock:
+            if self._upcoming and self._upcoming[0] == u:
+                self._upcoming.pop(0)
+            ahead = list(self._upcoming[:self.options.read_ahead])
+        self._start_read(u)
+        for v in ahead:
+            self._start_read(v)
+        buffer = self._reads.pop(u).result()
+        try:
+            # A copy: device_put would alias an aligned buffer (even with may_alias=False, JAX
+            # 0.10), and the buffer is reused by the next read while the update writes in place.
+            state = jax.tree.map(lambda x: jnp.array(x, copy=True, device=host),
+                                 self.layouts[u].views(buffer))
+            jax.block_until_ready(state)
+        finally:
+            self._release(buffer)
+        return state
+
+    def store(self, u: int, params, opt_state):
+        """Writes unit u's state back in the background (the arrays are kept alive until written);
+        at most read_ahead writes are pending: the oldest is waited for beyond that."""
+        leaves = jax.tree.leaves((params, opt_state))
+        self._writes[u] = self._pool.submit(self._write, u, leaves)
+        pending = [v for v, f in self._writes.items() if not f.done()]
+        while len(pending) > max(1, self.options.read_ahead):
+            self._writes[pending.pop(0)].result()
+
+    def write_now(self, u: int, params, opt_state):
+        """Writes unit u's state and waits (construction, loading a checkpoint)."""
+        self.flush()
+        self._write(u, jax.tree.leaves((params, opt_state)))
+
+    def flush(self):
+        """Waits for every read and write in flight (re-raising their errors)."""
+        for u, future in list(self._writes.items()):
+            future.result()
+            self._writes.pop(u, None)
+        for u, future in list(self._reads.items()):
+            self._release(future.result())
+            self._reads.pop(u, None)
+
+    def view(self, u: int) -> tuple:
+        """(params, opt_state) of unit u as read-only numpy arrays mapped from its file (no copy:
+        file-backed pages the kernel can drop); valid until the unit's next update."""
+        self.flush()
+        self._check(u, self._fds[u])
+        mapped = np.memmap(self.files[u], np.uint8, mode="r", shape=(self.layouts[u].nbytes,))
+        return self.layouts[u].views(mapped)
+
+    def close(self):
+        try:
+            self.flush()
+        finally:
+            self._pool.shutdown()
+            for fd in self._fds:
+                os.close(fd)
+            self._fds = []

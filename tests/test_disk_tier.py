@@ -1,0 +1,243 @@
+"""The disk tier (engine/tier.py): training with the state in files equals training with it in RAM,
+bit for bit; checkpoints go through it unit by unit; its directory is never silently reused."""
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from test_engine import CFG, DEVICE_SETUPS, batches, make_engine
+
+from megatrain_jax import checkpoint
+from megatrain_jax import plan as plan_lib
+from megatrain_jax.config import ConfigError, load_config
+from megatrain_jax.cli import run_cli
+from megatrain_jax.engine import tier as tier_lib
+from megatrain_jax.engine.tier import DiskTier, DiskTierOptions, TierError, UnitLayout
+from megatrain_jax.train import train
+
+STEPS = 5
+SMALL = dataclasses.replace(CFG, num_layers=2)
+
+
+def run_steps(engine, data):
+    out = [engine.train_step(inputs, targets) for inputs, targets in data]
+    return [float(o["loss"]) for o in out], [float(o["grad_norm"]) for o in out]
+
+
+def numpy_state(engine):
+    return jax.tree.map(np.array, engine.state())
+
+
+def assert_bit_equal(a, b):
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b) and len(leaves_a) > 10
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), leaves_b):
+        assert x.dtype == y.dtype and np.array_equal(x, y), jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("num_micro,max_grad_norm,read_ahead",
+                         [(1, None, 2), (2, 0.5, 1)], ids=["plain", "micro2_clip"])
+def test_disk_tier_equals_ram_tier_bit_for_bit(tmp_path, num_micro, max_grad_norm, read_ahead):
+    data = batches(num_micro, batch=4 // num_micro)[:STEPS]
+    devices = DEVICE_SETUPS["two_devices"]()
+    ram = make_engine(SMALL, devices, max_grad_norm)
+    ram_losses, norms = run_steps(ram, data)
+    ram_state = numpy_state(ram)
+    ram.close()
+    disk = make_engine(SMALL, devices, max_grad_norm,
+                       disk_tier=DiskTierOptions(str(tmp_path / "tier"), read_ahead=read_ahead))
+    assert all(u.params is None and u.opt_state is None for u in disk.host.units)  # not in RAM
+    disk_losses, _ = run_steps(disk, data)
+    assert disk_losses == ram_losses
+    assert_bit_equal(numpy_state(disk), ram_state)
+    tier = disk.disk_tier
+    assert tier.bytes_read >= STEPS * tier.total_bytes  # every unit came from its file each step
+    if max_grad_norm is not None:  # clipping must have been active for this test to mean much
+        assert max(norms) > max_grad_norm
+    disk.close()
+
+
+# ---------------------------------------------------------------- checkpoints through the tier
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN_STEPS = 4
+FAST = ["model.num_layers=2", "data.seq_len=32", "data.batch_size=2", "train.compute_dtype=float32",
+        f"train.steps={TRAIN_STEPS}", "checkpoint.every=2", "checkpoint.keep=10",
+        "logging.tensorboard=false"]
+
+
+def make_cfg(run_dir, *extra):
+    return load_config(os.path.join(ROOT, "configs/tiny.yaml"), [*FAST, f"run_dir={run_dir}", *extra])
+
+
+def disk(tmp_path, name="tier"):
+    return ["offload.tier=disk", f"offload.path={tmp_path / name}"]
+
+
+def saved_state(run_dir, step):
+    manager = checkpoint.make_manager(os.path.join(run_dir, "checkpoints"))
+    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+    manager.close()
+    return jax.tree.map(np.asarray, state)
+
+
+def losses(run_dir):
+    return [json.loads(line)["loss"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def resumed_from_step_2(source, run_dir, *extra):
+    """A copy of `source` without its last checkpoint, resumed to the end with `extra`."""
+    shutil.copytree(source, run_dir)
+    shutil.rmtree(os.path.join(run_dir, "checkpoints", str(TRAIN_STEPS)))
+    train(make_cfg(run_dir, *extra), log=lambda *_: None)
+    return saved_state(run_dir, TRAIN_STEPS)
+
+
+@pytest.fixture(scope="module")
+def ram_run(tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("ram_run"))
+    train(make_cfg(run_dir), log=lambda *_: None)
+    return run_dir
+
+
+def test_checkpoints_move_between_tiers_bit_exact(tmp_path, ram_run):
+    final = saved_state(ram_run, TRAIN_STEPS)
+    # A whole run on the disk tier saves the RAM tier's checkpoints, bit for bit.
+    disk_run = str(tmp_path / "disk_run")
+    lines = []
+    train(make_cfg(disk_run, *disk(tmp_path)), log=lines.append)
+    assert any(line.startswith("disk tier: ") for line in lines)
+    assert losses(disk_run) == losses(ram_run)
+    # The plan's disk bytes are the engine's files, less the 4 KiB alignment of each leaf.
+    manifest = json.load(open(tmp_path / "tier" / "tier.json"))
+    cfg = make_cfg(disk_run, *disk(tmp_path))
+    planned = plan_lib.plan(cfg, plan_lib.machine_from_device(jax.devices()[0])).disk_bytes
+    assert planned <= manifest["bytes"] <= planned + 4096 * len(jax.tree.leaves(final))
+    for step in (2, TRAIN_STEPS):
+        assert_bit_equal(saved_state(disk_run, step), saved_state(ram_run, step))
+    # A RAM-tier checkpoint resumes onto the disk tier, and a disk-tier one back onto RAM.
+    assert_bit_equal(resumed_from_step_2(ram_run, str(tmp_path / "to_disk"),
+                                         *disk(tmp_path, "tier2")), final)
+    assert_bit_equal(resumed_from_step_2(disk_run, str(tmp_path / "to_ram")), final)
+
+
+# ---------------------------------------------------------------- the directory: scratch, owned
+def layouts(width=8, layers=2):
+    """The layouts of a toy model: stages and `layers` blocks, params and an Adam-like state."""
+    unit = lambda n: ({"w": np.zeros((n, width), np.float32)},
+                      ({"mu": np.zeros((n, width), np.float32)}, np.zeros((), np.int32)))
+    return [UnitLayout.of(*unit(16))] + [UnitLayout.of(*unit(4))] * layers
+
+
+def test_another_runs_tier_is_refused_this_runs_rebuilt(tmp_path):
+    path = str(tmp_path / "tier")
+    first = DiskTier(DiskTierOptions(path, run="runs/a", model="m1"), layouts())
+    assert first.opened == "new"
+    first.close()
+    manifest = json.load(open(os.path.join(path, "tier.json")))
+    assert manifest["run"] == "runs/a" and manifest["model"] == "m1" and manifest["units"] == 3
+    with pytest.raises(TierError, match="holds the disk tier of another run \\('runs/a'"):
+        DiskTier(DiskTierOptions(path, run="runs/b", model="m1"), layouts())
+    # The same run after a crash: the files are scratch, rewritten from the engine's state.
+    again = DiskTier(DiskTierOptions(path, run="runs/a", model="m1"), layouts())
+    assert again.opened == "this run's files, rewritten"
+    again.close()
+    # The same run with another model (fewer, wider layers): rebuilt, the extra file removed.
+    other = DiskTier(DiskTierOptions(path, run="runs/a", model="m2"), layouts(width=16, layers=1))
+    assert other.opened == "this run's files of another model ('m1'), rebuilt"
+    assert sorted(os.listdir(path)) == ["tier.json", "unit_00000.bin", "unit_00001.bin"]
+    assert os.path.getsize(os.path.join(path, "unit_00001.bin")) == other.layouts[1].nbytes
+    other.close()
+
+
+@pytest.mark.parametrize("setup,message", [
+    (lambda p: open(p, "w").close(), " is not a directory"),
+    (lambda p: (os.makedirs(p), open(os.path.join(p, "notes.txt"), "w").close()),
+     " is not empty and holds no tier.json \\(e.g. notes.txt\\)"),
+    (lambda p: (os.makedirs(p), open(os.path.join(p, "tier.json"), "w").write("{")),
+     ": .*tier.json is not a disk tier's manifest"),
+], ids=["file", "foreign_files", "torn_manifest"])
+def test_a_directory_that_is_not_a_tier_is_refused(tmp_path, setup, message):
+    path = str(tmp_path / "tier")
+    setup(path)
+    before = sorted(os.listdir(path)) if os.path.isdir(path) else None
+    with pytest.raises(TierError, match=f"offload.path {path}{message}"):
+        DiskTier(DiskTierOptions(path, run="r"), layouts())
+    assert (sorted(os.listdir(path)) if os.path.isdir(path) else None) == before  # untouched
+
+
+def test_too_little_free_space_is_refused_naming_the_numbers(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tier_lib, "free_bytes", lambda path: 10_000)
+    path = tmp_path / "tier"
+    need = sum(layout.nbytes for layout in layouts())
+    with pytest.raises(TierError, match=f"needs {need / 1e9:.2f} GB more and the disk has 0.00 GB"):
+        DiskTier(DiskTierOptions(str(path), run="r"), layouts())
+    assert not os.path.exists(path / "unit_00000.bin")
+    # Through the command line: one line, exit 2, before any step.
+    monkeypatch.setattr(tier_lib, "free_bytes", lambda path: 1000)
+    run_dir = tmp_path / "run"
+    assert run_cli(lambda: train(make_cfg(run_dir, *disk(tmp_path)))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: offload.path {tmp_path / 'tier'}: the disk "
+                                               f"tier needs ") and "GB free" in err[0]
+    assert not os.path.exists(run_dir)
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda f: os.truncate(f, 100), "was truncated to 100 of"), (os.remove, "was deleted")])
+def test_a_tier_file_damaged_mid_run_is_one_line_naming_it(tmp_path, capsys, damage, message):
+    engine = make_engine(SMALL, DEVICE_SETUPS["two_devices"](), None,
+                         disk_tier=DiskTierOptions(str(tmp_path / "tier")))
+    (inputs, targets), = batches(1, batch=2)[:1]
+    engine.train_step(inputs, targets)
+    engine.wait()
+    damage(engine.disk_tier.files[2])
+    assert run_cli(lambda: (engine.train_step(inputs, targets), engine.wait())) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"disk tier file {engine.disk_tier.files[2]} {message}" in err[0]
+    assert "resume from its last checkpoint" in err[0]
+
+
+def test_plan_reports_the_disk_tier(tmp_path):
+    # Deep enough for the units in flight to be fewer than the units (a 2-layer model's are not)
+    cfg = make_cfg(tmp_path / "run", *disk(tmp_path), "model.num_layers=16", "offload.read_ahead=1")
+    machine = plan_lib.machine_from_device(jax.devices()[0])
+    p = plan_lib.plan(cfg, machine)
+    assert p.tier == "disk" and p.host["master"] == p.host["optimizer"] == 0
+    assert p.host_by_tier["disk"] == p.host_total < p.host_by_tier["ram"]
+    assert p.tier_line().startswith("offload.tier=disk: host RAM ")  # a line of report()
+
+
+def test_bench_disk_tier_smoke(tmp_path):
+    """scripts/bench_disk_tier.py end to end on a toy model: both tiers train alike (the script
+    asserts equal losses), and every figure is there and positive."""
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_disk_tier.py"),
+                           "--smoke", "--path", str(tmp_path / "disk"), "--json", str(out)],
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT),
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "disk tier: " in done.stdout and " ram tier: " in done.stdout
+    result = json.load(open(out))
+    assert result["disk"]["read_gbps"] > 0 and result["disk"]["write_gbps"] > 0
+    ram, disk = result["runs"]["ram"], result["runs"]["disk"]
+    assert ram["loss"] == disk["loss"] and ram["params"] == disk["params"]
+    assert disk["tier_bytes"] >= 12 * disk["params"]  # fp32 master, Adam's mu and nu
+    assert disk["tier_read_gbps"] > 0 and disk["tier_write_gbps"] > 0
+    assert all(r["step_s"] > 0 and r["steady_peak_rss_bytes"] > 0 for r in (ram, disk))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["offload.tier=disk"], "offload.tier=disk needs offload.path"),
+    (["offload.tier=dsk"], "offload.tier must be one of ram, disk, got 'dsk' (did you mean disk?)"),
+    (["offload.read_ahead=-1"], "offload.read_ahead must be >= 0, got -1")])
+def test_bad_offload_keys_are_one_line(tmp_path, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        make_cfg(tmp_path, *overrides)
+    assert str(e.value) == message or str(e.value).startswith(message)
