@@ -48,4 +48,4 @@ def run(engine, inputs, targets, contexts) -> dict:
     loss_sum = f.total([s for s, _ in out])
     weight = f.total([n for _, n in out])
     loss = loss_sum / jax.numpy.where(weight > 0, weight, 1.0)
-    return {"loss_sum": loss_sum, "weight": weight, "loss": loss}
+    return engine.placement.local({"loss_sum": loss_sum, "weight": weight, "loss": loss})
