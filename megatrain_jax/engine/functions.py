@@ -99,7 +99,7 @@ class DeviceFunctions:
         # Several devices: each function runs on every device over its rows (parallel.py); sums
         # over tokens (loss, weight, aux) are then summed over the devices, gradients accumulate
         # per device until `reduce`.
-        on = placement or Placement([jax.devices()[0]])
+        on = placement or Placement([jax.local_devices()[0]])
         everywhere = on.sum_over_devices
 
         def merge_stages(part: str, leaves):

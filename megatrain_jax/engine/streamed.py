@@ -83,9 +83,9 @@ class StreamedEngine:
             raise ValueError(f"grad_dtype must be a floating dtype, got {jnp.dtype(grad_dtype)}")
         self.num_layers = num_layers
         self.prefetch = prefetch
-        self.placement = Placement(compute_devices or [compute_device or jax.devices()[0]])
+        self.placement = Placement(compute_devices or [compute_device or jax.local_devices()[0]])
         self.compute_device = self.placement.local_devices[0]
-        self.host_device = host_device or jax.devices("cpu")[0]
+        self.host_device = host_device or jax.local_devices(backend="cpu")[0]
         if self.placement.data_parallel and self.host_device in self.placement.devices:
             raise ValueError(f"the host device {self.host_device} is one of the data-parallel "
                              f"compute devices; give the host state a device of its own")
