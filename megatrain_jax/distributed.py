@@ -10,6 +10,8 @@ A step's global batch is data.batch_size rows per micro-batch; process p reads o
 """
 
 import os
+import sys
+import threading
 
 import jax
 import numpy as np
@@ -33,18 +35,36 @@ def initialize(d: DistributedConfig):
         return
     # Collectives between CPU processes go through gloo (TCP); GPUs use NCCL whatever this says.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # A lost process then fails the others' next collective with an error this run can name
+    # (lost_processes), instead of JAX's coordination client aborting them with a C++ fatal log.
+    # (A lost process 0, which serves the coordinator, still aborts the others at once: theirs.)
+    jax.config.update("jax_enable_recoverability", True)
     kwargs = {} if d.coordinator == "auto" else dict(
         coordinator_address=d.coordinator, num_processes=d.num_processes, process_id=d.process_id)
+    where = ("distributed.coordinator=auto: " if d.coordinator == "auto" else
+             f"distributed.coordinator={d.coordinator} (process {d.process_id} of "
+             f"{d.num_processes}): ")
+    line = (f"error: {where}the processes did not all join within distributed.timeout_s="
+            f"{d.timeout_s} s (is the coordinator's host:port reachable, and every process "
+            f"started?)")
+    # JAX's client aborts the process (a C++ fatal log, SIGABRT) when the others do not join in
+    # time; this watchdog says so in one line first, and exits 2: nothing has been written yet.
+    joined = threading.Event()
+
+    def watchdog():
+        if not joined.wait(d.timeout_s):
+            print(line, file=sys.stderr, flush=True)
+            os._exit(2)
+
+    threading.Thread(target=watchdog, daemon=True, name="distributed-join").start()
     try:
-        jax.distributed.initialize(**kwargs, initialization_timeout=d.timeout_s,
+        jax.distributed.initialize(**kwargs, initialization_timeout=d.timeout_s + 30,
                                    heartbeat_timeout_seconds=d.timeout_s)
     except (RuntimeError, ValueError) as e:  # XlaRuntimeError is a RuntimeError
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        where = ("distributed.coordinator=auto: " if d.coordinator == "auto" else
-                 f"distributed.coordinator={d.coordinator} (process {d.process_id} of "
-                 f"{d.num_processes}): ")
-        raise ConfigError(f"{where}the processes did not all join within distributed.timeout_s="
-                          f"{d.timeout_s} s ({first})") from None
+        raise ConfigError(f"{line[len('error: '):]}: {first}") from None
+    finally:
+        joined.set()
 
 
 def _cpu_devices(d: DistributedConfig):
@@ -110,3 +130,29 @@ def share(batch: tuple, index: int, count: int) -> tuple:
         rows = x.shape[1] // count
         return np.ascontiguousarray(x[:, index * rows:(index + 1) * rows])
     return tuple(None if part is None else jax.tree.map(cut, part) for part in batch)
+
+
+def lost_processes() -> list[int]:
+    """The processes of the run that the coordinator no longer sees alive ([] for one process,
+    or when it cannot say)."""
+    if jax.process_count() == 1:
+        return []
+    from jax._src import distributed as jax_distributed  # the client has no public accessor
+    try:
+        live = jax_distributed.global_state.client.get_live_nodes(list(range(jax.process_count())))
+    except Exception:  # the coordinator itself is gone
+        return [0]
+    return [p for p in range(jax.process_count()) if p not in live]
+
+
+def lost_line(e: BaseException, step: int) -> str | None:
+    """After step `step` raised `e`: the one-line error naming the lost processes, or None when
+    every process is alive (the error is not a lost process's)."""
+    lost = lost_processes()
+    if not lost:
+        return None
+    names = ", ".join(map(str, lost))
+    cause = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    return (f"lost process {names} of {jax.process_count()} at step {step} (it stopped answering; "
+            f"this process's collective failed: {cause}); stopping. The last complete checkpoint "
+            f"is intact: run the same command again to resume")

@@ -337,6 +337,15 @@ def _out_of_memory_line(e: BaseException, step: int, run_plan) -> str:
             f"train.offload_activations=true (python scripts/plan.py shows what fits)")
 
 
+def _raise_if_lost(e: BaseException, step: int):
+    """With several processes: a step that failed because another process is gone is a
+    TrainingError naming it (exit 1)."""
+    if jax.process_count() > 1:
+        line = distributed.lost_line(e, step)
+        if line:
+            raise TrainingError(line) from None
+
+
 def _peak_flops(cfg: Config, device) -> tuple[float | None, str]:
     """(the bf16 dense peak FLOP/s that MFU is measured against, or None, and where it is from)."""
     if cfg.logging.peak_tflops:
@@ -417,6 +426,10 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
             except (jax.errors.JaxRuntimeError, MemoryError) as e:
                 if _is_out_of_memory(e):
                     raise ConfigError(_out_of_memory_line(e, step, run_plan)) from None
+                _raise_if_lost(e, step)
+                raise
+            except (RuntimeError, ValueError) as e:  # gloo's failed collective is a ValueError
+                _raise_if_lost(e, step)
                 raise
             dt = time.perf_counter() - t0
             if step == start + 1:  # after the compiling step: advice measures the next ones

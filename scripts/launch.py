@@ -5,8 +5,10 @@
 Starts `--nproc` copies of the command (a Python script and its arguments), each given
 `distributed.coordinator=127.0.0.1:PORT distributed.num_processes=N distributed.process_id=I`
 (a free port, or --port), and prefixes every line they print with `[I] `. If one exits non-zero,
-the others are stopped (SIGTERM, then SIGKILL after --grace seconds) and the launcher exits with
-that code; 0 when all finish cleanly. Ctrl-C (SIGINT/SIGTERM) is passed on to every process.
+the others get --grace seconds to notice and stop by themselves (a training process names the
+lost one in its error), then SIGTERM, then SIGKILL 5 s later; the launcher exits with the first
+failed process's code (128 + N for a signal N); 0 when all finish cleanly. Ctrl-C (SIGINT or
+SIGTERM) is passed on to every process.
 On several hosts, start one process per host with the same three keys yourself (or
 distributed.coordinator=auto under SLURM / Open MPI, where JAX reads them from the cluster).
 """
@@ -35,11 +37,18 @@ def _pump(stream, out, prefix: str, lock: threading.Lock):
     stream.close()
 
 
+def _wait_all(procs, seconds: float):
+    deadline = time.time() + seconds
+    while any(p.poll() is None for p in procs) and time.time() < deadline:
+        time.sleep(0.05)
+
+
 def _stop(procs, grace: float):
+    _wait_all(procs, grace)
     for p in procs:
         if p.poll() is None:
             p.terminate()
-    deadline = time.time() + grace
+    deadline = time.time() + 5
     for p in procs:
         while p.poll() is None and time.time() < deadline:
             time.sleep(0.05)
@@ -78,8 +87,8 @@ def launch(nproc: int, command: list, *, port: int = 0, grace: float = 10.0) -> 
             if failed:
                 i, rc = failed[0]
                 with lock:
-                    print(f"launch: process {i} exited with code {rc}; stopping the others",
-                          file=sys.stderr, flush=True)
+                    print(f"launch: process {i} exited with code {rc}; stopping the others "
+                          f"(in {grace:g} s at most)", file=sys.stderr, flush=True)
                 _stop(procs, grace)
                 break
             time.sleep(0.1)
@@ -102,7 +111,7 @@ def main(argv=None) -> int:
     parser.add_argument("--nproc", type=int, required=True, help="processes to start")
     parser.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
     parser.add_argument("--grace", type=float, default=10.0,
-                        help="seconds between SIGTERM and SIGKILL when stopping the others")
+                        help="seconds the others get to stop by themselves after one failed")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
