@@ -79,16 +79,16 @@ def launch(nproc: int, command: list, *, port: int = 0, grace: float = 10.0) -> 
                 p.send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    code = 0
+    first_bad = None  # (process, exit code) of the first seen to fail
     try:
         while any(p.poll() is None for p in procs):
-            failed = [(i, p.returncode) for i, p in enumerate(procs)
-                      if p.returncode not in (None, 0)]
-            if failed:
-                i, rc = failed[0]
+            first_bad = next(((i, p.returncode) for i, p in enumerate(procs)
+                              if p.returncode not in (None, 0)), None)
+            if first_bad:
                 with lock:
-                    print(f"launch: process {i} exited with code {rc}; stopping the others "
-                          f"(in {grace:g} s at most)", file=sys.stderr, flush=True)
+                    print(f"launch: process {first_bad[0]} exited with code {first_bad[1]}; "
+                          f"stopping the others (in {grace:g} s at most)", file=sys.stderr,
+                          flush=True)
                 _stop(procs, grace)
                 break
             time.sleep(0.1)
@@ -97,12 +97,15 @@ def launch(nproc: int, command: list, *, port: int = 0, grace: float = 10.0) -> 
             signal.signal(s, handler)
     for t in pumps:
         t.join(timeout=5)
-    codes = [p.returncode for p in procs]
-    first_bad = next(((i, c) for i, c in enumerate(codes) if c != 0), None)
-    if first_bad is not None:
-        i, c = first_bad
-        code = c if c > 0 else 128 - c  # killed by signal n: the shell's 128 + n
-    return code
+    if first_bad is None:  # all ended between two looks: the first failed one, if any
+        first_bad = next(((i, p.returncode) for i, p in enumerate(procs) if p.returncode), None)
+        if first_bad:
+            print(f"launch: process {first_bad[0]} exited with code {first_bad[1]}",
+                  file=sys.stderr, flush=True)
+    if first_bad is None:
+        return 0
+    code = first_bad[1]
+    return code if code > 0 else 128 - code  # killed by signal n: the shell's 128 + n
 
 
 def main(argv=None) -> int:
