@@ -12,6 +12,7 @@ A step's global batch is data.batch_size rows per micro-batch; process p reads o
 import os
 import sys
 import threading
+import time
 
 import jax
 import numpy as np
@@ -132,14 +133,42 @@ def share(batch: tuple, index: int, count: int) -> tuple:
     return tuple(None if part is None else jax.tree.map(cut, part) for part in batch)
 
 
+def _client():
+    from jax._src import distributed as jax_distributed  # the client has no public accessor
+    return jax_distributed.global_state.client
+
+
+def finish(d: DistributedConfig, wait_s: float = 600):
+    """The end of a run with several processes: all of them meet (up to `wait_s` for the slowest,
+    e.g. process 0 writing the last checkpoint), then leave, process 0 (which serves the
+    coordinator) last. With recoverability on (initialize) JAX no longer does this at exit, and a
+    process still leaving when the coordinator is gone is aborted by JAX's client."""
+    if jax.process_count() == 1 or not jax.distributed.is_initialized():
+        return
+    client = _client()
+    client.wait_at_barrier("megatrain_jax_finish", int(wait_s * 1000))
+    if jax.process_index() != 0:
+        jax.distributed.shutdown()
+        return
+    everyone = list(range(jax.process_count()))  # the asking task must be among those asked
+    deadline = time.time() + d.timeout_s
+    while time.time() < deadline:
+        try:  # returns once every other process has left (or asks too)
+            if set(client.get_live_nodes(everyone)) == {0}:
+                break
+        except Exception:
+            break
+        time.sleep(0.05)
+    jax.distributed.shutdown()
+
+
 def lost_processes() -> list[int]:
     """The processes of the run that the coordinator no longer sees alive ([] for one process,
     or when it cannot say)."""
     if jax.process_count() == 1:
         return []
-    from jax._src import distributed as jax_distributed  # the client has no public accessor
     try:
-        live = jax_distributed.global_state.client.get_live_nodes(list(range(jax.process_count())))
+        live = _client().get_live_nodes(list(range(jax.process_count())))
     except Exception:  # the coordinator itself is gone
         return [0]
     return [p for p in range(jax.process_count()) if p not in live]

@@ -304,7 +304,9 @@ def train(cfg: Config, *, log=print, console=None) -> list[dict]:
         eval_set = [distributed.share(batch, me, processes) for batch in eval_set]
     placed = dict(compute_devices=devices, host_device=host_device)
     if me != 0:  # the others train alongside, quietly, writing nothing
-        return _train_locked(cfg, dataset, eval_set, lambda *a, **k: None, None, placed)
+        history = _train_locked(cfg, dataset, eval_set, lambda *a, **k: None, None, placed)
+        distributed.finish(cfg.distributed)
+        return history
     metrics_log.check(cfg)
     try:  # freed layer-sized buffers go back to the kernel: ~22 -> ~14 B/param of RSS, see
         hostmem.set_mmap_threshold(1 << 20)  # docs/benchmarks.md "Host memory per parameter"
@@ -314,7 +316,9 @@ def train(cfg: Config, *, log=print, console=None) -> list[dict]:
     prepare_run_dir(cfg.run_dir)
     try:
         with RunLock(cfg.run_dir, log=log):
-            return _train_locked(cfg, dataset, eval_set, log, console, placed)
+            history = _train_locked(cfg, dataset, eval_set, log, console, placed)
+        distributed.finish(cfg.distributed)  # every process ends together
+        return history
     except BaseException:
         if created:  # refused before writing anything (a first step out of memory too): no trace
             for directory in (os.path.join(cfg.run_dir, "checkpoints"), cfg.run_dir):
