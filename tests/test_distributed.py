@@ -66,6 +66,23 @@ def test_two_local_devices_equal_one(tmp_path, reference):
     assert_trees_close(saved_state(run_dir), saved_state(reference), rtol=1e-5)
 
 
+def test_each_process_reads_its_rows_of_every_global_batch():
+    """The processes' shares are the global batch's rows, split in order within each micro-batch,
+    and the data position (what a checkpoint keeps) is the whole batch's."""
+    from megatrain_jax.data import PackedDataset
+    tokens = np.random.default_rng(0).integers(0, 100, 5000).astype(np.int32)
+    datasets = [PackedDataset(tokens, seq_len=16, batch_size=4, seed=3, num_micro_batches=2)
+                for _ in range(3)]
+    datasets[1].share, datasets[2].share = (0, 2), (1, 2)
+    for _ in range(40):  # across epochs
+        whole, first, second = (d.next_batch() for d in datasets)
+        for part in range(2):  # inputs, targets
+            assert first[part].shape == (2, 2, 16)
+            np.testing.assert_array_equal(
+                np.concatenate([first[part], second[part]], axis=1), whole[part])
+        assert datasets[1].state() == datasets[2].state() == datasets[0].state()
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["distributed.local_devices=2", "data.batch_size=3"],
      "data.batch_size=3 does not split over the 2 data-parallel devices"),
@@ -172,3 +189,19 @@ def test_two_processes_equal_one_lost_process_named_and_checkpoints_cross_proces
     assert any("resumed from checkpoint step 2" in x for x in lines)
     assert_steps_equal(run_dir, reference, range(1, STEPS + 1))
     assert_trees_close(saved_state(run_dir), saved_state(reference), rtol=1e-5)
+
+
+def test_bench_data_parallel_smoke(tmp_path):
+    """scripts/bench_data_parallel.py with two processes: they finish cleanly (exit 0, the
+    coordinator leaving last), and the engine's counters equal the predicted bytes per link."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "scripts/bench_data_parallel.py", "--processes", "2",
+                           "--steps", "1", "--json", str(out)],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["processes"] == 2 and row["devices"] == 2
+    assert row["h2d_per_link_measured"] == row["h2d_per_link_predicted"] > 0
+    assert row["d2h_per_process_measured"] == row["d2h_per_process_predicted"] > 0
+    assert row["host_state_engine"] > 0 and row["rss"] > row["host_state_engine"]
+    assert "| 2 |" in proc.stdout

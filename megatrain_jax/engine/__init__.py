@@ -12,6 +12,7 @@ Modules, by concern:
   stream.py     transfers with back-pressure, activation offload, counters
   host.py       host state: master weights, optax state, bus copies, the update thread
   functions.py  the jitted device functions
+  parallel.py   placement: one device, or data parallel over a mesh of devices and processes
 """
 
 from megatrain_jax.engine.stream import Counters

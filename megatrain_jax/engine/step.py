@@ -15,6 +15,9 @@
               (a background thread; the next step's fetch of a unit waits for its update)
 
 Each block weight crosses the bus twice per step whatever the number of micro-batches M is.
+Data parallel over several devices (parallel.py): every fetch goes to each device, each
+micro-batch's rows are split over them, and each gradient (dW_i, the stages' parts) is summed over
+the devices on the devices (f.reduce) before it crosses to the host, once per process.
 """
 
 import functools
