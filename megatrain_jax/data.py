@@ -381,7 +381,8 @@ class PackedDataset:
     def next_batch(self):
         """(inputs, targets), int32, shape (num_micro_batches, batch_size, seq_len) (batch_size /
         share[1] rows: this process's share)."""
-        starts = share_of_batch(self.order.take(), self.num_micro_batches, self.share) * self.seq_len
+        taken = share_of_batch(self.order.take(), self.num_micro_batches, self.share)
+        starts = taken * self.seq_len
         # fancy indexing reads only these windows, so a memmapped corpus stays on disk
         idx = starts[:, None] + np.arange(self.seq_len + 1)
         windows = np.asarray(self.tokens[idx]).astype(np.int32)

@@ -1,5 +1,5 @@
 """Data parallel from the config: processes (`jax.distributed`), compute devices, each process's
-rows of a batch. The engine's side (mesh, shardings, collectives) is megatrain_jax/engine/parallel.py.
+rows of a batch. The engine's side (mesh, shardings, collectives) is engine/parallel.py.
 
     distributed.initialize(cfg.distributed)        # first, before anything touches a device
     devices, host = distributed.devices(cfg.distributed)

@@ -1,6 +1,6 @@
 """Start a data-parallel run's processes on this machine, as torchrun does.
 
-    python scripts/launch.py --nproc 2 -- scripts/train.py --config configs/tiny.yaml [key=value ...]
+    python scripts/launch.py --nproc 2 -- scripts/train.py --config configs/tiny.yaml [k=v ...]
 
 Starts `--nproc` copies of the command (a Python script and its arguments), each given
 `distributed.coordinator=127.0.0.1:PORT distributed.num_processes=N distributed.process_id=I`
@@ -112,7 +112,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      usage="launch.py --nproc N [--port P] -- SCRIPT [ARGS ...]")
     parser.add_argument("--nproc", type=int, required=True, help="processes to start")
-    parser.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
+    parser.add_argument("--port", type=int, default=0,
+                        help="coordinator port (default: a free one)")
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds the others get to stop by themselves after one failed")
     parser.add_argument("command", nargs=argparse.REMAINDER)

@@ -34,7 +34,8 @@ FAST = ["model.num_layers=2", "model.hidden_size=32", "model.intermediate_size=4
 
 
 def make_cfg(run_dir, *extra):
-    return load_config(os.path.join(ROOT, "configs/tiny.yaml"), [*FAST, f"run_dir={run_dir}", *extra])
+    return load_config(os.path.join(ROOT, "configs/tiny.yaml"),
+                       [*FAST, f"run_dir={run_dir}", *extra])
 
 
 def records(run_dir):
