@@ -230,10 +230,12 @@ def _offsets_tokenizer(tokenizer):
     return tokenizer._chat_offsets
 
 
-def encode_conversation(template: ChatTemplate, tokenizer, messages: list, where: str) -> tuple:
+def encode_conversation(template: ChatTemplate, tokenizer, messages: list, where: str,
+                        train_from: int = 0) -> tuple:
     """(ids, assistant): the token ids of the rendered conversation (int32, as
     `apply_chat_template(messages, tokenize=True)` gives them) and a bool mask of the tokens that
-    assistant messages add. Raises DataError naming `where` if the template refuses the
+    assistant messages add (those at index >= `train_from` only: a preference pair's completion,
+    not its prompt's earlier turns). Raises DataError naming `where` if the template refuses the
     conversation or does not render its prefixes as prefixes."""
     import jinja2
 
@@ -241,7 +243,7 @@ def encode_conversation(template: ChatTemplate, tokenizer, messages: list, where
         text = template.render(messages)
         spans = []  # (first char, end char) of what each assistant message adds
         for i, message in enumerate(messages):
-            if message["role"] != "assistant":
+            if message["role"] != "assistant" or i < train_from:
                 continue
             before = template.render(messages[:i], add_generation_prompt=True)
             after = template.render(messages[:i + 1])
@@ -271,8 +273,14 @@ def encode_conversation(template: ChatTemplate, tokenizer, messages: list, where
 
 def read_conversations(path: str):
     """("path:line", messages) for every non-blank line of a chat JSONL file."""
+    for where, obj in read_records(path, "conversations"):
+        yield where, _conversation(obj, where)
+
+
+def read_records(path: str, what: str):
+    """("path:line", JSON value) for every non-blank line of a JSONL file of `what`."""
     if os.path.isdir(path):
-        raise DataError(f"{path} is a directory, not a JSONL file of conversations")
+        raise DataError(f"{path} is a directory, not a JSONL file of {what}")
     try:
         f = open(path, "rb")  # bytes, so that invalid UTF-8 is reported with its line
     except FileNotFoundError:
@@ -280,8 +288,7 @@ def read_conversations(path: str):
     except OSError as e:
         raise DataError(f"{path}: cannot read data file ({e.strerror})") from None
     with f:
-        for where, obj in jsonl_objects(f, path):
-            yield where, _conversation(obj, where)
+        yield from jsonl_objects(f, path)
 
 
 # -----------------------------------------------------------------------------

@@ -26,7 +26,8 @@ class ConfigError(ValueError):
 
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")  # optimizer.schedule
-FORMATS = ("text", "sft")  # data.format
+FORMATS = ("text", "sft", "preference")  # data.format
+DPO_LOSSES = ("sigmoid", "ipo")  # dpo.loss (megatrain_jax.dpo.LOSSES)
 
 
 def did_you_mean(key: str, choices, prefix: str = "") -> str:
@@ -74,8 +75,13 @@ class DataConfig:
     # conversations ({"messages": [...]} or {"prompt", "completion"} per line) rendered with the
     # chat template next to data.tokenizer, loss on the assistant tokens only, packed into rows
     # with document masks (data.document_mask is then on). See megatrain_jax/chat.py.
+    # preference: a JSONL of pairs ({"prompt", "chosen", "rejected"}, as text or message lists),
+    # one row per sequence, loss on the completion tokens; see megatrain_jax/preference.py and
+    # the dpo: section.
     format: str = "text"
-    overlong: str = "truncate"  # sft: a conversation over data.seq_len is truncated or skipped
+    # sft: a conversation over data.seq_len is truncated or skipped; preference: a pair with a
+    # sequence over data.seq_len
+    overlong: str = "truncate"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +152,16 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DPOConfig:
+    """Preference training (data.format=preference; megatrain_jax/dpo.py)."""
+    beta: float = 0.1  # how far the policy may move from the reference (TRL's default)
+    loss: str = "sigmoid"  # sigmoid (DPO) or ipo
+    # Where the reference log-probs cache lives ("": run_dir); one file per (data, tokenizer,
+    # model, settings) key, so a directory shared by runs reuses them.
+    reference_dir: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = ModelConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -153,6 +169,7 @@ class Config:
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
+    dpo: DPOConfig = DPOConfig()
     distributed: DistributedConfig = DistributedConfig()
     run_dir: str = "runs/tiny"
 
@@ -308,7 +325,8 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
         _set_dotted(data, key, parsed)
     cfg = _build(Config, data, "")
     given_data = data.get("data") if isinstance(data.get("data"), dict) else {}
-    if cfg.data.format == "sft" and "document_mask" not in given_data:  # sft rows are packed
+    if cfg.data.format in ("sft", "preference") and "document_mask" not in given_data:
+        # sft rows are packed; preference rows mark their padding
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, document_mask=True))
     if cfg.model.from_hf:
         cfg = dataclasses.replace(cfg, model=_model_from_hf(cfg.model, data.get("model", {})))
@@ -403,9 +421,25 @@ def _check(cfg: Config):
             raise ConfigError("data.document_mask=false with data.format=sft: SFT packs several "
                               "conversations per row, kept apart by document masks; leave "
                               "data.document_mask out or set it true")
-        if not data.tokenizer.endswith(".json"):
-            raise ConfigError(f"data.format=sft needs data.tokenizer to be a tokenizer.json with "
-                              f"the model's chat template beside it, got {data.tokenizer!r}")
+    if data.format in ("sft", "preference") and not data.tokenizer.endswith(".json"):
+        raise ConfigError(f"data.format={data.format} needs data.tokenizer to be a tokenizer.json "
+                          f"with the model's chat template beside it, got {data.tokenizer!r}")
+    if data.format == "preference":
+        if not data.document_mask:
+            raise ConfigError("data.document_mask=false with data.format=preference: its rows "
+                              "mark their padding with segment ids; leave data.document_mask out "
+                              "or set it true")
+        if data.batch_size % 2:
+            raise ConfigError(f"data.batch_size must be even with data.format=preference (rows: "
+                              f"the chosen and the rejected of each pair), got {data.batch_size}")
+        if data.eval_path or data.eval_fraction:
+            raise ConfigError("data.eval_path and data.eval_fraction are not supported with "
+                              "data.format=preference yet; leave them out")
+    if cfg.dpo.beta <= 0:
+        raise ConfigError(f"dpo.beta must be > 0, got {cfg.dpo.beta}")
+    if cfg.dpo.loss not in DPO_LOSSES:
+        raise ConfigError(f"dpo.loss must be one of {', '.join(DPO_LOSSES)}, got {cfg.dpo.loss!r}"
+                          f"{did_you_mean(cfg.dpo.loss, DPO_LOSSES)}")
     dist = cfg.distributed
     if dist.local_devices < 0:
         raise ConfigError(f"distributed.local_devices must be >= 0 (0: every accelerator, or 1 on "
@@ -453,7 +487,8 @@ def _check(cfg: Config):
 RESUME_KEYS = ("model", "optimizer", "data.path", "data.text_field", "data.tokenizer",
                "data.eos_token", "data.token_dtype", "data.seq_len", "data.batch_size",
                "data.micro_batches", "data.document_mask", "data.eval_path", "data.eval_fraction",
-               "data.format", "data.overlong", "train.seed", "train.steps")
+               "data.format", "data.overlong", "train.seed", "train.steps", "dpo.beta",
+               "dpo.loss")
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

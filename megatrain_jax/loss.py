@@ -130,12 +130,17 @@ def _ce_fwd(y, w, targets, layout, c, vocab_chunk, softcap):
 
 def _ce_bwd(layout, c, vocab_chunk, softcap, res, g):
     y, w, targets, lse = res
+    # Per-token scale of d loss_sum / d logits; ignored (and padding) tokens get exactly 0.
+    scale = jnp.where(targets != IGNORE_ID, g, 0.0).astype(jnp.float32)
+    return _scaled_bwd(layout, c, vocab_chunk, softcap, y, w, targets, lse, scale)
+
+
+def _scaled_bwd(layout, c, vocab_chunk, softcap, y, w, targets, lse, scale):
+    """(dy, dw) of sum_t scale[t] * (lse[t] - z[t, target[t]]), chunk by chunk."""
     v, vc, nv = _vocab_plan(w, layout, vocab_chunk)
     logits_spec, dy_spec, dw_spec = _SPECS[layout]
     axis = 1 if layout == "dv" else 0
     safe_t = jnp.clip(targets, 0, v - 1)
-    # Per-token scale of d loss_sum / d logits; ignored (and padding) tokens get exactly 0.
-    scale = jnp.where(targets != IGNORE_ID, g, 0.0).astype(jnp.float32)
 
     def token_chunk(dw, xs):
         yc, tc, lse_c, scale_c = xs
@@ -164,3 +169,48 @@ def _ce_bwd(layout, c, vocab_chunk, softcap, res, g):
 
 
 _ce.defvjp(_ce_fwd, _ce_bwd)
+
+
+def chunked_token_logprobs(y, w, targets, *, layout: str = "dv", chunk: int = 4096,
+                           vocab_chunk: int = 0, softcap: float = 0.0):
+    """Per-token log-probabilities log p(target | y) of the logits y @ w, shaped like targets
+    (0 where the target is IGNORE_ID), with the same chunking and memory bound as
+    `chunked_cross_entropy` (whose loss_sum is minus their sum). Differentiable with any per-token
+    cotangent: the backward recomputes each chunk's softmax, scaled token by token. For losses
+    of whole sequences (a sum per sequence, e.g. preference losses)."""
+    if layout not in _SPECS:
+        raise ValueError(f"layout must be 'dv' or 'vd', got {layout!r}")
+    if targets.shape != y.shape[:-1]:
+        raise ValueError(f"targets shape {targets.shape} does not match y {y.shape}")
+    shape = targets.shape
+    y = y.reshape(-1, y.shape[-1])
+    targets = targets.reshape(-1).astype(jnp.int32)
+    n = y.shape[0]
+    if n == 0:
+        return jnp.zeros(shape, jnp.float32)
+    c = max(1, min(chunk, n))
+    pad = -n % c
+    if pad:
+        y = jnp.pad(y, ((0, pad), (0, 0)))
+        targets = jnp.pad(targets, (0, pad), constant_values=IGNORE_ID)
+    nll = _token_ce(y, w, targets, layout, c, vocab_chunk, float(softcap))
+    return -nll[:n].reshape(shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _token_ce(y, w, targets, layout, c, vocab_chunk, softcap):
+    return _token_ce_fwd(y, w, targets, layout, c, vocab_chunk, softcap)[0]
+
+
+def _token_ce_fwd(y, w, targets, layout, c, vocab_chunk, softcap):
+    lse, zt = _forward(y, w, targets, layout, c, vocab_chunk, softcap)
+    return jnp.where(targets != IGNORE_ID, lse - zt, 0.0), (y, w, targets, lse)
+
+
+def _token_ce_bwd(layout, c, vocab_chunk, softcap, res, g):
+    y, w, targets, lse = res
+    scale = jnp.where(targets != IGNORE_ID, g, 0.0).astype(jnp.float32)  # g: (N,)
+    return _scaled_bwd(layout, c, vocab_chunk, softcap, y, w, targets, lse, scale)
+
+
+_token_ce.defvjp(_token_ce_fwd, _token_ce_bwd)

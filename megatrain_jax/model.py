@@ -17,7 +17,7 @@ from jax import lax
 
 from megatrain_jax import moe
 from megatrain_jax.attention import attention
-from megatrain_jax.loss import cap_logits, chunked_cross_entropy
+from megatrain_jax.loss import cap_logits, chunked_cross_entropy, chunked_token_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,14 +430,23 @@ class LMHead(nnx.Module):
         are not loss.IGNORE_ID, and how many those are. Sums, so that micro-batches and
         documents of any length add up exactly; the mean is loss_sum / count. The (B, T, V)
         logits are never built whole (loss.chunked_cross_entropy computes them chunk by chunk)."""
+        return chunked_cross_entropy(*self._normed_and_weight(x), targets, **self._loss_options())
+
+    def token_logprobs(self, x, targets):
+        """(B, T) fp32 log-probabilities of the targets (0 where a target is loss.IGNORE_ID),
+        chunked as the loss is: for losses over whole sequences (preference training)."""
+        return chunked_token_logprobs(*self._normed_and_weight(x), targets, **self._loss_options())
+
+    def _normed_and_weight(self, x):
         y = rms_norm(x, self.norm[...], self.cfg.rms_norm_eps, self.cfg.norm_offset)
         if self.cfg.tie_embeddings:
-            w, layout = self.embed.embedding[...], "vd"
-        else:
-            w, layout = self.w_out[...], "dv"
-        return chunked_cross_entropy(y, w, targets, layout=layout, chunk=self.execution.loss_chunk,
-                                     vocab_chunk=self.execution.loss_vocab_chunk,
-                                     softcap=self.cfg.final_logit_softcapping)
+            return y, self.embed.embedding[...]
+        return y, self.w_out[...]
+
+    def _loss_options(self) -> dict:
+        return dict(layout="vd" if self.cfg.tie_embeddings else "dv",
+                    chunk=self.execution.loss_chunk, vocab_chunk=self.execution.loss_vocab_chunk,
+                    softcap=self.cfg.final_logit_softcapping)
 
 
 def make_stages(cfg: ModelConfig, seed: int, execution: Execution = Execution()):

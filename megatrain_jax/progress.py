@@ -105,6 +105,10 @@ def _figures(record: dict) -> list:
     parts = []
     if "loss_smooth" in record:
         parts.append(f"smoothed {record['loss_smooth']:.4f}")
+    if "reward_accuracy" in record:  # preference training (dpo.step_metrics)
+        parts.append(f"reward acc {record['reward_accuracy']:.2f} margin "
+                     f"{record['reward_margin']:.3f} | logps chosen {record['logps_chosen']:.2f} "
+                     f"rejected {record['logps_rejected']:.2f}")
     if "lr" in record:
         parts.append(f"lr {record['lr']:.2e}")
     if "mfu" in record:

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import yaml
 
-from megatrain_jax import advice, attention, chat, checkpoint
+from megatrain_jax import advice, attention, chat, checkpoint, dpo, preference
 from megatrain_jax import distributed
 from megatrain_jax import data as data_lib
 from megatrain_jax import hf
@@ -125,6 +125,8 @@ def build_engine(cfg: Config, *, offload_activations: bool | None = None,
         else:
             first, last = make_stages(model, cfg.train.seed, execution)
             block = lambda i: make_block(model, cfg.train.seed, i, execution)
+        if cfg.data.format == "preference":  # the same head weights, the DPO loss
+            last = dpo.PreferenceHead(last, beta=cfg.dpo.beta, loss=cfg.dpo.loss)
     try:
         return StreamedEngine(
             first=first, last=last, make_block=block,
@@ -154,6 +156,9 @@ def load_data(cfg: Config) -> tuple:
     if d.format == "sft":  # contexts from the conversations' boundaries, not from EOS
         return chat.load_sft(d, tokenizer, vocab_size=cfg.model.vocab_size, seed=cfg.train.seed,
                              num_eval_batches=cfg.train.eval_batches)
+    if d.format == "preference":  # reference log-probs filled in by the reference pass
+        return preference.load_preference(d, tokenizer, vocab_size=cfg.model.vocab_size,
+                                          seed=cfg.train.seed), None
     load = lambda path: data_lib.load_tokens(path, tokenizer, vocab_size=cfg.model.vocab_size,
                                              text_field=d.text_field, token_dtype=d.token_dtype)
     tokens = load(d.path)
@@ -383,6 +388,8 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
     ckpt = cfg.checkpoint
     manager = checkpoint.make_manager(ckpt_dir, keep=ckpt.keep, async_save=ckpt.async_save,
                                       write_bytes=checkpoint.largest_unit_bytes(engine))
+    if cfg.data.format == "preference":  # the starting weights', before any checkpoint's
+        dpo.prepare_reference(cfg, engine, dataset, log)
     start = 0
     if resume_step is not None:
         # The saved shapes are checked against the engine's before anything is loaded.
@@ -398,7 +405,7 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
     if peak_flops is not None:
         peak_flops *= devices  # MFU of the whole run: every device's peak
     log(run_plan.summary())
-    if cfg.data.format == "sft":  # what was truncated, skipped and packed: never silent
+    if cfg.data.format in ("sft", "preference"):  # what was truncated, skipped, packed: said
         log(dataset.summary)
     if eval_set:
         when = (f"every {cfg.train.eval_every} steps and at the end" if cfg.train.eval_every
@@ -454,6 +461,8 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
                       "lr": float(lrs[step - 1])}
             if "aux_loss" in out:  # a mixture of experts' load balancing, included in loss
                 record["aux_loss"] = float(out["aux_loss"])
+            if "stats" in out:  # the DPO head's: reward margin and accuracy, log-probs
+                record.update(dpo.step_metrics(out["stats"]))
             bad_steps = 0 if math.isfinite(grad_norm) else bad_steps + 1
             if bad_steps:
                 record["skipped"] = True

@@ -256,7 +256,7 @@ def measure_resident_compute(jax, engine, batch, step_s, on_gpu) -> dict:
         hs = [f.embed(w_first, x) for x in inputs]
         acc, dxs = f.zeros(w_last), []
         for h, t in zip(hs, targets):
-            _, _, dx, acc = f.head(w_last, h, t, acc)
+            _, _, _, dx, acc = f.head(w_last, h, t, acc)
             dxs.append(dx)
         acc_first = f.zeros(w_first)
         for x, dx in zip(inputs, dxs):

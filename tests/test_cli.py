@@ -7,7 +7,10 @@ import sys
 
 import pytest
 
+from megatrain_jax import commands
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 FAST = ["train.steps=3", "model.num_layers=2", "data.seq_len=32", "data.batch_size=2",
         "train.log_every=1"]
 
@@ -18,11 +21,13 @@ def run(*args, cwd=ROOT):
 
 
 def test_tiny_config_trains_and_writes_metrics(tmp_path):
-    # A relative run_dir, as in the README's command, from another working directory.
+    # A relative run_dir, as in the README's command, from another working directory. (The one
+    # training run through a command line: `megatrain train` is the same function,
+    # tests/test_commands.py.)
     run_dir = tmp_path / "runs" / "tiny"
     proc = run("--config", os.path.join(ROOT, "configs", "tiny.yaml"), *FAST, "data.micro_batches=2",
                f"data.path={ROOT}/megatrain_jax/texts/devils_dictionary.txt", "run_dir=runs/tiny",
-               cwd=tmp_path)
+               "optimizer.schedule=wsd", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert (run_dir / "checkpoints" / "3").is_dir()  # the final checkpoint, committed
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -31,7 +36,7 @@ def test_tiny_config_trains_and_writes_metrics(tmp_path):
         assert {"step", "loss", "tokens_per_sec", "step_time_s"} <= set(r)
         assert 0 < r["loss"] < 10 and r["tokens_per_sec"] > 0 and r["step_time_s"] > 0
     saved = (run_dir / "config.yaml").read_text()
-    assert "num_layers: 2" in saved and "micro_batches: 2" in saved
+    assert "num_layers: 2" in saved and "micro_batches: 2" in saved and "schedule: wsd" in saved
     assert "num_layers: 2" in proc.stdout  # the resolved config is printed
     assert "step     3 | loss" in proc.stdout
 
@@ -46,22 +51,23 @@ BAD_INPUTS = [
 ]
 
 
+# In-process: scripts/train.py's main is commands.train (tests/test_commands.py), and a bad input
+# through the script itself (exit status, one line, no traceback) is tests/test_bad_inputs.py's.
 @pytest.mark.parametrize("overrides,message", BAD_INPUTS, ids=[m.split(":")[0][:30] for _, m in BAD_INPUTS])
-def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, overrides, message):
+def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, overrides, message):
     run_dir = tmp_path / "run"
     (tmp_path / "a_file").write_text("a file where run_dir wants a directory")
     overrides = [o.format(tmp=tmp_path) for o in overrides]
-    proc = run("--config", "configs/tiny.yaml", *FAST, f"run_dir={run_dir}", *overrides)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
+    assert commands.train(["--config", TINY, *FAST, f"run_dir={run_dir}", *overrides]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ")
     assert message.format(tmp=tmp_path) in lines[0]
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in err
     if "run_dir=" not in " ".join(overrides):
         assert not run_dir.exists()  # nothing written
 
 
-def test_missing_config_file(tmp_path):
-    proc = run("--config", str(tmp_path / "nope.yaml"))
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == f"error: config file not found: {tmp_path / 'nope.yaml'}"
+def test_missing_config_file(tmp_path, capsys):
+    assert commands.train(["--config", str(tmp_path / "nope.yaml")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: config file not found: {tmp_path / 'nope.yaml'}"

@@ -2,15 +2,17 @@
 same functions as scripts/*.py."""
 
 import importlib.metadata
-import json
 import os
 import subprocess
 import sys
 import tomllib
 
+import pytest
+
 from megatrain_jax import commands
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
 
 def megatrain(*args, cwd=ROOT):
@@ -18,66 +20,51 @@ def megatrain(*args, cwd=ROOT):
                           text=True, cwd=cwd, timeout=300)
 
 
-def test_help_lists_the_commands():
-    proc = megatrain("--help")
+def test_help_lists_the_commands(capsys):
+    proc = megatrain("--help")  # `python -m megatrain_jax` names itself so
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: python -m megatrain_jax {train,plan,export,plot}")
     for name in ("train", "plan", "export", "plot"):
         assert f"\n  {name} " in proc.stdout
+    # each command's --help in-process (what `python -m megatrain_jax` runs: commands.run with
+    # that prog, as above)
     for name, options in [("train", ["--config", "key=value"]),
                           ("plan", ["--config", "--device", "--sweep", "--json"]),
                           ("export", ["--run-dir", "--out", "--step", "--dtype", "--shard-size"]),
                           ("plot", ["RUN_DIR", "--out"])]:
-        sub = megatrain(name, "--help")
-        assert sub.returncode == 0, sub.stderr
-        assert sub.stdout.startswith(f"usage: python -m megatrain_jax {name} ")
+        with pytest.raises(SystemExit) as exit_:
+            commands.run([name, "--help"], prog="python -m megatrain_jax")
+        assert exit_.value.code == 0
+        sub = capsys.readouterr()
+        assert sub.out.startswith(f"usage: python -m megatrain_jax {name} "), sub.err
         for option in options:
-            assert option in sub.stdout, (name, option)
+            assert option in sub.out, (name, option)
 
 
-def test_unknown_or_missing_command_is_exit_2():
+def test_unknown_or_missing_command_is_exit_2(capsys):
     proc = megatrain("trian", "--config", "configs/tiny.yaml")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == ("error: unknown command 'trian' (did you mean train?); expected "
                                    "one of train, plan, export, plot (`python -m megatrain_jax --help`)")
-    nothing = megatrain()
-    assert nothing.returncode == 2 and nothing.stderr.startswith("usage: ")
+    assert commands.run([], prog="python -m megatrain_jax") == 2  # in-process from here
+    nothing = capsys.readouterr()
+    assert nothing.out == "" and nothing.err.startswith("usage: python -m megatrain_jax ")
     # A bad option of a command is one line too.
-    bad = megatrain("export", "--run-dir", "x")
-    assert bad.returncode == 2
-    assert bad.stderr.strip() == "error: the following arguments are required: --out"
+    assert commands.run(["export", "--run-dir", "x"]) == 2
+    assert capsys.readouterr().err.strip() == "error: the following arguments are required: --out"
 
 
-def test_train_trains_and_writes_metrics(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = megatrain("train", "--config", "configs/tiny.yaml", "train.steps=2", f"run_dir={run_dir}",
-                     "data.seq_len=32", "data.batch_size=2", "optimizer.schedule=wsd")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2]
-    assert all(0 < r["loss"] < 10 and r["tokens_per_sec"] > 0 for r in records)
-    assert (run_dir / "checkpoints" / "2").is_dir()
-    assert "schedule: wsd" in (run_dir / "config.yaml").read_text()
-    assert "step     2 | loss" in proc.stdout
-
-
-def test_train_bad_input_is_one_line_exit_2(tmp_path):
-    proc = megatrain("train", "--config", "configs/tiny.yaml", "train.stepz=2",
-                     f"run_dir={tmp_path / 'run'}")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == "error: unknown config key: train.stepz (did you mean train.steps?)"
+# In-process: `python -m megatrain_jax` reaches commands.run (the tests above), whose exit code
+# the process exits with. A training run through the command line (metrics, checkpoint, the saved
+# config, here with optimizer.schedule=wsd): tests/test_cli.py::test_tiny_config_trains_and_writes_metrics;
+# `megatrain plan`: tests/test_plan.py::test_script_prints_the_plan_and_writes_json.
+def test_train_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    assert commands.run(["train", "--config", TINY, "train.stepz=2",
+                         f"run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip() == "error: unknown config key: train.stepz (did you mean train.steps?)"
     assert not (tmp_path / "run").exists()
-
-
-def test_plan_prints_the_plan(tmp_path):
-    out = tmp_path / "plan.json"
-    proc = megatrain("plan", "--config", "configs/tiny.yaml", "--json", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for label in ("host RAM", "optimizer", "peak", "largest that fits"):
-        assert label in proc.stdout, label
-    assert json.loads(out.read_text())["fits"]
-    bad = megatrain("plan", "--config", "configs/tiny.yaml", "--device", "tpu")
-    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --device 'tpu'")
 
 
 def test_scripts_are_the_same_functions():

@@ -1,7 +1,5 @@
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -395,18 +393,21 @@ def test_load_dataset_checks_against_model_vocab_size(tmp_path):
         load_dataset(cfg)
 
 
-def test_bad_data_through_the_cli(tmp_path):
-    """scripts/train.py turns each into one `error:` line, exit 2, no traceback, nothing written."""
+def test_bad_data_through_the_cli(tmp_path, capsys):
+    """scripts/train.py's main (commands.train, in-process) turns each into one `error:` line,
+    exit 2, no traceback, nothing written."""
+    from megatrain_jax import commands
+
     (tmp_path / "garbage.jsonl").write_bytes(b"\x00\x9f\x92\x96" * 100)
     _uint32_file(tmp_path / "u32.bin", np.random.default_rng(0), 257)
     cases = {tmp_path: "is a directory", tmp_path / "garbage.jsonl": "garbage.jsonl:1: not valid UTF-8",
              tmp_path / "u32.bin": "set data.token_dtype=uint32"}
     for path, message in cases.items():
-        proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train.py"), "--config",
-                               "configs/tiny.yaml", f"data.path={path}", f"run_dir={tmp_path}/run"],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
-        lines = proc.stderr.strip().splitlines()
-        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        code = commands.train(["--config", os.path.join(ROOT, "configs", "tiny.yaml"),
+                               f"data.path={path}", f"run_dir={tmp_path}/run"])
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
         assert lines[0].startswith("error: ") and message in lines[0]
         assert not (tmp_path / "run").exists()
 

@@ -6,8 +6,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -510,12 +508,15 @@ def test_bad_directory_is_one_line_exit_2(hf_dirs, tmp_path, capsys, how):
     assert re.search(BAD_DIRS[how], err[0]) and path in err[0], err[0]
 
 
-def test_train_cli_bad_directory_exit_2(tmp_path):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train.py"),
-                           f"model.from_hf={tmp_path}/absent", f"run_dir={tmp_path}/run"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == f"error: model.from_hf: {tmp_path}/absent is not a directory"
+def test_train_cli_bad_directory_exit_2(tmp_path, capsys):
+    """scripts/train.py's main (commands.train), in-process; through the script itself:
+    tests/test_bad_inputs.py."""
+    from megatrain_jax import commands
+
+    assert commands.train([f"model.from_hf={tmp_path}/absent", f"run_dir={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip() == f"error: model.from_hf: {tmp_path}/absent is not a directory"
     assert not (tmp_path / "run").exists()
 
 

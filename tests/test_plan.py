@@ -4,8 +4,6 @@ the state), and scripts/plan.py end to end."""
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -187,21 +185,22 @@ def test_auto_offload_and_what_does_not_fit():
     assert f"DOES NOT FIT: device peak {format_bytes(small.device_peak)} > " in small.summary()
 
 
-def test_script_prints_the_plan_and_writes_json(tmp_path):
+def test_script_prints_the_plan_and_writes_json(tmp_path, capsys):
+    """`megatrain plan` (= scripts/plan.py's main: tests/test_commands.py), in-process."""
+    from megatrain_jax import commands
+
     out = tmp_path / "plan.json"
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    script = os.path.join(ROOT, "scripts", "plan.py")
-    run = lambda *args: subprocess.run([sys.executable, script, "--config", "configs/tiny.yaml",
-                                        *args], capture_output=True, text=True, cwd=ROOT, env=env,
-                                       timeout=300)
-    proc = run("--json", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = lambda *args: commands.run(["plan", "--config", os.path.join(ROOT, "configs", "tiny.yaml"),
+                                      *args])
+    assert run("--json", str(out)) == 0, capsys.readouterr().err[-3000:]
+    stdout = capsys.readouterr().out
     for label in ("host RAM", "master", "optimizer", "device (", "backward", "peak",
                   "largest that fits", "tokens per step for compute to hide"):
-        assert label in proc.stdout, label
+        assert label in stdout, label
     r = json.loads(out.read_text())
     assert r["fits"] and set(r["device"]) == set(PHASES) and r["host_total"] > 0
 
-    bad = run("--device", "tpu")
-    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
-    assert "error: --device 'tpu'" in bad.stderr
+    assert run("--device", "tpu") == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "Traceback" not in err
+    assert "error: --device 'tpu'" in err

@@ -5,8 +5,6 @@ refused with their file and line."""
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -396,16 +394,18 @@ def test_config_keys():
             load_config(os.path.join(ROOT, "configs", "sft_tiny.yaml"), [override])
 
 
-def test_cli_refuses_a_bad_line(tmp_path):
+def test_cli_refuses_a_bad_line(tmp_path, capsys, monkeypatch):
+    """`megatrain train` (= scripts/train.py's main), in-process: exit 2, the one line."""
+    from megatrain_jax import commands
+
     path = _write(tmp_path / "bad.jsonl", [{"prompt": "a", "completion": "b"},
                                            {"messages": [{"role": "robot", "content": "x"}]}])
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "train.py"), "--config",
-         os.path.join(ROOT, "configs", "sft_tiny.yaml"), f"data.path={path}",
-         f"run_dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines() == [
+    monkeypatch.chdir(ROOT)  # the config's relative tokenizer path, as from the repository
+    code = commands.train(["--config", os.path.join(ROOT, "configs", "sft_tiny.yaml"),
+                           f"data.path={path}", f"run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.strip().splitlines() == [
         f"error: {path}:2: message 0 has unknown role 'robot' (expected one of system, user, "
         f"assistant)"]
     assert not (tmp_path / "run").exists()

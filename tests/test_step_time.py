@@ -6,12 +6,14 @@ case's rates make the expected step time exact."""
 import dataclasses
 import json
 import math
+import contextlib
+import io
 import os
-import subprocess
-import sys
+import types
 
 import pytest
 
+from megatrain_jax import commands
 from megatrain_jax.step_time import (DEFAULTS, RESOURCES, Rates, StepShape, executed_flops,
                                      measured_rates, simulate)
 
@@ -154,9 +156,12 @@ def test_measured_rates_come_from_the_engines_own_paths(tmp_path):
 
 
 def plan_cli(*args):
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plan.py"), *args],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    """scripts/plan.py ARGS in-process (its main is commands.plan: tests/test_commands.py):
+    returncode, stdout and stderr as a subprocess's."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = commands.plan(list(args))
+    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def test_plan_step_time_end_to_end(tmp_path):

@@ -8,7 +8,8 @@ share a unit, so tied weights stay tied), unit 1 + i holds layer i.
 Modules, by concern:
   streamed.py   StreamedEngine: construction, train_step, evaluate, reading and loading state
   step.py       the schedule of one step, top to bottom
-  evaluate.py   forward-only evaluation (the loss at the current weights)
+  evaluate.py   forward only: the loss at the current weights, or any function of the last
+                stage (forward_outputs, e.g. per-sequence log-probs)
   stream.py     transfers with back-pressure, activation offload, counters
   host.py       host state: master weights, optax state, bus copies, the update thread
   functions.py  the jitted device functions

@@ -4,6 +4,8 @@
     forward   for layer i (weights prefetched, at most prefetch + 1 resident, as in a step):
                 x_{i+1}[m] = block_i(x_i[m]); x_i[m] is freed once layer i is done
     loss      fetch the last stage's weights; loss_sum[m], weight[m] = last(x_L[m])
+              (`outputs`: any output(last, x_L[m], targets[m]) instead, e.g. per-sequence
+              log-probabilities of a frozen model)
 
 The loss is the last stage's alone: a block's auxiliary statistics (a mixture of experts'
 load balancing) are dropped, so a MoE model's evaluation loss is its language-model loss.
@@ -21,9 +23,8 @@ from megatrain_jax.engine.step import fetch_unit, fetched_copy
 from megatrain_jax.engine.stream import LayerStream, delete
 
 
-def run(engine, inputs, targets, contexts) -> dict:
-    """{"loss_sum", "weight", "loss"} over M micro-batches already on the device; scalars still
-    being computed. loss = sum(loss_sum) / sum(weight), as a training step's loss."""
+def _forward(engine, inputs, contexts) -> list:
+    """x_L[m] for every micro-batch: the embedding and every block, streamed, forward only."""
     f, L = engine.functions, engine.num_layers
     fetch = functools.partial(fetch_unit, engine)
     fetched = functools.partial(fetched_copy, engine)
@@ -40,12 +41,35 @@ def run(engine, inputs, targets, contexts) -> dict:
         kept = {id(y) for y in ys}  # a jitted identity may hand its input back
         stream.done(ys, (fetched(w), [x for x in xs if id(x) not in kept]))
         xs = ys
+    return xs
+
+
+def run(engine, inputs, targets, contexts) -> dict:
+    """{"loss_sum", "weight", "loss"} (and "stats" when the last stage returns them, summed)
+    over M micro-batches already on the device; scalars still being computed.
+    loss = sum(loss_sum) / sum(weight), as a training step's loss."""
+    f = engine.functions
+    xs = _forward(engine, inputs, contexts)
 
     # ---- loss
-    w = fetch(0, "last")
+    w = fetch_unit(engine, 0, "last")
     out = [f.head_loss(w, x, t) for x, t in zip(xs, targets)]
-    delete((fetched(w), xs))
-    loss_sum = f.total([s for s, _ in out])
-    weight = f.total([n for _, n in out])
+    delete((fetched_copy(engine, w), xs))
+    loss_sum = f.total([s for s, _, _ in out])
+    weight = f.total([n for _, n, _ in out])
     loss = loss_sum / jax.numpy.where(weight > 0, weight, 1.0)
-    return engine.placement.local({"loss_sum": loss_sum, "weight": weight, "loss": loss})
+    result = {"loss_sum": loss_sum, "weight": weight, "loss": loss}
+    if out[0][2] is not None:
+        result["stats"] = f.tree_total([s for _, _, s in out])
+    return engine.placement.local(result)
+
+
+def outputs(engine, inputs, targets, contexts, output) -> list:
+    """[output(last, x_L[m], targets[m]) for every micro-batch m]: the streamed forward, then any
+    function of the last stage (e.g. per-sequence log-probabilities) instead of its loss."""
+    xs = _forward(engine, inputs, contexts)
+    w = fetch_unit(engine, 0, "last")
+    fn = engine.functions.head_output(output)
+    out = [fn(w, x, t) for x, t in zip(xs, targets)]
+    delete((fetched_copy(engine, w), xs))
+    return out

@@ -4,7 +4,8 @@ The engine calls user modules in three shapes: `first(inputs) -> x`, `block(x)` 
 `block(x, context)` (when the step has a context, e.g. document masks), returning x or
 `(x, aux)` (see below), and `last(x, targets)`,
 which returns either a scalar mean loss or a pair `(loss_sum, weight)` (a sum over counted tokens
-and how many were counted). A step's loss is `sum(loss_sum) / sum(weight)` over its micro-batches
+and how many were counted), or a triple `(loss_sum, weight, stats)`, stats a pytree of fp32 sums
+to report (not differentiated), which the step adds up over its micro-batches. A step's loss is `sum(loss_sum) / sum(weight)` over its micro-batches
 (a scalar mean counts as weight 1), so micro-batches with different numbers of counted tokens
 still give the gradient of one big batch. The device functions differentiate the unnormalised
 sums; the host scales every gradient by `1 / sum(weight)` before the update.
@@ -35,12 +36,16 @@ def sum_squares(tree):
 
 
 def split_loss(out):
-    """`last`'s output as (loss_sum, weight), fp32."""
+    """`last`'s output as (loss_sum, weight, stats), fp32; stats None when `last` returns none."""
+    stats = None
     if isinstance(out, (tuple, list)):
-        loss_sum, weight = out
+        loss_sum, weight, *rest = out
+        stats = rest[0] if rest else None
     else:
         loss_sum, weight = out, 1.0
-    return jnp.asarray(loss_sum, jnp.float32), jnp.asarray(weight, jnp.float32)
+    if stats is not None:
+        stats = jax.tree.map(lambda s: jnp.asarray(s, jnp.float32), stats)
+    return jnp.asarray(loss_sum, jnp.float32), jnp.asarray(weight, jnp.float32), stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +74,7 @@ def stage_parts(stages_def, stages_params, inputs, targets) -> StageParts:
     `inputs` and `targets` are arrays or jax.ShapeDtypeStruct (then zeros of that shape stand in:
     token ids, small next to the weights)."""
     example = lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x
-    inputs, targets = example(inputs), example(targets)
+    inputs, targets = example(inputs), jax.tree.map(example, targets)
     leaves, treedef = jax.tree.flatten(stages_params)
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
 
@@ -113,15 +118,19 @@ class DeviceFunctions:
 
         def head(w, x, targets, acc):
             def loss_fn(w, x):
-                loss_sum, weight = split_loss(merge_stages("last", w)[1](x, targets))
-                return loss_sum, weight
-            (loss_sum, weight), (dw, dx) = jax.value_and_grad(loss_fn, argnums=(0, 1),
-                                                              has_aux=True)(w, x)
-            return everywhere(loss_sum), everywhere(weight), dx, tree_add(acc, dw)
+                loss_sum, weight, stats = split_loss(merge_stages("last", w)[1](x, targets))
+                return loss_sum, (weight, stats)
+            (loss_sum, (weight, stats)), (dw, dx) = jax.value_and_grad(
+                loss_fn, argnums=(0, 1), has_aux=True)(w, x)
+            return (everywhere(loss_sum), everywhere(weight), everywhere(stats), dx,
+                    tree_add(acc, dw))
 
         def head_loss(w, x, targets):
-            """The loss alone, for evaluation: (loss_sum, weight), no gradient."""
+            """The loss alone, for evaluation: (loss_sum, weight, stats), no gradient."""
             return everywhere(split_loss(merge_stages("last", w)[1](x, targets)))
+
+        self._merge_stages = merge_stages
+        self._outputs = {}
 
         def embed_bwd(w, inputs, dx, acc):
             # Differentiated at fp32 weights with an fp32 cotangent, so that the embedding's
@@ -156,9 +165,9 @@ class DeviceFunctions:
             return value, jax.tree.map(lambda g: g * weight, grad)
 
         self.embed = on.spread(embed, ("w", "b"), "b")
-        self.head = on.spread(head, ("w", "b", "b", "b"), ("w", "w", "b", "b"),
+        self.head = on.spread(head, ("w", "b", "b", "b"), ("w", "w", "w", "b", "b"),
                               donate_argnums=(3,))
-        self.head_loss = on.spread(head_loss, ("w", "b", "b"), ("w", "w"))
+        self.head_loss = on.spread(head_loss, ("w", "b", "b"), ("w", "w", "w"))
         self.embed_bwd = on.spread(embed_bwd, ("w", "b", "b", "b"), "b", donate_argnums=(3,))
         self.block_fwd = on.spread(block_fwd_total, ("w", "b", "b"), ("b", "w"))
         self.block_bwd = on.spread(block_bwd, ("w", "b", "b", "b", "b", "w"), ("b", "b"),
@@ -172,3 +181,11 @@ class DeviceFunctions:
         self.sum_squares = jax.jit(sum_squares)
         # One dispatch each for what would otherwise be L (or M) eager adds per step.
         self.total = jax.jit(lambda xs: sum(xs))
+
+    def head_output(self, output):
+        """jit of `output(last, x, targets)` with the last stage merged from its part's leaves
+        (`output` may read what `last` reads), compiled once per `output` and shape."""
+        if output not in self._outputs:
+            merge = self._merge_stages
+            self._outputs[output] = jax.jit(lambda w, x, t: output(merge("last", w)[1], x, t))
+        return self._outputs[output]

@@ -4,7 +4,8 @@
     forward   for layer i (weights prefetched, at most prefetch + 1 resident):
                 x_{i+1}[m] (, aux_i[m]) = block_i(x_i[m]); save x_i[m] (on the device, or
                 offloaded to host)
-    loss      fetch the last stage's weights; loss_sum[m], weight[m], dx[m] = grad(last)(x_L[m])
+    loss      fetch the last stage's weights; loss_sum[m], weight[m] (, stats[m]),
+              dx[m] = grad(last)(x_L[m])
               its gradient goes to the host; with aux: aux loss and daux = grad(aux_loss) of
               the sum of every aux_i[m] (see functions.py)
     backward  for layer i in reverse (weights and saved inputs fetched ahead):
@@ -120,11 +121,12 @@ def run(engine, inputs, targets, contexts) -> dict:
     # ---- loss
     w = fetch(0, "last")
     acc = f.zeros(w)
-    loss_sums, weights, dxs = [], [], []
+    loss_sums, weights, stats, dxs = [], [], [], []
     for x, t in zip(xs, targets):
-        loss_sum, weight, dx, acc = f.head(w, x, t, acc)
+        loss_sum, weight, stat, dx, acc = f.head(w, x, t, acc)
         loss_sums.append(loss_sum)
         weights.append(weight)
+        stats.append(stat)
         dxs.append(dx)
     delete((fetched(w), xs))
     acc, head_partial = f.reduce(acc), acc
@@ -177,6 +179,9 @@ def run(engine, inputs, targets, contexts) -> dict:
         host.submit(u, layer_grads.pop(u), grad_norm, scale)
     loss = local(f.total(loss_sums) / jnp.where(total_weight > 0, total_weight, 1.0))
     aux_loss = None if aux_loss is None else local(aux_loss)
-    if aux_loss is None:
-        return {"loss": loss, "grad_norm": grad_norm}
-    return {"loss": loss + aux_loss, "grad_norm": grad_norm, "aux_loss": aux_loss}
+    out = {"loss": loss, "grad_norm": grad_norm}
+    if stats[0] is not None:  # the last stage's statistics, summed over the micro-batches
+        out["stats"] = local(f.tree_total(stats))
+    if aux_loss is not None:
+        out.update(loss=loss + aux_loss, aux_loss=aux_loss)
+    return out

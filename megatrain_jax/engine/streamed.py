@@ -32,7 +32,9 @@ class StreamedEngine:
       first: the first stage, called as `first(inputs) -> x` (e.g. token embedding).
       last: the last stage, called as `last(x, targets)`, returning a scalar mean loss or a pair
         `(loss_sum, weight)` (e.g. the summed cross-entropy and the number of counted tokens; the
-        step's loss is then sum(loss_sum) / sum(weight) over its micro-batches). It may share
+        step's loss is then sum(loss_sum) / sum(weight) over its micro-batches), or a triple
+        `(loss_sum, weight, stats)`, stats a pytree of fp32 sums to report (not differentiated),
+        summed over the micro-batches. It may share
         variables with `first` (tied embeddings): shared variables get the sum of both gradients.
       make_block: `make_block(i) -> nnx.Module`, layer i's block, all of one structure, called as
         `block(x)`, or `block(x, context)` when `train_step` is given a context. Called once per
@@ -136,8 +138,10 @@ class StreamedEngine:
         `context` (optional) a pytree of (M, ...) arrays given to every block with its
         micro-batch, e.g. document segment ids and positions.
 
+        `targets` may be a pytree of (M, ...) arrays: `last` gets each micro-batch's slice of it.
         The loss is sum(loss_sum) / sum(weight) over the micro-batches (see `last`), so the step
-        equals one step on the concatenated batch. Returns `loss` and `grad_norm` (the global norm
+        equals one step on the concatenated batch. When `last` returns (loss_sum, weight, stats),
+        `stats` holds their sum over the micro-batches. Returns `loss` and `grad_norm` (the global norm
         before clipping) as scalars still being computed; reading them is the caller's only sync
         point. With an `aux_loss`, `loss` includes it and `aux_loss` holds it alone. When
         `grad_norm` is not finite the step leaves params and optimizer state unchanged
@@ -155,6 +159,16 @@ class StreamedEngine:
         are left exactly as they were. Reuses the step's compiled functions: nothing compiles
         after the first evaluation."""
         return self._run(evaluate_lib.run, inputs, targets, context)
+
+    def forward_outputs(self, inputs, targets, output: Callable, context=None) -> list:
+        """Forward only, as `evaluate`, but instead of the loss returns
+        `[output(last, x, targets[m]) for each micro-batch m]`: `last` the last stage module at the
+        current weights, x its input (the last block's output). E.g. per-sequence scores of a
+        frozen model. `output` may read the weights `last` reads; it is compiled once per
+        function and shape (pass the same function object to reuse it). Results are still being
+        computed, on the compute device."""
+        run = lambda engine, i, t, c: evaluate_lib.outputs(engine, i, t, c, output)
+        return self._run(run, inputs, targets, context)
 
     def _run(self, schedule, inputs, targets, context):
         """schedule(self, inputs, targets, contexts) on the batch put on the device. If it raises,
@@ -182,7 +196,8 @@ class StreamedEngine:
         put = self.placement.put_batch
         contexts = ([None] * num_micro if context is None else
                     [put(jax.tree.map(lambda c: c[m], context)) for m in range(num_micro)])
-        return [put(x) for x in inputs], [put(t) for t in targets], contexts
+        targets = [put(jax.tree.map(lambda t: t[m], targets)) for m in range(num_micro)]
+        return [put(x) for x in inputs], targets, contexts
 
     def nonfinite_units(self) -> list:
         """Units whose gradient in the last step was not finite: "stages" or a layer index."""
