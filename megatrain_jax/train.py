@@ -302,6 +302,9 @@ def train(cfg: Config, *, log=print, console=None) -> list[dict]:
     distributed.initialize(cfg.distributed)  # before anything touches a device
     devices, host_device = distributed.devices(cfg.distributed)
     distributed.check_batch(cfg.data.batch_size, len(devices), jax.process_count())
+    if cfg.data.format == "preference" and len(devices) > 1:
+        raise ConfigError(f"data.format=preference is not data parallel yet ({len(devices)} "
+                          f"devices from distributed.local_devices/num_processes); run it on one")
     dataset, eval_set = load_data(cfg)  # validate all inputs before anything is written
     me, processes = jax.process_index(), jax.process_count()
     dataset.share = (me, processes)  # this process reads its rows of every batch, no more
