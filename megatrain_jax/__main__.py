@@ -1,4 +1,4 @@
-"""`python -m megatrain_jax train|plan|export ...`: the same as the `megatrain` console script."""
+"""`python -m megatrain_jax train|plan|export|generate|plot ...`: the `megatrain` console script."""
 
 from megatrain_jax.commands import main
 

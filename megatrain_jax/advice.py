@@ -15,6 +15,8 @@ whatever the micro-batches), and the host's optimizer update (fixed per step; it
 step's forward, and what it does not hide the step waits for: `Counters.host_wait_s`). Fixed costs
 are hidden by more tokens per step, i.e. more micro-batches, as long as they fit in device memory.
 A pure function of the numbers it is given: tests/test_advice.py feeds it hand-made counters.
+Before a run, `plan` feeds it predicted ones (`for_plan`: the step-time model's simulated step and
+the memory plan's device peak), so the advice before and after a run comes from one set of rules.
 """
 
 import dataclasses
@@ -37,6 +39,16 @@ class Measured:
     bus_bytes: float  # weights to the device, gradients back
     device_peak_bytes: int | None = None  # device.memory_stats(); None on a CPU
     device_limit_bytes: int | None = None
+
+    @classmethod
+    def predicted(cls, prediction, device_peak_bytes: int, device_limit_bytes: int) -> "Measured":
+        """What a run of the step_time `prediction` would measure, before it runs: the simulated
+        step, the host update's share of its critical path as the wait, the host thread's busy
+        time, the shape's bytes each way, and the memory plan's device peak."""
+        return cls(step_s=prediction.step_s, host_wait_s=prediction.critical_s["host update"],
+                   host_update_s=prediction.busy_s["host update"],
+                   bus_bytes=prediction.shape.h2d_bytes + prediction.shape.d2h_bytes,
+                   device_peak_bytes=device_peak_bytes, device_limit_bytes=device_limit_bytes)
 
     @classmethod
     def between(cls, before, after, *, steps: int, step_s: float, memory: dict) -> "Measured":
@@ -117,14 +129,9 @@ def advise(m: Measured, *, machine: Machine, flops_per_step: float, micro_batche
     return lines
 
 
-def for_run(cfg, engine, machine: Machine, before, step_times: list) -> list[str]:
-    """advise() for a run of cfg: engine.counters against the snapshot `before`, taken
-    len(step_times) steps ago, and a larger data.micro_batches checked with the memory plan
-    (the micro-batch shape is unchanged, so the plan compiles nothing new)."""
-    measured = Measured.between(before, engine.counters, steps=len(step_times),
-                                step_s=sum(step_times) / len(step_times),
-                                memory=progress.device_memory(engine.compute_device))
-
+def for_config(cfg, machine: Machine, measured: Measured) -> list[str]:
+    """advise() for a run of cfg on `machine`, with a larger data.micro_batches checked with the
+    memory plan (the micro-batch shape is unchanged, so the plan compiles nothing new)."""
     def plan_for(micro_batches):
         data = dataclasses.replace(cfg.data, micro_batches=micro_batches)
         p = plan_lib.plan(dataclasses.replace(cfg, data=data), machine)
@@ -134,3 +141,23 @@ def for_run(cfg, engine, machine: Machine, before, step_times: list) -> list[str
     return advise(measured, machine=machine, micro_batches=cfg.data.micro_batches,
                   flops_per_step=plan_lib.flops_per_token(cfg.model, cfg.data.seq_len) * tokens,
                   compute_dtype=cfg.train.compute_dtype, plan_for=plan_for)
+
+
+def for_run(cfg, engine, machine: Machine, before, step_times: list) -> list[str]:
+    """After the first steps of a run: engine.counters against the snapshot `before`, taken
+    len(step_times) steps ago, and the device's memory."""
+    return for_config(cfg, machine, Measured.between(
+        before, engine.counters, steps=len(step_times), step_s=sum(step_times) / len(step_times),
+        memory=progress.device_memory(engine.compute_device)))
+
+
+def for_plan(cfg, machine: Machine, run_plan, prediction) -> list[str]:
+    """Before a run: the same rules on predicted quantities, the step-time model's `prediction`
+    (megatrain_jax.step_time) and the memory plan `run_plan`'s device peak. The bus and the
+    device are taken at the prediction's rates (the device's as ASSUMED_MFU of a peak), so the
+    advice explains the simulated step."""
+    rates = prediction.rates
+    at_rates = dataclasses.replace(machine, host_device_gbps=min(rates.h2d_gbps, rates.d2h_gbps),
+                                   bf16_tflops=rates.device_tflops / ASSUMED_MFU)
+    return for_config(cfg, at_rates, Measured.predicted(
+        prediction, run_plan.device_peak, int(machine.device_memory_gb * GB)))

@@ -252,6 +252,27 @@ def reference_attention(q, k, v, *, segment_ids=None, window: int = 0, scale: fl
         return _einsum32("bnts,bsnh->btnh", p, v.astype(jnp.float32)).astype(q.dtype)
 
 
+def cached_attention(q, k_cache, v_cache, position, *, window=0, scale: float | None = None):
+    """Attention of new queries against a KV cache, for generation: q (B, T, N, H) at positions
+    position .. position + T - 1, k_cache and v_cache (B, S, K, H) holding the keys and values of
+    positions 0 .. S - 1 (those after the queries' are ignored). Query at p sees key j iff j <= p
+    and, when window > 0, p - j < window, as in the causal attentions above; `position` and
+    `window` may be traced (one compiled function for every position and both kinds of a Gemma 3
+    layer). Dense over S with an fp32 softmax: (B, N, T, S) scores, small for one new token."""
+    B, T, N, H = q.shape
+    S, K = k_cache.shape[1], k_cache.shape[2]
+    G = N // K
+    with jax.named_scope("cached_attention"):
+        p = position + jnp.arange(T)[:, None]  # (T, 1)
+        j = jnp.arange(S)[None, :]  # (1, S)
+        mask = (j <= p) & ((window <= 0) | (p - j < window))  # (T, S)
+        qg = q.reshape(B, T, K, G, H)
+        s = _einsum32("btkgh,bskh->bkgts", qg, k_cache) * (H**-0.5 if scale is None else scale)
+        probs = jax.nn.softmax(jnp.where(mask, s, _NEG), axis=-1)  # (B, K, G, T, S)
+        out = _einsum32("bkgts,bskh->btkgh", probs, v_cache.astype(jnp.float32))
+        return out.reshape(B, T, N, H).astype(q.dtype)
+
+
 def _local_window_size(window: int):
     """HF window W -> `jax.nn.dot_product_attention`'s (left, right) window, or None for none.
 

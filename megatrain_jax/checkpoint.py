@@ -325,3 +325,23 @@ def largest_unit_bytes(engine) -> int:
     state = engine.state()
     return max(sum(x.nbytes for x in jax.tree.leaves(unit))
                for unit in [state["stages"], *state["layers"]])
+
+
+def read_params(manager: ocp.CheckpointManager, step: int, tree_metadata, which) -> dict:
+    """The parameters of one unit ("stages" or a layer index) of checkpoint `step` as numpy
+    arrays, read alone: the optimizer state and the other units are never read (to sample from a
+    run, or export it, a unit at a time). `tree_metadata` is read_meta's."""
+    tree = getattr(tree_metadata, "tree", tree_metadata)  # a TreeMetadata wraps the plain tree
+    prefix = "stages/params/" if which == "stages" else f"layers/{which}/params/"
+    target = jax.tree_util.tree_map_with_path(
+        lambda p, leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+        if path_str(p).startswith(prefix) else ocp.PLACEHOLDER, tree)
+    restore_args = jax.tree.map(lambda leaf: ocp.PLACEHOLDER if leaf is ocp.PLACEHOLDER
+                                else ocp.RestoreArgs(restore_type=np.ndarray), target)
+    try:
+        state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=target, restore_args=restore_args)))["state"]
+    except Exception as e:
+        raise unreadable(manager, step, e) from None
+    unit = state["stages"] if which == "stages" else state["layers"][which]
+    return unit["params"]

@@ -1,8 +1,9 @@
-"""The command line: `megatrain train|plan|export|plot ...` (also `python -m megatrain_jax ...`).
+"""The command line: `megatrain train|plan|export|generate|plot ...` (or python -m megatrain_jax).
 
     megatrain train --config configs/tiny.yaml [key=value ...]       # = scripts/train.py
     megatrain plan --config configs/llama3_8b.yaml [--device h100]   # = scripts/plan.py
     megatrain export --run-dir runs/ft --out hf_out                  # = scripts/export_hf.py
+    megatrain generate --run runs/tiny --prompt "CYNIC, n."          # = scripts/generate.py
     megatrain plot runs/a runs/b --out runs.png                      # = scripts/plot.py
 
 Each command is a function here, `fn(argv=None, prog=None) -> exit code`, that the scripts in
@@ -159,9 +160,12 @@ def plan(argv=None, prog=None) -> int:
             print(_sweep_table(rows))
             out = [{"seq_len": s, **p.to_dict()} for s, p in rows]
         else:
-            p = make_plan(load_config(args.config, args.overrides), machine)
+            cfg = load_config(args.config, args.overrides)
+            p = make_plan(cfg, machine)
             print(p.report())
-            out = p.to_dict()
+            lines = _advice(cfg, machine, p, args)
+            print("\n".join(lines))
+            out = {**p.to_dict(), "advice": lines}
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:
@@ -170,8 +174,9 @@ def plan(argv=None, prog=None) -> int:
     return _run(lambda: parser.parse_args(argv), go)
 
 
-def _step_time(cfg, machine, args) -> dict:
-    """Prints the step-time prediction of cfg; returns it as plain data."""
+def _rates(machine, args, shape=None) -> tuple:
+    """(rates, where each comes from, a bench.py result of the same step or None): the defaults,
+    the machine preset's bus and bf16 peak, --rates, then the rate flags, each over the last."""
     from megatrain_jax import step_time
     from megatrain_jax.config import ConfigError
     for key, flag in RATE_FLAGS.items():
@@ -180,8 +185,6 @@ def _step_time(cfg, machine, args) -> dict:
             raise ConfigError(f"{flag} must be > 0, got {value:g}")
     if args.rates and not os.path.exists(args.rates):
         raise ConfigError(f"--rates {args.rates}: no such file or folder")
-    offload = cfg.train.offload_activations is True
-    shape = step_time.step_shape(cfg, offload)
     rates, sources, bench = dict(step_time.DEFAULTS), {k: "default" for k in step_time.DEFAULTS}, None
     if machine.bf16_tflops > 0:  # the preset's bus and peak
         for key, value in (("h2d_gbps", machine.host_device_gbps),
@@ -199,7 +202,28 @@ def _step_time(cfg, machine, args) -> dict:
     for key, flag in RATE_FLAGS.items():
         if getattr(args, key) is not None:
             rates[key], sources[key] = getattr(args, key), flag
-    prediction = step_time.simulate(shape, step_time.Rates(**rates))
+    return step_time.Rates(**rates), sources, bench
+
+
+def _advice(cfg, machine, run_plan, args) -> list:
+    """The advice a run prints after its first steps (megatrain_jax.advice), from predicted
+    quantities: the step-time model's step at run_plan's activation offload, its device peak."""
+    from megatrain_jax import advice, step_time
+    if machine.bf16_tflops <= 0 and args.device_tflops is None and not args.rates:
+        return [f"advice: none before the run: {machine.name} has no known peak for the step-time "
+                f"model (--tflops, --rates); the run advises after its first steps"]
+    shape = step_time.step_shape(cfg, run_plan.offload_activations)
+    prediction = step_time.simulate(shape, _rates(machine, args, shape)[0])
+    return advice.for_plan(cfg, machine, run_plan, prediction)
+
+
+def _step_time(cfg, machine, args) -> dict:
+    """Prints the step-time prediction of cfg; returns it as plain data."""
+    from megatrain_jax import step_time
+    offload = cfg.train.offload_activations is True
+    shape = step_time.step_shape(cfg, offload)
+    rates, sources, bench = _rates(machine, args, shape)
+    prediction = step_time.simulate(shape, rates)
     peak = machine.bf16_tflops or step_time.DEFAULTS["device_tflops"]
     print(f"step: {shape.micro_batches} micro-batch(es), {shape.tokens_per_step:,} tokens, "
           f"{shape.layers} layers, prefetch {shape.prefetch}, activations "
@@ -273,10 +297,104 @@ def plot(argv=None, prog=None) -> int:
     return _run(lambda: parser.parse_args(argv), go)
 
 
+# ----------------------------------------------------------------------------- generate
+
+GENERATE_HELP = "Sample from a run's checkpoint or a Hugging Face model, with a KV cache."
+GENERATE_EPILOG = """\
+The layers stream through the device one at a time for the prompt and then for every new token, as
+in training, so a model larger than the device generates too. --temperature 0 is greedy decoding
+(transformers' generate(do_sample=False)); otherwise each token is drawn at that temperature from
+the smallest set of most likely tokens whose probability reaches --top-p, reproducibly from --seed.
+The prompt is tokenized as the run trained (its data.tokenizer, no special tokens added), or with
+the HF directory's tokenizer.json as transformers' tokenizer(prompt) does (BOS added). Generation
+stops at the model's EOS, after --max-new-tokens, or when the context is full (a run's
+data.seq_len, or max_position_embeddings of its or the directory's config.json)."""
+
+
+def generate(argv=None, prog=None) -> int:
+    """`megatrain generate (--run RUN_DIR [--step N] | --hf DIR) --prompt TEXT
+    [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--dtype D]`: prints the prompt
+    and its continuation as it is generated, then a line of timings on stderr."""
+    parser = _Parser(prog=prog, description=GENERATE_HELP, epilog=GENERATE_EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", metavar="RUN_DIR", help="a training run's directory")
+    source.add_argument("--hf", metavar="DIR", help="a local Hugging Face model directory")
+    parser.add_argument("--step", type=int, help="the run's checkpoint step (default: the latest)")
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=100)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"],
+                        help="compute dtype (default: the run's train.compute_dtype; with --hf "
+                             "float32 on a CPU, bfloat16 on an accelerator)")
+
+    def go(args):
+        from megatrain_jax import generate as gen
+        from megatrain_jax.config import ConfigError
+        if args.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        if not args.temperature >= 0:
+            raise ConfigError(f"--temperature must be >= 0 (0: greedy), got {args.temperature:g}")
+        if not 0 < args.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p:g}")
+        if args.step is not None and not args.run:
+            raise ConfigError("--step is a checkpoint step of --run; --hf has none")
+        if args.run:
+            model = gen.from_run(args.run, args.step)
+        else:
+            model = gen.from_hf(args.hf)
+        dtype = args.dtype
+        if dtype is None and args.hf:
+            import jax
+            dtype = "float32" if jax.devices()[0].platform == "cpu" else "bfloat16"
+        tokenizer = model.tokenizer
+        prompt = tokenizer.encode(args.prompt)
+        gen.check_length(model, len(prompt))  # before the weights are read
+        out = _TextStream(tokenizer)
+        print(args.prompt, end="", flush=True)
+        stats = {}
+        gen.generate(model, prompt, max_new_tokens=args.max_new_tokens,
+                     temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                     eos_ids=tokenizer.eos_ids, on_token=out.add, compute_dtype=dtype,
+                     stats=stats)
+        out.finish()
+        why = (f"; stopped at the model's context of {model.context:,} tokens "
+               f"({model.context_source})" if stats["stopped_at_context"] else "")
+        rate = (stats["new_tokens"] - 1) / stats["decode_s"] if stats["decode_s"] > 0 else 0.0
+        print(f"{stats['new_tokens']} tokens from {model.what}: prompt {stats['prompt_tokens']} "
+              f"tokens in {stats['prefill_s']:.2f} s (compiling included), then "
+              f"{rate:.1f} tokens/s{why}", file=sys.stderr)
+
+    return _run(lambda: parser.parse_args(argv), go)
+
+
+class _TextStream:
+    """Prints generated text as its tokens arrive: the decoded continuation's new characters,
+    held back while they end in an incomplete character (a byte-level tokenizer's half of a
+    UTF-8 sequence decodes to U+FFFD until the rest comes)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.printed = tokenizer, [], ""
+
+    def add(self, token: int):
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.startswith(self.printed) and not text.endswith("\ufffd"):
+            print(text[len(self.printed):], end="", flush=True)
+            self.printed = text
+
+    def finish(self):
+        text = self.tokenizer.decode(self.ids)
+        print(text[len(self.printed):] if text.startswith(self.printed) else "", flush=True)
+
+
 # ----------------------------------------------------------------------------- megatrain
 
 COMMANDS = {"train": (train, TRAIN_HELP), "plan": (plan, PLAN_HELP),
-            "export": (export, EXPORT_HELP), "plot": (plot, PLOT_HELP)}
+            "export": (export, EXPORT_HELP), "generate": (generate, GENERATE_HELP),
+            "plot": (plot, PLOT_HELP)}
 
 
 def usage(prog: str) -> str:

@@ -334,6 +334,14 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
     return cfg
 
 
+def from_dict(data: dict) -> Config:
+    """The Config of plain data as to_dict writes it (a checkpoint's meta, a saved config.yaml),
+    checked as load_config checks a file; model.from_hf is not read again."""
+    cfg = _build(Config, data, "")
+    _check(cfg)
+    return cfg
+
+
 def _model_from_hf(given: ModelConfig, given_keys) -> ModelConfig:
     """The architecture comes from the HF directory's config.json; a key also set in the config
     must agree with it (so a saved, resolved config.yaml loads again)."""

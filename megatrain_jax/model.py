@@ -3,6 +3,8 @@
 The model knows nothing about streaming: it is three plain modules, `Embed`, `Block` and `LMHead`,
 that the engine (or a plain reference loop) calls in order. `Execution` says how they compute
 (attention implementation, MLP tiles, loss chunks), so that long sequences fit in bounded memory.
+For generation, `Block.prefill` and `Block.decode` run the same attention and MLP code with a KV
+cache (megatrain_jax/generate.py).
 Shapes use the letters B batch, T sequence, D hidden, N query heads, K kv heads, H head dim,
 F MLP hidden, V vocab.
 """
@@ -16,7 +18,7 @@ from flax import nnx
 from jax import lax
 
 from megatrain_jax import moe
-from megatrain_jax.attention import attention
+from megatrain_jax.attention import attention, cached_attention
 from megatrain_jax.loss import cap_logits, chunked_cross_entropy, chunked_token_logprobs
 
 
@@ -322,11 +324,79 @@ class Block(nnx.Module):
         statistics of moe.moe_mlp). `context` is None (one sequence per row, positions 0..T-1) or
         data.document_context's {"segment_ids", "positions"}, each (B, T) int32, for packed
         documents: attention stays within a document and RoPE restarts at each one."""
-        cfg, ex = self.cfg, self.execution
         if context is None:
             segment_ids, positions = None, jnp.arange(x.shape[1])
         else:
             segment_ids, positions = context["segment_ids"], context["positions"]
+        attend = lambda q, k, v, sliding: (self._self_attention(q, k, v, sliding, segment_ids),
+                                           None)
+        x, _ = self._attention(x, positions, attend)
+        # padding (a negative segment id) stays out of the router's statistics
+        return self._mlp(x, None if segment_ids is None else segment_ids >= 0)
+
+    # ------------------------------------------------------------------ generation (KV cache)
+    # The same attention and MLP code as __call__ (`_attention`, `_mlp`): only where the keys and
+    # values come from differs. A cache is {"k", "v"}, each (B, S, K, H) in x's dtype, S a fixed
+    # maximum length (so shapes never change from token to token), keys after RoPE.
+
+    def prefill(self, x, cache_len: int):
+        """The block over a prompt (B, T, D) at positions 0..T-1, exactly as __call__ computes it
+        (with its attention implementation), and this layer's cache of S = cache_len positions
+        holding the prompt's keys and values at 0..T-1 (zeros after)."""
+        def attend(q, k, v, sliding):
+            pad = ((0, 0), (0, cache_len - k.shape[1]), (0, 0), (0, 0))
+            return (self._self_attention(q, k, v, sliding, None),
+                    {"k": jnp.pad(k, pad), "v": jnp.pad(v, pad)})
+        x, cache = self._attention(x, jnp.arange(x.shape[1]), attend)
+        return self._dense(self._mlp(x, None)), cache
+
+    def decode(self, x, cache, position):
+        """One token per row, x (B, 1, D), at `position` (an int32 scalar: the tokens before it,
+        whose keys and values the cache holds): (the block's output (B, 1, D), the cache with this
+        token's keys and values written at `position`)."""
+        def attend(q, k, v, sliding):
+            put = lambda c, new: lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), position,
+                                                                 axis=1)
+            cache_k, cache_v = put(cache["k"], k), put(cache["v"], v)
+            window = self.cfg.sliding_window
+            if sliding is not None:  # the layer's kind is data: so is its window
+                window = jnp.where(sliding, window, 0)
+            attn = cached_attention(q, cache_k, cache_v, position, window=window,
+                                    scale=self._scale())
+            return attn, {"k": cache_k, "v": cache_v}
+        x, cache = self._attention(x, jnp.reshape(position, (1,)), attend)
+        return self._dense(self._mlp(x, None)), cache
+
+    # ------------------------------------------------------------------ the shared parts
+
+    def _scale(self):
+        q_scalar = self.cfg.query_pre_attn_scalar
+        return q_scalar**-0.5 if q_scalar else None
+
+    def _dense(self, out):
+        """The block's output without a MoE layer's router statistics (not needed to generate)."""
+        return out[0] if self.cfg.num_experts else out
+
+    def _self_attention(self, q, k, v, sliding, segment_ids):
+        """Causal attention of the sequence's own q, k, v by the execution's implementation;
+        `sliding` (a traced bool, or None without layer_types) picks the layer's window."""
+        cfg, ex = self.cfg, self.execution
+        attend = functools.partial(attention, implementation=ex.attention,
+                                   segment_ids=segment_ids, block_size=ex.attention_block,
+                                   scale=self._scale())
+        if sliding is None:
+            return attend(q, k, v, window=cfg.sliding_window)
+        # local or global by this layer's data, in one compiled function (both windows are
+        # compiled in; XLA:GPU reads the predicate back to the host, one small sync per call, the
+        # price of one function for both kinds: cuDNN's window is static, so it cannot be data)
+        return lax.cond(sliding, lambda q, k, v: attend(q, k, v, window=cfg.sliding_window),
+                        lambda q, k, v: attend(q, k, v, window=0), q, k, v)
+
+    def _attention(self, x, positions, attend):
+        """x + the attention sublayer, with `attend(q, k, v, sliding) -> (out (B, T, N, H),
+        state)` given the projected, normed, rotated q (B, T, N, H), k, v (B, T, K, H) at integer
+        `positions` ((T,) or (B, T)); returns (x, state)."""
+        cfg = self.cfg
         norm = functools.partial(rms_norm, eps=cfg.rms_norm_eps, offset=cfg.norm_offset)
         with jax.named_scope("attention"):
             y = norm(x, self.attn_norm[...])
@@ -338,30 +408,23 @@ class Block(nnx.Module):
             if cfg.qk_norm:  # over H of each head, before RoPE (Qwen3, Gemma 3)
                 q = norm(q, self.q_norm[...])
                 k = norm(k, self.k_norm[...])
-            attend = functools.partial(
-                attention, implementation=ex.attention, segment_ids=segment_ids,
-                block_size=ex.attention_block,
-                scale=cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None)
-            if cfg.layer_types:  # local or global by this layer's data, in one compiled function
-                # (both windows are compiled in; XLA:GPU reads the predicate back to the host, one
-                # small sync per call, the price of one function for both kinds: cuDNN's window
-                # is static, so it cannot be data)
+            sliding, inv_freq = None, rope_inv_freq(cfg)
+            if cfg.layer_types:  # local or global by this layer's data
                 sliding = self.sliding[...] > 0.5
-                inv_freq = jnp.where(sliding, rope_inv_freq(cfg, local=True), rope_inv_freq(cfg))
-                q, k = apply_rope(q, inv_freq, positions), apply_rope(k, inv_freq, positions)
-                attn = lax.cond(sliding,
-                                lambda q, k, v: attend(q, k, v, window=cfg.sliding_window),
-                                lambda q, k, v: attend(q, k, v, window=0), q, k, v)
-            else:
-                inv_freq = rope_inv_freq(cfg)
-                q, k = apply_rope(q, inv_freq, positions), apply_rope(k, inv_freq, positions)
-                attn = attend(q, k, v, window=cfg.sliding_window)
+                inv_freq = jnp.where(sliding, rope_inv_freq(cfg, local=True), inv_freq)
+            q, k = apply_rope(q, inv_freq, positions), apply_rope(k, inv_freq, positions)
+            attn, state = attend(q, k, v, sliding)
             out = jnp.einsum("btnh,nhd->btd", attn, self.wo[...])
             if cfg.post_norms:
                 out = norm(out, self.attn_post_norm[...])
-            x = x + out
-        if cfg.num_experts:  # padding (a negative segment id) stays out of the router's statistics
-            return self._moe(x, None if segment_ids is None else segment_ids >= 0)
+            return x + out, state
+
+    def _mlp(self, x, valid):
+        """x + the MLP sublayer (SwiGLU / GeGLU, tiled), or with experts (x + the sparse MLP,
+        the router statistics over the `valid` tokens)."""
+        cfg, ex = self.cfg, self.execution
+        if cfg.num_experts:
+            return self._moe(x, valid)
         with jax.named_scope("mlp"):
             weights = (self.mlp_norm[...], self.w_gate[...], self.w_up[...], self.w_down[...])
             if cfg.post_norms:

@@ -99,3 +99,67 @@ def test_compute_bound_steps():
     cpu = advise(Measured(step_s=0.2, host_wait_s=0.01, host_update_s=0.05, bus_bytes=1e9),
                  machine=CPU, flops_per_step=1e9, micro_batches=1)
     assert cpu == ["advice: steps are bound by device compute: ~0.19 s of the 0.2 s step computes"]
+
+
+# ----------------------------------------------------------------------------- before a run
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    """configs/tiny.yaml in bf16 planned for an H100 (the plan compiles the step's functions on
+    the CPU for their workspaces: once)."""
+    from megatrain_jax.config import load_config
+    from megatrain_jax.plan import plan
+    from megatrain_jax.step_time import step_shape
+    cfg = load_config("configs/tiny.yaml", ["train.compute_dtype=bfloat16"])
+    run_plan = plan(cfg, H100)
+    return cfg, run_plan, step_shape(cfg, run_plan.offload_activations)
+
+
+def test_predicted_measurements_are_the_step_time_models(tiny_plan):
+    from megatrain_jax.step_time import Rates, simulate
+    cfg, run_plan, shape = tiny_plan
+    prediction = simulate(shape, Rates(host_update_gbps=0.01))
+    m = Measured.predicted(prediction, run_plan.device_peak, int(72e9))
+    assert m.step_s == prediction.step_s
+    assert m.host_wait_s == prediction.critical_s["host update"] > 0
+    assert m.host_update_s == prediction.busy_s["host update"] >= m.host_wait_s
+    assert m.bus_bytes == shape.h2d_bytes + shape.d2h_bytes
+    assert (m.device_peak_bytes, m.device_limit_bytes) == (run_plan.device_peak, int(72e9))
+
+
+@pytest.mark.parametrize("rates, bound", [
+    (dict(h2d_gbps=0.001, d2h_gbps=0.001), "transfers"),  # a slow bus
+    (dict(host_update_gbps=0.001), "the host update"),  # a slow host
+    (dict(device_tflops=1e-4), "device compute"),  # a slow device
+])
+def test_plan_advice_names_the_bound_resource_of_the_predicted_step(tiny_plan, rates, bound):
+    """The same rules as after step 3 (advise), on the step-time model's step: the resource the
+    rates make slow bounds it, and a fixed cost per step gets the micro-batches that hide it,
+    checked with the memory plan."""
+    from megatrain_jax.advice import for_plan
+    from megatrain_jax.step_time import Rates, simulate
+    cfg, run_plan, shape = tiny_plan
+    prediction = simulate(shape, Rates(**rates))
+    lines = for_plan(cfg, H100, run_plan, prediction)
+    assert lines[0].startswith(f"advice: steps are bound by {bound}: ")
+    if bound == "transfers":
+        assert f"{(shape.h2d_bytes + shape.d2h_bytes) / 1e6:.2f} MB cross the bus" in lines[0]
+        assert "at 0.001 GB/s" in lines[0]
+    if bound == "device compute":
+        assert len(lines) == 1  # bf16, the device far from full: nothing to change
+    else:
+        assert lines[1].startswith("advice: data.micro_batches=")
+        assert "(fits: a predicted device peak of " in lines[1]
+
+
+def test_plan_without_a_step_time_model_says_the_run_advises(tiny_plan):
+    """A machine with no known peak (a CPU): no prediction to advise from. (`megatrain plan`
+    printing the advice: tests/test_commands.py.)"""
+    import argparse
+
+    from megatrain_jax import commands
+    flags = argparse.Namespace(device_tflops=None, rates=None)
+    assert commands._advice(tiny_plan[0], CPU, None, flags) == [
+        "advice: none before the run: local CPU has no known peak for the step-time model "
+        "(--tflops, --rates); the run advises after its first steps"]

@@ -1,5 +1,5 @@
-"""The one command line: `megatrain train|plan|export` and `python -m megatrain_jax ...`, over the
-same functions as scripts/*.py."""
+"""The one command line: `megatrain train|plan|export|generate|plot` and `python -m megatrain_jax
+...`, over the same functions as scripts/*.py."""
 
 import importlib.metadata
 import os
@@ -23,14 +23,16 @@ def megatrain(*args, cwd=ROOT):
 def test_help_lists_the_commands(capsys):
     proc = megatrain("--help")  # `python -m megatrain_jax` names itself so
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("usage: python -m megatrain_jax {train,plan,export,plot}")
-    for name in ("train", "plan", "export", "plot"):
+    assert proc.stdout.startswith("usage: python -m megatrain_jax {train,plan,export,generate,plot}")
+    for name in ("train", "plan", "export", "generate", "plot"):
         assert f"\n  {name} " in proc.stdout
     # each command's --help in-process (what `python -m megatrain_jax` runs: commands.run with
     # that prog, as above)
     for name, options in [("train", ["--config", "key=value"]),
                           ("plan", ["--config", "--device", "--sweep", "--json"]),
                           ("export", ["--run-dir", "--out", "--step", "--dtype", "--shard-size"]),
+                          ("generate", ["--run", "--hf", "--step", "--prompt", "--max-new-tokens",
+                                        "--temperature", "--top-p", "--seed"]),
                           ("plot", ["RUN_DIR", "--out"])]:
         with pytest.raises(SystemExit) as exit_:
             commands.run([name, "--help"], prog="python -m megatrain_jax")
@@ -45,7 +47,7 @@ def test_unknown_or_missing_command_is_exit_2(capsys):
     proc = megatrain("trian", "--config", "configs/tiny.yaml")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == ("error: unknown command 'trian' (did you mean train?); expected "
-                                   "one of train, plan, export, plot (`python -m megatrain_jax --help`)")
+                                   "one of train, plan, export, generate, plot (`python -m megatrain_jax --help`)")
     assert commands.run([], prog="python -m megatrain_jax") == 2  # in-process from here
     nothing = capsys.readouterr()
     assert nothing.out == "" and nothing.err.startswith("usage: python -m megatrain_jax ")
@@ -71,7 +73,8 @@ def test_scripts_are_the_same_functions():
     """scripts/*.py are thin shells: their main is the command's function."""
     from importlib import util
     for script, fn in [("train.py", commands.train), ("plan.py", commands.plan),
-                       ("export_hf.py", commands.export)]:
+                       ("export_hf.py", commands.export), ("generate.py", commands.generate),
+                       ("plot.py", commands.plot)]:
         spec = util.spec_from_file_location(script[:-3], os.path.join(ROOT, "scripts", script))
         module = util.module_from_spec(spec)
         spec.loader.exec_module(module)

@@ -4,6 +4,7 @@ the state), and scripts/plan.py end to end."""
 import dataclasses
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -197,8 +198,12 @@ def test_script_prints_the_plan_and_writes_json(tmp_path, capsys):
     for label in ("host RAM", "master", "optimizer", "device (", "backward", "peak",
                   "largest that fits", "tokens per step for compute to hide"):
         assert label in stdout, label
+    # the advice a run prints after step 3, from the predicted step (megatrain_jax.advice)
+    assert re.search(r"^advice: steps are bound by (transfers|the host update|device compute): ",
+                     stdout, re.M)
     r = json.loads(out.read_text())
     assert r["fits"] and set(r["device"]) == set(PHASES) and r["host_total"] > 0
+    assert r["advice"][0].startswith("advice: steps are bound by ")
 
     assert run("--device", "tpu") == 2
     err = capsys.readouterr().err

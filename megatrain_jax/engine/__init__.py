@@ -10,13 +10,15 @@ Modules, by concern:
   step.py       the schedule of one step, top to bottom
   evaluate.py   forward only: the loss at the current weights, or any function of the last
                 stage (forward_outputs, e.g. per-sequence log-probs)
+  decode.py     StreamedDecoder: forwards that carry a per-layer state (a KV cache), to generate
   stream.py     transfers with back-pressure, activation offload, counters
   host.py       host state: master weights, optax state, bus copies, the update thread
   functions.py  the jitted device functions
   parallel.py   placement: one device, or data parallel over a mesh of devices and processes
 """
 
+from megatrain_jax.engine.decode import StreamedDecoder
 from megatrain_jax.engine.stream import Counters
 from megatrain_jax.engine.streamed import StreamedEngine
 
-__all__ = ["Counters", "StreamedEngine"]
+__all__ = ["Counters", "StreamedDecoder", "StreamedEngine"]

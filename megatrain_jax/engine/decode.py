@@ -1,0 +1,156 @@
+"""`StreamedDecoder`: forward passes that carry a per-layer state from one call to the next (a KV
+cache), for generation, with the layers' weights streamed from host memory as in a training step.
+
+    decoder = StreamedDecoder(first=embed, last=head, make_block=make_block, num_layers=L,
+                              start=lambda block, x: block.prefill(x, max_len),
+                              extend=lambda block, x, state, position: block.decode(x, state,
+                                                                                    position),
+                              logits=lambda last, x: last.logits(x))
+    logits = decoder.start(prompt)      # (B, T) token ids -> (B, V) logits of the last position
+    logits = decoder.extend(tokens)     # (B, 1) ids at the next position -> (B, V)
+
+One forward, top to bottom:
+    first   on the host, with its host copy: a lookup, so its output (B, T, D) crosses the bus
+            instead of its table
+    layers  for layer i (weights prefetched, at most prefetch + 1 layers resident, LayerStream):
+              x, state_i = start(block_i, x)   or   extend(block_i, x, state_i, position)
+    head    fetch the part of the last stage `logits` reads; the logits of the last position
+
+The engine knows nothing of the model: `start`, `extend` and `logits` are the model's. The states
+stay on the compute device (donated to `extend`, so a fixed-size cache is updated in place); every
+weight crosses the bus once per forward, i.e. per generated token. One compiled function per
+shape: `start` per prompt length, `extend` once (the position is data, not a shape).
+"""
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from megatrain_jax.engine.functions import _used_inputs
+from megatrain_jax.engine.host import nbytes
+from megatrain_jax.engine.stream import Counters, LayerStream, delete
+from megatrain_jax.engine.streamed import _param_split
+
+
+class StreamedDecoder:
+    """Generation-time forwards of `last(blocks(first(tokens)))` with per-layer state.
+
+    Args:
+      first, last, make_block, num_layers: as for StreamedEngine (blocks of one structure, built
+        once each, under the host device). Only their weights are kept, in `compute_dtype`: the
+        fp32 arrays the modules hold are dropped layer by layer.
+      start: `start(block, x) -> (y, state)`, a block over a prompt, returning its state.
+      extend: `extend(block, x, state, position) -> (y, state)`, a block over the next token(s)
+        at `position` (an int32 scalar), returning its updated state.
+      logits: `logits(last, x) -> (B, T, V)`, the last stage's scores.
+      prefetch: layers whose weights are in flight ahead of the computing one.
+      compute_device / host_device: where blocks run / where the weights wait (defaults: the
+        default device, the first CPU device).
+    """
+
+    def __init__(self, *, first: nnx.Module, last: nnx.Module,
+                 make_block: Callable[[int], nnx.Module], num_layers: int, start: Callable,
+                 extend: Callable, logits: Callable, compute_dtype=jnp.bfloat16, prefetch: int = 1,
+                 compute_device=None, host_device=None):
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        self.num_layers, self.prefetch = num_layers, prefetch
+        self.compute_device = compute_device or jax.devices()[0]
+        self.host_device = host_device or jax.devices("cpu")[0]
+        self.compute = jax.sharding.SingleDeviceSharding(self.compute_device)
+        host = jax.sharding.SingleDeviceSharding(self.host_device)
+        # As HostState's bus copies: in the accelerator's pinned host memory, which it reads by DMA.
+        kinds = {m.kind for m in self.compute_device.addressable_memories()}
+        self.bus = host if (self.compute_device == self.host_device
+                            or "pinned_host" not in kinds) else jax.sharding.SingleDeviceSharding(
+            self.compute_device, memory_kind="pinned_host")
+        self.counters = Counters()
+        self.on_layer = None  # on_layer(layer) after each layer's work is dispatched (tests)
+        dtype = jnp.dtype(compute_dtype)
+        cast = lambda tree, where: jax.device_put(
+            jax.tree.map(lambda p: jnp.asarray(p).astype(dtype), tree), where)
+
+        with jax.default_device(self.host_device):
+            stages_def, stages = _param_split((first, last), "the first/last stages")
+            self.layers = []
+            for i in range(num_layers):
+                graphdef, params = _param_split(make_block(i), f"block {i}")
+                if i == 0:
+                    block_def = graphdef
+                elif graphdef != block_def:
+                    raise ValueError(f"block {i} differs in structure from block 0")
+                self.layers.append(cast(params, self.bus))
+                del params
+        leaves, treedef = jax.tree.flatten(stages)
+        num_leaves = len(leaves)
+        abstract = [jax.ShapeDtypeStruct(x.shape, dtype) for x in leaves]
+        example = jnp.zeros((1, 1), jnp.int32)
+
+        def merge(part, w):
+            full = [jax.ShapeDtypeStruct((), jnp.float32)] * num_leaves  # unused: never read
+            for i, leaf in zip(part, w):
+                full[i] = leaf
+            return nnx.merge(stages_def, jax.tree.unflatten(treedef, full))
+
+        everything = tuple(range(len(leaves)))
+        first_part = _used_inputs(lambda w: merge(everything, w)[0](example), abstract)
+        x = jax.eval_shape(lambda w: merge(everything, w)[0](example), abstract)
+        last_part = _used_inputs(
+            lambda w: logits(merge(everything, w)[1], jnp.zeros(x.shape, x.dtype)), abstract)
+        self.first_weights = cast([leaves[i] for i in first_part], host)
+        self.head_weights = cast([leaves[i] for i in last_part], self.bus)
+        del stages, leaves
+
+        self._first = jax.jit(lambda w, tokens: merge(first_part, w)[0](tokens))
+        self._logits = jax.jit(lambda w, x: logits(merge(last_part, w)[1], x[:, -1:])[:, 0])
+        self._start = jax.jit(lambda w, x: start(nnx.merge(block_def, w), x))
+        self._extend = jax.jit(
+            lambda w, x, state, position: extend(nnx.merge(block_def, w), x, state, position),
+            donate_argnums=(2,))
+        self._host = host
+        self.states, self.position = None, 0
+
+    def start(self, tokens) -> jax.Array:
+        """Runs the prompt `tokens` (B, T) from position 0, replacing every layer's state;
+        returns the logits of its last position, (B, V) fp32."""
+        self.states = [None] * self.num_layers
+        logits = self._forward(tokens, lambda i, w, x: self._start(w, x))
+        self.position = jnp.shape(tokens)[1]
+        return logits
+
+    def extend(self, tokens) -> jax.Array:
+        """Runs `tokens` (B, 1) at the position after the last one run; returns their logits,
+        (B, V) fp32."""
+        if self.states is None:
+            raise ValueError("extend before start: there is no state to extend")
+        position = jax.device_put(jnp.asarray(self.position, jnp.int32), self.compute)
+        logits = self._forward(tokens, lambda i, w, x: self._extend(w, x, self.states[i],
+                                                                    position))
+        self.position += jnp.shape(tokens)[1]
+        return logits
+
+    def _fetch(self, unit: int):
+        w = self.layers[unit] if unit < self.num_layers else self.head_weights
+        self.counters.bytes_h2d += nbytes(w)
+        return jax.device_put(w, self.compute)
+
+    def _forward(self, tokens, run_layer):
+        tokens = jax.device_put(jnp.asarray(tokens, jnp.int32), self._host)
+        x = jax.device_put(self._first(self.first_weights, tokens), self.compute)
+        self.counters.bytes_h2d += nbytes(x)
+        fetched = (lambda w: w) if self.bus != self.compute else (lambda w: ())
+        logits = None
+        stream = LayerStream(range(self.num_layers + 1), self._fetch, self.prefetch)
+        for i, w in stream:  # the layers, then the head
+            if i == self.num_layers:
+                logits = self._logits(w, x)
+                stream.done(logits, fetched(w))
+                continue
+            x, self.states[i] = run_layer(i, w, x)
+            stream.done(x, fetched(w))
+            if self.on_layer is not None:
+                self.on_layer(i)
+        delete(x)
+        return logits
