@@ -19,7 +19,7 @@ from datetime import datetime
 
 import numpy as np
 
-from megatrain_jax.data import DataError, WindowOrder, jsonl_objects
+from megatrain_jax.data import DataError, WindowOrder, jsonl_objects, share_of_batch
 from megatrain_jax.loss import IGNORE_ID
 
 ROLES = ("system", "user", "assistant")
@@ -432,6 +432,7 @@ class SFTDataset:
                 f"{self.windows_per_batch} rows; use more data or lower data.batch_size or "
                 f"data.micro_batches")
         self.order = WindowOrder(self.num_windows, self.windows_per_batch, self.seed, "rows")
+        self.share = (0, 1)  # this process's part of each micro-batch's rows, as PackedDataset's
 
     @property
     def tokens_per_batch(self) -> int:
@@ -440,7 +441,8 @@ class SFTDataset:
     def next_batch_with_context(self):
         """(inputs, targets, context): int32 (num_micro_batches, batch_size, seq_len) each, and
         context = {"segment_ids", "positions"} of the same shape."""
-        return _batch(self.rows, self.order.take(), self.num_micro_batches, self.batch_size)
+        take = share_of_batch(self.order.take(), self.num_micro_batches, self.share)
+        return _batch(self.rows, take, self.num_micro_batches, self.batch_size // self.share[1])
 
     def next_batch(self):
         """(inputs, targets), as data.PackedDataset's."""

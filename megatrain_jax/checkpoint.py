@@ -53,8 +53,17 @@ def make_manager(directory, *, keep: int | None = None, async_save: bool = True,
     write_bytes bounds the bytes Orbax writes at once (default: everything at once); it must exceed
     the largest array. Tensorstore copies what it writes, so this bounds a save's extra memory.
     """
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                           create=True)
+    # Several processes (data parallel, replicated host state): every process holds the whole
+    # state, so each manager works alone (no barrier with the others); only process 0 saves.
+    me = jax.process_index()
+    alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me},
+                                               barrier_sync_key_prefix=f"process{me}")
+    several = jax.process_count() > 1
+    if several:  # Orbax creates it only with every process taking part
+        os.makedirs(directory, exist_ok=True)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, enable_async_checkpointing=async_save, create=not several,
+        **({"multiprocessing_options": alone} if several else {}))
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     state_handler = (ocp.StandardCheckpointHandler() if write_bytes is None else
                      ocp.StandardCheckpointHandler(save_concurrent_gb=write_bytes / 1e9))
@@ -161,6 +170,8 @@ def save(manager: ocp.CheckpointManager, step: int, engine, meta: dict | None = 
         raise SaveError(f"refusing to save checkpoint step {step}: {bad} is not finite (NaN or "
                         f"inf); the checkpoints in {manager.directory} are kept as they were")
     wait(manager)  # an earlier asynchronous save's failure is reported as such
+    if jax.process_count() > 1:  # Orbax saves no process-local jax.Array there: their views
+        state = jax.tree.map(np.asarray, state)
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               meta=ocp.args.JsonSave({**(meta or {}), "step": step}))
     try:  # force: the caller decides when to save, not Orbax's interval policy
@@ -306,8 +317,7 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None,
         else:
             target["layers"][which] = abstract
         restore_args = jax.tree.map(
-            lambda x: ocp.PLACEHOLDER if x is ocp.PLACEHOLDER else ocp.ArrayRestoreArgs(
-                sharding=x.sharding, global_shape=x.shape, dtype=x.dtype), target)
+            lambda x: ocp.PLACEHOLDER if x is ocp.PLACEHOLDER else _restore_args(x), target)
         try:
             state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
                 item=target, restore_args=restore_args)))["state"]
@@ -315,6 +325,14 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None,
             raise unreadable(manager, step, e) from None
         engine.load_unit(which, state["stages"] if which == "stages" else state["layers"][which])
     return meta
+
+
+def _restore_args(x):
+    """Straight into the host device's memory; with several processes (where Orbax restores no
+    process-local jax.Array) as numpy, which load_unit puts there."""
+    if jax.process_count() > 1:
+        return ocp.RestoreArgs(restore_type=np.ndarray, dtype=x.dtype)
+    return ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype)
 
 
 def largest_unit_bytes(engine) -> int:

@@ -148,6 +148,24 @@ class OffloadConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Data parallel over devices and processes (megatrain_jax/distributed.py). data.batch_size
+    is the global micro-batch: its rows are split over every compute device of every process."""
+    # Compute devices of this process: 0 is every accelerator, or 1 on a CPU-only machine (where
+    # N > 1 needs N + 1 CPU devices, one for the host state:
+    # XLA_FLAGS=--xla_force_host_platform_device_count=N+1).
+    local_devices: int = 0
+    # Several processes (one per host or per GPU) through jax.distributed: the coordinator's
+    # host:port (process 0 serves it), "auto" to let JAX detect the cluster (SLURM, Open MPI,
+    # Kubernetes), or "" for a single process. scripts/launch.py sets these for local processes.
+    coordinator: str = ""
+    num_processes: int = 1
+    process_id: int = 0
+    # Seconds to wait for every process to join, and for a silent process to be declared lost.
+    timeout_s: int = 30
+
+
+@dataclasses.dataclass(frozen=True)
 class DPOConfig:
     """Preference training (data.format=preference; megatrain_jax/dpo.py)."""
     beta: float = 0.1  # how far the policy may move from the reference (TRL's default)
@@ -167,6 +185,7 @@ class Config:
     logging: LoggingConfig = LoggingConfig()
     dpo: DPOConfig = DPOConfig()
     offload: OffloadConfig = OffloadConfig()
+    distributed: DistributedConfig = DistributedConfig()
     run_dir: str = "runs/tiny"
 
 
@@ -452,6 +471,27 @@ def _check(cfg: Config):
         raise ConfigError("offload.tier=disk needs offload.path, a directory on a fast local disk")
     if offload.read_ahead < 0:
         raise ConfigError(f"offload.read_ahead must be >= 0, got {offload.read_ahead}")
+    dist = cfg.distributed
+    if dist.local_devices < 0:
+        raise ConfigError(f"distributed.local_devices must be >= 0 (0: every accelerator, or 1 on "
+                          f"a CPU-only machine), got {dist.local_devices}")
+    if dist.num_processes < 1:
+        raise ConfigError(f"distributed.num_processes must be >= 1, got {dist.num_processes}")
+    if not 0 <= dist.process_id < dist.num_processes:
+        raise ConfigError(f"distributed.process_id must be in [0, distributed.num_processes="
+                          f"{dist.num_processes}), got {dist.process_id}")
+    if dist.num_processes > 1 and not dist.coordinator:
+        raise ConfigError(f"distributed.num_processes={dist.num_processes} needs "
+                          f"distributed.coordinator (host:port of process 0, or auto)")
+    if dist.coordinator not in ("", "auto") and not re.fullmatch(r"[^\s:]+:\d+|\[[^\]]+\]:\d+",
+                                                                 dist.coordinator):
+        raise ConfigError(f"distributed.coordinator must be host:port (or auto), "
+                          f"got {dist.coordinator!r}")
+    if dist.timeout_s < 1:
+        raise ConfigError(f"distributed.timeout_s must be >= 1, got {dist.timeout_s}")
+    if offload.tier == "disk" and dist.num_processes > 1:
+        raise ConfigError(f"offload.tier=disk with distributed.num_processes={dist.num_processes}: "
+                          f"the disk tier holds one process's state; use offload.tier=ram")
     train = cfg.train
     if train.eval_every < 0:
         raise ConfigError(f"train.eval_every must be >= 0 (0: only at the end), "

@@ -332,6 +332,17 @@ class WindowOrder:
         self.index = index
 
 
+def share_of_batch(taken, num_micro_batches: int, share: tuple) -> np.ndarray:
+    """The window (or row) indices of a batch that process share[0] of share[1] reads: its equal
+    part of every micro-batch's rows (data parallel over processes; (0, 1): all of them)."""
+    index, count = share
+    if count == 1:
+        return taken
+    per_micro = np.asarray(taken).reshape(num_micro_batches, -1)
+    rows = per_micro.shape[1] // count
+    return per_micro[:, index * rows:(index + 1) * rows].reshape(-1)
+
+
 class PackedDataset:
     """Shuffled non-overlapping windows of a token stream, deterministic and resumable (the
     windows' order and the position: WindowOrder)."""
@@ -359,18 +370,23 @@ class PackedDataset:
                 f"{self.windows_per_batch} windows ({need:,} tokens); use more data or lower "
                 f"data.seq_len, data.batch_size or data.micro_batches")
         self.order = WindowOrder(self.num_windows, self.windows_per_batch, self.seed)
+        # (process, processes): which part of every micro-batch's rows next_batch reads; the order
+        # and the position (state) stay those of the whole batch.
+        self.share = (0, 1)
 
     @property
     def tokens_per_batch(self) -> int:
         return self.windows_per_batch * self.seq_len
 
     def next_batch(self):
-        """(inputs, targets), int32, shape (num_micro_batches, batch_size, seq_len)."""
-        starts = self.order.take() * self.seq_len
+        """(inputs, targets), int32, shape (num_micro_batches, batch_size, seq_len) (batch_size /
+        share[1] rows: this process's share)."""
+        taken = share_of_batch(self.order.take(), self.num_micro_batches, self.share)
+        starts = taken * self.seq_len
         # fancy indexing reads only these windows, so a memmapped corpus stays on disk
         idx = starts[:, None] + np.arange(self.seq_len + 1)
         windows = np.asarray(self.tokens[idx]).astype(np.int32)
-        windows = windows.reshape(self.num_micro_batches, self.batch_size, self.seq_len + 1)
+        windows = windows.reshape(self.num_micro_batches, -1, self.seq_len + 1)
         return np.ascontiguousarray(windows[..., :-1]), np.ascontiguousarray(windows[..., 1:])
 
     def next_batch_with_context(self):

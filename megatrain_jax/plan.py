@@ -172,7 +172,8 @@ def _workspace(model: ModelConfig, execution: Execution, compute_dtype: str, gra
 
 def _compile_device(platform: str):
     """A local device of `platform` to compile for, else the CPU."""
-    return next((d for d in jax.devices() if d.platform == platform), jax.devices("cpu")[0])
+    return next((d for d in jax.local_devices() if d.platform == platform),
+                jax.local_devices(backend="cpu")[0])
 
 
 # -----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import optax
 import yaml
 
 from megatrain_jax import advice, attention, chat, checkpoint, dpo, preference
+from megatrain_jax import distributed
 from megatrain_jax import data as data_lib
 from megatrain_jax import hf
 from megatrain_jax import hostmem
@@ -43,7 +44,7 @@ class TrainingError(RuntimeError):
 def execution_for(cfg: Config, platform: str | None = None) -> tuple[Execution, str]:
     """The model's execution options from cfg.train, with `train.attention` resolved for the
     compute platform (default: the default device's), and the reason for the choice."""
-    platform = platform or jax.devices()[0].platform
+    platform = platform or jax.local_devices()[0].platform
     try:
         impl, why = attention.choose_implementation(
             cfg.train.attention, platform=platform, dtype=cfg.train.compute_dtype,
@@ -111,13 +112,15 @@ def build_engine(cfg: Config, *, offload_activations: bool | None = None,
     """The engine for cfg. `offload_activations` resolves train.offload_activations=auto (train()
     takes it from the plan); left None, auto means off."""
     model = cfg.model
-    compute = engine_kwargs.get("compute_device") or jax.devices()[0]
+    compute = (engine_kwargs.get("compute_device") or (engine_kwargs.get("compute_devices")
+                                                        or jax.local_devices())[0])
     execution, _ = execution_for(cfg, compute.platform)
     if offload_activations is None:
         offload_activations = cfg.train.offload_activations is True
     # The stages are built in host memory, like the blocks (the engine builds those there):
     # the default device would be the accelerator.
-    with jax.default_device(engine_kwargs.get("host_device") or jax.devices("cpu")[0]):
+    host = engine_kwargs.get("host_device") or jax.local_devices(backend="cpu")[0]
+    with jax.default_device(host):
         if model.from_hf:  # the weights of a HF model, read layer by layer into host memory
             source = hf.HFSource(model.from_hf)
             first, last = hf.load_stages(model, source, execution)
@@ -306,8 +309,26 @@ def train(cfg: Config, *, log=print, console=None) -> list[dict]:
 
     Resumes from the latest complete checkpoint in `<run_dir>/checkpoints` (or the step
     `checkpoint.resume_step`) when there is one. Saves every `checkpoint.every` steps, at the last
-    step, and on SIGTERM/SIGINT (then returns early). Holds `<run_dir>/train.lock` throughout."""
+    step, and on SIGTERM/SIGINT (then returns early). Holds `<run_dir>/train.lock` throughout.
+
+    Data parallel (cfg.distributed, megatrain_jax/distributed.py): every process runs this with
+    its own distributed.process_id; process 0 alone logs, writes the run's files and saves."""
+    distributed.initialize(cfg.distributed)  # before anything touches a device
+    devices, host_device = distributed.devices(cfg.distributed)
+    distributed.check_batch(cfg.data.batch_size, len(devices), jax.process_count())
+    if cfg.data.format == "preference" and len(devices) > 1:
+        raise ConfigError(f"data.format=preference is not data parallel yet ({len(devices)} "
+                          f"devices from distributed.local_devices/num_processes); run it on one")
     dataset, eval_set = load_data(cfg)  # validate all inputs before anything is written
+    me, processes = jax.process_index(), jax.process_count()
+    dataset.share = (me, processes)  # this process reads its rows of every batch, no more
+    if eval_set:
+        eval_set = [distributed.share(batch, me, processes) for batch in eval_set]
+    placed = dict(compute_devices=devices, host_device=host_device)
+    if me != 0:  # the others train alongside, quietly, writing nothing
+        history = _train_locked(cfg, dataset, eval_set, lambda *a, **k: None, None, placed)
+        distributed.finish(cfg.distributed)
+        return history
     metrics_log.check(cfg)
     try:  # freed layer-sized buffers go back to the kernel: ~22 -> ~14 B/param of RSS, see
         hostmem.set_mmap_threshold(1 << 20)  # docs/benchmarks.md "Host memory per parameter"
@@ -317,7 +338,9 @@ def train(cfg: Config, *, log=print, console=None) -> list[dict]:
     prepare_run_dir(cfg.run_dir)
     try:
         with RunLock(cfg.run_dir, log=log):
-            return _train_locked(cfg, dataset, eval_set, log, console)
+            history = _train_locked(cfg, dataset, eval_set, log, console, placed)
+        distributed.finish(cfg.distributed)  # every process ends together
+        return history
     except BaseException:
         if created:  # refused before writing anything (a first step out of memory too): no trace
             for directory in (os.path.join(cfg.run_dir, "checkpoints"), cfg.run_dir):
@@ -340,6 +363,15 @@ def _out_of_memory_line(e: BaseException, step: int, run_plan) -> str:
             f"train.offload_activations=true (python scripts/plan.py shows what fits)")
 
 
+def _raise_if_lost(e: BaseException, step: int):
+    """With several processes: a step that failed because another process is gone is a
+    TrainingError naming it (exit 1)."""
+    if jax.process_count() > 1:
+        line = distributed.lost_line(e, step)
+        if line:
+            raise TrainingError(line) from None
+
+
 def _peak_flops(cfg: Config, device) -> tuple[float | None, str]:
     """(the bf16 dense peak FLOP/s that MFU is measured against, or None, and where it is from)."""
     if cfg.logging.peak_tflops:
@@ -354,13 +386,18 @@ def _peak_flops(cfg: Config, device) -> tuple[float | None, str]:
 ADVICE_AFTER = 3  # steps into a run: the first compiles, the next two are measured
 
 
-def _train_locked(cfg: Config, dataset, eval_set, log, console) -> list[dict]:
+def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[dict]:
+    primary = jax.process_index() == 0
     resume_step = resume_point(cfg, log)
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
     if os.path.isdir(ckpt_dir):  # else run_dir was just checked; make_manager creates it
         checkpoint.check_writable(ckpt_dir)  # before training, not at the first save
     # What the run needs, before anything is allocated: a run that cannot fit stops here.
-    run_plan = plan_lib.plan(cfg, plan_lib.machine_from_device(jax.devices()[0]))
+    # Planned for one device's rows: data parallel splits each micro-batch over the devices.
+    devices = len(placed["compute_devices"])
+    per_device = dataclasses.replace(cfg, data=dataclasses.replace(
+        cfg.data, batch_size=cfg.data.batch_size // devices))
+    run_plan = plan_lib.plan(per_device, plan_lib.machine_from_device(jax.local_devices()[0]))
     if not run_plan.fits:
         raise ConfigError(f"this config does not fit: {' '.join(run_plan.summary().split())} "
                           f"(python scripts/plan.py --config ... shows what would)")
@@ -369,7 +406,7 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console) -> list[dict]:
             tier_lib.check_space(cfg.offload.path, run_plan.disk_bytes)
         except tier_lib.TierError as e:
             raise ConfigError(str(e)) from None
-    engine = build_engine(cfg, offload_activations=run_plan.offload_activations)
+    engine = build_engine(cfg, offload_activations=run_plan.offload_activations, **placed)
     ckpt = cfg.checkpoint
     manager = checkpoint.make_manager(ckpt_dir, keep=ckpt.keep, async_save=ckpt.async_save,
                                       write_bytes=checkpoint.largest_unit_bytes(engine))
@@ -385,8 +422,10 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console) -> list[dict]:
     log(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
     peak_flops, peak_source = _peak_flops(cfg, engine.compute_device)
     log(f"model: {cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.num_layers} layers | "
-        f"{dataset.tokens_per_batch} tokens/step | compute {engine.compute_device.platform} | "
-        f"{peak_source}")
+        f"{dataset.tokens_per_batch} tokens/step | compute {engine.compute_device.platform}"
+        f"{_data_parallel_note(devices)} | {peak_source}")
+    if peak_flops is not None:
+        peak_flops *= devices  # MFU of the whole run: every device's peak
     log(run_plan.summary())
     if engine.disk_tier is not None:
         tier = engine.disk_tier
@@ -403,7 +442,7 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console) -> list[dict]:
         log(f"resumed from checkpoint step {start} ({manager.directory})")
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     history, bad_steps = [], 0
-    with jax.default_device(jax.devices("cpu")[0]):  # each step's learning rate, for the log
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):  # each step's lr, for the log
         lrs = np.asarray(build_schedule(cfg.optimizer, cfg.train.steps)(np.arange(cfg.train.steps)))
     meter = progress.Meter(total_steps=cfg.train.steps, start_step=start,
                            tokens_per_step=dataset.tokens_per_batch,
@@ -424,6 +463,10 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console) -> list[dict]:
             except (jax.errors.JaxRuntimeError, MemoryError) as e:
                 if _is_out_of_memory(e):
                     raise ConfigError(_out_of_memory_line(e, step, run_plan)) from None
+                _raise_if_lost(e, step)
+                raise
+            except (RuntimeError, ValueError) as e:  # gloo's failed collective is a ValueError
+                _raise_if_lost(e, step)
                 raise
             dt = time.perf_counter() - t0
             if step == start + 1:  # after the compiling step: advice measures the next ones
@@ -431,10 +474,13 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console) -> list[dict]:
             elif step <= start + ADVICE_AFTER:
                 timed.append(dt)
             if metrics_file is None:  # the first step ran: now the run writes its files
-                _write_config(cfg)
-                _keep_metrics_through(metrics_path, start)
-                metrics_file = files.enter_context(open(metrics_path, "a"))
-                sinks = metrics_log.Sinks.open(cfg, start, log)  # TensorBoard, W&B
+                if primary:
+                    _write_config(cfg)
+                    _keep_metrics_through(metrics_path, start)
+                metrics_file = files.enter_context(open(metrics_path if primary else os.devnull,
+                                                        "a"))
+                sinks = (metrics_log.Sinks.open(cfg, start, log) if primary  # TensorBoard, W&B
+                         else metrics_log.Sinks())
                 files.callback(sinks.close)
             record = {"step": step, "loss": loss, "grad_norm": grad_norm,
                       "tokens_per_sec": dataset.tokens_per_batch / dt, "step_time_s": dt,
@@ -480,7 +526,9 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console) -> list[dict]:
                 log(f"step {step:5d} | eval loss {record['eval_loss']:.4f} | "
                     f"ppl {record['eval_ppl']:.2f}")
             if (ckpt.every and step % ckpt.every == 0) or step == cfg.train.steps or stop.received:
-                if step in manager.all_steps():  # only after resume_step: never overwrite one
+                if not primary:  # replicated host state: process 0 saves it all
+                    pass
+                elif step in manager.all_steps():  # only after resume_step: never overwrite one
                     log(f"checkpoint step {step} already exists in {manager.directory}; kept as is")
                 else:
                     checkpoint.save(manager, step, engine, {
@@ -496,6 +544,13 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console) -> list[dict]:
     if start >= cfg.train.steps:
         log(f"nothing to do: checkpoint step {start} reached train.steps={cfg.train.steps}")
     return history
+
+
+def _data_parallel_note(devices: int) -> str:
+    if devices == 1:
+        return ""
+    return (f" x {devices} (data parallel: {jax.process_count()} process(es) x "
+            f"{devices // jax.process_count()} devices)")
 
 
 def _eval_source(cfg: Config) -> str:

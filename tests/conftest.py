@@ -17,6 +17,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402  (after the environment it reads)
 
-# Two CPU devices, so tests can use one as the "accelerator" and the other as the host and every
-# transfer the engine makes is a real cross-device put. Must run before the backend starts.
-jax.config.update("jax_num_cpu_devices", 2)
+# Three CPU devices, so tests can use one as the "accelerator" and another as the host and every
+# transfer the engine makes is a real cross-device put; data-parallel tests use two as compute
+# devices and the third as the host. Must run before the backend starts.
+jax.config.update("jax_num_cpu_devices", 3)

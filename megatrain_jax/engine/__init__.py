@@ -15,6 +15,7 @@ Modules, by concern:
   host.py       host state: master weights, optax state, bus copies, the update thread
   tier.py       the disk tier: each unit's master weights and optax state in a file
   functions.py  the jitted device functions
+  parallel.py   placement: one device, or data parallel over a mesh of devices and processes
 """
 
 from megatrain_jax.engine.decode import StreamedDecoder

@@ -61,7 +61,7 @@ def run(engine, inputs, targets, contexts) -> dict:
     result = {"loss_sum": loss_sum, "weight": weight, "loss": loss}
     if out[0][2] is not None:
         result["stats"] = f.tree_total([s for _, _, s in out])
-    return result
+    return engine.placement.local(result)
 
 
 def outputs(engine, inputs, targets, contexts, output) -> list:

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from megatrain_jax.engine.parallel import Placement, zeros_like_acc
+
 
 def tree_add(acc, tree):
     return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, tree)
@@ -93,11 +95,17 @@ class DeviceFunctions:
 
     Stage weights come as flat leaf lists of one part (StageParts): `embed` and `embed_bwd` take
     the `first` part, `head` and `head_loss` (the loss without gradients, for evaluation) the
-    `last` part. Accumulators are fp32 and donated."""
+    `last` part. Accumulators are fp32 and donated; with several devices they hold one partial sum
+    per device until `reduce` (parallel.py)."""
 
     def __init__(self, stages_def, stages_treedef, parts: StageParts, block_def, grad_dtype,
-                 aux_loss=None):
+                 aux_loss=None, placement: Placement | None = None):
         n = stages_treedef.num_leaves
+        # Several devices: each function runs on every device over its rows (parallel.py); sums
+        # over tokens (loss, weight, aux) are then summed over the devices, gradients accumulate
+        # per device until `reduce`.
+        on = placement or Placement([jax.local_devices()[0]])
+        everywhere = on.sum_over_devices
 
         def merge_stages(part: str, leaves):
             full = [jax.ShapeDtypeStruct((), jnp.float32)] * n  # unused leaves: never read
@@ -114,11 +122,12 @@ class DeviceFunctions:
                 return loss_sum, (weight, stats)
             (loss_sum, (weight, stats)), (dw, dx) = jax.value_and_grad(
                 loss_fn, argnums=(0, 1), has_aux=True)(w, x)
-            return loss_sum, weight, stats, dx, tree_add(acc, dw)
+            return (everywhere(loss_sum), everywhere(weight), everywhere(stats), dx,
+                    tree_add(acc, dw))
 
         def head_loss(w, x, targets):
             """The loss alone, for evaluation: (loss_sum, weight, stats), no gradient."""
-            return split_loss(merge_stages("last", w)[1](x, targets))
+            return everywhere(split_loss(merge_stages("last", w)[1](x, targets)))
 
         self._merge_stages = merge_stages
         self._outputs = {}
@@ -136,8 +145,13 @@ class DeviceFunctions:
             out = block(x) if context is None else block(x, context)
             return tuple(out) if isinstance(out, (tuple, list)) else (out, None)
 
+        def block_fwd_total(w, x, context):
+            y, aux = block_fwd(w, x, context)
+            return y, everywhere(aux)
+
         def block_bwd(w, x, context, dy, acc, daux=None):
-            # Recompute the block from its saved input, then differentiate it.
+            # Recompute the block from its saved input, then differentiate it. Each device's aux
+            # is its rows' part of the total, so its cotangent is the total's: daux as given.
             (_, aux), vjp = jax.vjp(lambda w, x: block_fwd(w, x, context), w, x)
             if daux is None:  # e.g. compiled alone for its memory: a zero cotangent
                 daux = jax.tree.map(jnp.zeros_like, aux)
@@ -150,16 +164,19 @@ class DeviceFunctions:
                 total)
             return value, jax.tree.map(lambda g: g * weight, grad)
 
-        self.embed = jax.jit(embed)
-        self.head = jax.jit(head, donate_argnums=(3,))
-        self.head_loss = jax.jit(head_loss)
-        self.embed_bwd = jax.jit(embed_bwd, donate_argnums=(3,))
-        self.block_fwd = jax.jit(block_fwd)
-        self.block_bwd = jax.jit(block_bwd, donate_argnums=(3, 4))
+        self.embed = on.spread(embed, ("w", "b"), "b")
+        self.head = on.spread(head, ("w", "b", "b", "b"), ("w", "w", "w", "b", "b"),
+                              donate_argnums=(3,))
+        self.head_loss = on.spread(head_loss, ("w", "b", "b"), ("w", "w", "w"))
+        self.embed_bwd = on.spread(embed_bwd, ("w", "b", "b", "b"), "b", donate_argnums=(3,))
+        self.block_fwd = on.spread(block_fwd_total, ("w", "b", "b"), ("b", "w"))
+        self.block_bwd = on.spread(block_bwd, ("w", "b", "b", "b", "b", "w"), ("b", "b"),
+                                   donate_argnums=(3, 4))
+        self.zeros = zeros_like_acc(on)
+        self.reduce = on.reducer()  # the devices' partial gradients summed, on the devices
         self.aux_loss = aux_loss
         self.aux_grad = jax.jit(aux_grad) if aux_loss is not None else None
         self.tree_total = jax.jit(lambda trees: jax.tree.map(lambda *xs: sum(xs), *trees))
-        self.zeros = jax.jit(lambda w: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), w))
         self.cast_grads = jax.jit(lambda g: jax.tree.map(lambda x: x.astype(grad_dtype), g))
         self.sum_squares = jax.jit(sum_squares)
         # One dispatch each for what would otherwise be L (or M) eager adds per step.

@@ -16,6 +16,9 @@
               (a background thread; the next step's fetch of a unit waits for its update)
 
 Each block weight crosses the bus twice per step whatever the number of micro-batches M is.
+Data parallel over several devices (parallel.py): every fetch goes to each device, each
+micro-batch's rows are split over them, and each gradient (dW_i, the stages' parts) is summed over
+the devices on the devices (f.reduce) before it crosses to the host, once per process.
 """
 
 import functools
@@ -54,14 +57,21 @@ def fetch_unit(engine, u, part=None):
     bus = engine.host.bus(u)
     if part is not None:
         bus = engine.parts.take(part, jax.tree.leaves(bus))
-    engine.counters.bytes_h2d += nbytes(bus)
-    return jax.device_put(bus, engine.compute)
+    engine.counters.bytes_h2d += nbytes(bus)  # per link: each device gets its own copy
+    return engine.placement.put_weights(bus)
 
 
 def fetched_copy(engine, w):
     """What a step may delete of a fetch: with state and compute on one device (no accelerator),
     a fetch is the bus copy itself, which must live on."""
     return w if engine.compute != engine.host.bus_sharding else ()
+
+
+def reduced_away(partial, reduced) -> list:
+    """The per-device partial sums that f.reduce replaced (none on one device, where it returns
+    its input)."""
+    kept = {id(x) for x in jax.tree.leaves(reduced)}
+    return [x for x in jax.tree.leaves(partial) if id(x) not in kept]
 
 
 def run(engine, inputs, targets, contexts) -> dict:
@@ -74,13 +84,14 @@ def run(engine, inputs, targets, contexts) -> dict:
     fetched = functools.partial(fetched_copy, engine)  # what the step may delete of a fetch
 
     def to_host(grads):
-        """(the gradient on the host, the device arrays to free once it has arrived there)."""
+        """(the gradient on the host, the device arrays to free once it has arrived there).
+        `grads` is reduced over the devices already (f.reduce)."""
         device = jax.tree.leaves(grads)
         if device and device[0].dtype != host.grad_dtype:
             grads = f.cast_grads(grads)  # cast on the device: fewer bytes cross and wait
             device += jax.tree.leaves(grads)
         engine.counters.bytes_d2h += nbytes(grads)
-        on_host = jax.device_put(grads, engine.host_sharding)
+        on_host = jax.device_put(engine.placement.local(grads), engine.host_sharding)
         kept = {id(x) for x in jax.tree.leaves(on_host)}  # no copy when they share a device
         return on_host, [x for x in device if id(x) not in kept]
 
@@ -118,7 +129,9 @@ def run(engine, inputs, targets, contexts) -> dict:
         stats.append(stat)
         dxs.append(dx)
     delete((fetched(w), xs))
+    acc, head_partial = f.reduce(acc), acc
     last_grads, head_device = to_host(acc)  # freed once it has arrived, at the first retire
+    head_device = [*head_device, *reduced_away(head_partial, acc)]
     aux_loss, daux = None, None
     if auxs:  # every layer's gets the same cotangent: the gradient at the total
         aux_loss, daux = f.aux_grad(f.tree_total(auxs), f.total(weights))
@@ -131,8 +144,10 @@ def run(engine, inputs, targets, contexts) -> dict:
         dw = f.zeros(w)
         for m in range(M):
             dxs[m], dw = f.block_bwd(w, xs[m], contexts[m], dxs[m], dw, daux)
+        dw, partial = f.reduce(dw), dw  # summed over the devices, on the devices
         layer_sq.append(f.sum_squares(dw))
         layer_grads[1 + i], device_grads = to_host(dw)
+        device_grads += reduced_away(partial, dw)
         host.release_bus(1 + i)
         stream.done((dxs, layer_grads[1 + i], last_grads),
                     (fetched(w), xs, device_grads, head_device))
@@ -145,7 +160,7 @@ def run(engine, inputs, targets, contexts) -> dict:
     for x, dx in zip(inputs, dxs):
         acc = f.embed_bwd(w, x, dx, acc)
     delete(fetched(w))
-    first_grads, _ = to_host(acc)
+    first_grads, _ = to_host(f.reduce(acc))
     host.release_bus(0)
     hook("embed backward")
 
@@ -155,16 +170,18 @@ def run(engine, inputs, targets, contexts) -> dict:
                                      stage_shapes, host.grad_dtype)
     on_host = lambda x: jax.device_put(x, engine.host_sharding)
     total_weight = f.total(weights)
-    grad_norm, scale, stages_sq = _norm_and_scale(on_host(layer_sq), stage_grads,
-                                                  on_host(total_weight))
-    engine.unit_sq = [stages_sq] + layer_sq[::-1]  # per unit, for nonfinite_units()
+    local = engine.placement.local
+    grad_norm, scale, stages_sq = _norm_and_scale(on_host(local(layer_sq)), stage_grads,
+                                                  on_host(local(total_weight)))
+    engine.unit_sq = [stages_sq] + local(layer_sq[::-1])  # per unit, for nonfinite_units()
     host.submit(0, jax.tree.unflatten(stage_def, stage_grads), grad_norm, scale)
     for u in range(1, L + 1):  # in the order the next forward needs them
         host.submit(u, layer_grads.pop(u), grad_norm, scale)
-    loss = f.total(loss_sums) / jnp.where(total_weight > 0, total_weight, 1.0)
+    loss = local(f.total(loss_sums) / jnp.where(total_weight > 0, total_weight, 1.0))
+    aux_loss = None if aux_loss is None else local(aux_loss)
     out = {"loss": loss, "grad_norm": grad_norm}
     if stats[0] is not None:  # the last stage's statistics, summed over the micro-batches
-        out["stats"] = f.tree_total(stats)
+        out["stats"] = local(f.tree_total(stats))
     if aux_loss is not None:
         out.update(loss=loss + aux_loss, aux_loss=aux_loss)
     return out

@@ -79,16 +79,18 @@ class Activations:
     Kept on the compute device, or (`offload`) copied to its pinned host memory as soon as the
     layer has run and fetched back, with the layer's weights, for the layer's backward."""
 
-    def __init__(self, compute_device, offload: bool):
+    def __init__(self, compute_device, offload: bool, sharding=None):
+        """sharding: where saved inputs live on the devices (default: on compute_device); with
+        offload, the same in pinned host memory."""
         self.offload = offload
-        self.device = jax.sharding.SingleDeviceSharding(compute_device)
+        self.device = sharding or jax.sharding.SingleDeviceSharding(compute_device)
         if offload:
             kinds = {m.kind for m in compute_device.addressable_memories()}
             if "pinned_host" not in kinds:
                 raise ValueError(f"train.offload_activations=true: the compute device "
                                  f"{compute_device} has no pinned_host memory (it has "
                                  f"{', '.join(sorted(kinds))})")
-            self.host = jax.sharding.SingleDeviceSharding(compute_device, memory_kind="pinned_host")
+            self.host = self.device.with_memory_kind("pinned_host")
         self._saved = {}
 
     def save(self, layer: int, xs: list):

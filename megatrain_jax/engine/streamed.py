@@ -5,6 +5,7 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -12,6 +13,7 @@ from megatrain_jax.engine import evaluate as evaluate_lib
 from megatrain_jax.engine import step
 from megatrain_jax.engine.functions import DeviceFunctions, stage_parts
 from megatrain_jax.engine.host import HostState
+from megatrain_jax.engine.parallel import Placement
 from megatrain_jax.engine.stream import Activations, Counters
 from megatrain_jax.engine.tier import DiskTierOptions
 
@@ -63,6 +65,11 @@ class StreamedEngine:
       disk_tier: DiskTierOptions: each unit's master weights and optax state live in a file
         under its path between updates (engine/tier.py); host RAM keeps the bus copies and a few
         units in flight. Training is bit-identical to keeping them in RAM (None, the default).
+      compute_devices: data parallel over several devices instead of compute_device (the compute
+        devices of every process, in mesh order; see parallel.py): each micro-batch's rows are
+        split over them, each gets every layer's weights, and each unit's gradient is summed over
+        them on the devices before it crosses to the host. A micro-batch's rows must divide by
+        their number. The host state and its update are as with one device.
 
     A step whose gradient is not finite changes nothing (see `train_step`); a step that raises
     leaves the state as it was before it.
@@ -73,7 +80,7 @@ class StreamedEngine:
                  max_grad_norm: Optional[float] = None, compute_dtype=jnp.bfloat16, prefetch: int = 1,
                  compute_device=None, host_device=None, grad_dtype=jnp.float32,
                  offload_activations: bool = False, aux_loss: Optional[Callable] = None,
-                 disk_tier: Optional[DiskTierOptions] = None):
+                 disk_tier: Optional[DiskTierOptions] = None, compute_devices=None):
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         if prefetch < 0:
@@ -82,12 +89,17 @@ class StreamedEngine:
             raise ValueError(f"grad_dtype must be a floating dtype, got {jnp.dtype(grad_dtype)}")
         self.num_layers = num_layers
         self.prefetch = prefetch
-        self.compute_device = compute_device or jax.devices()[0]
-        self.host_device = host_device or jax.devices("cpu")[0]
-        self.compute = jax.sharding.SingleDeviceSharding(self.compute_device)
+        self.placement = Placement(compute_devices or [compute_device or jax.local_devices()[0]])
+        self.compute_device = self.placement.local_devices[0]
+        self.host_device = host_device or jax.local_devices(backend="cpu")[0]
+        if self.placement.data_parallel and self.host_device in self.placement.devices:
+            raise ValueError(f"the host device {self.host_device} is one of the data-parallel "
+                             f"compute devices; give the host state a device of its own")
+        self.compute = self.placement.weights  # where fetched weights go
         self.host_sharding = jax.sharding.SingleDeviceSharding(self.host_device)
         self.counters = Counters()
-        self.activations = Activations(self.compute_device, offload_activations)
+        self.activations = Activations(self.compute_device, offload_activations,
+                                       self.placement.batch)
         # Called as on_phase(phase, layer=None) after each unit's work is dispatched (phases:
         # embed, forward, loss, backward, embed backward): for tests and instrumentation.
         self.on_phase = None
@@ -124,7 +136,7 @@ class StreamedEngine:
             self.parts = stage_parts(self._stages_def, stages, inputs, targets)
             self.functions = DeviceFunctions(self._stages_def, jax.tree.structure(stages),
                                              self.parts, self._block_def, self.host.grad_dtype,
-                                             self.aux_loss)
+                                             self.aux_loss, self.placement)
         return self.functions
 
     def train_step(self, inputs, targets, context=None) -> dict:
@@ -183,7 +195,11 @@ class StreamedEngine:
     def _put_batch(self, inputs, targets, context):
         """(inputs, targets, contexts) as per-micro-batch lists on the compute device."""
         num_micro = len(inputs)
-        put = lambda x: jax.device_put(x, self.compute)
+        rows, devices = np.shape(inputs)[1], self.placement.size // jax.process_count()
+        if rows % devices:
+            raise ValueError(f"a micro-batch of {rows} rows does not split over this process's "
+                             f"{devices} compute devices")
+        put = self.placement.put_batch
         contexts = ([None] * num_micro if context is None else
                     [put(jax.tree.map(lambda c: c[m], context)) for m in range(num_micro)])
         targets = [put(jax.tree.map(lambda t: t[m], targets)) for m in range(num_micro)]

@@ -1,0 +1,91 @@
+"""Data parallel over several compute devices (engine/parallel.py): the same steps as one device.
+
+conftest gives three CPU devices: two play the data-parallel accelerators, the third the host."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from megatrain_jax.engine import StreamedEngine
+from megatrain_jax.model import ModelConfig, make_block, make_stages
+from megatrain_jax.train import build_optimizer
+from test_engine import OPT, STEPS, assert_trees_close
+
+CFG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                  num_kv_heads=2)
+
+
+def make_dp_engine(compute_devices, **kwargs):
+    first, last = make_stages(CFG, seed=0)
+    return StreamedEngine(first=first, last=last, make_block=lambda i: make_block(CFG, 0, i),
+                          num_layers=CFG.num_layers, optimizer=build_optimizer(OPT, STEPS),
+                          max_grad_norm=0.5, compute_dtype=jnp.float32,
+                          compute_devices=compute_devices, host_device=jax.devices("cpu")[2],
+                          **kwargs)
+
+
+def global_batches(num_steps=3, num_micro=2, rows=4, seq=12, seed=0):
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, CFG.vocab_size, (num_steps, num_micro, rows, seq + 1), dtype=np.int32)
+    return [(t[..., :-1], t[..., 1:]) for t in toks]
+
+
+def run_steps(engine, data):
+    losses, norms = [], []
+    for inputs, targets in data:
+        out = engine.train_step(inputs, targets)
+        losses.append(float(out["loss"]))
+        norms.append(float(out["grad_norm"]))
+    params = jax.tree.map(np.array, engine.params())
+    engine.close()
+    return losses, norms, params
+
+
+@pytest.fixture(scope="module")
+def one_device_run():
+    return run_steps(make_dp_engine([jax.devices("cpu")[0]]), global_batches())
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["plain", "offload_activations"])
+def test_two_devices_equal_one_device(one_device_run, offload):
+    ref_losses, ref_norms, ref_params = one_device_run
+    engine = make_dp_engine(jax.devices("cpu")[:2], offload_activations=offload)
+    assert engine.placement.size == 2
+    losses, norms, params = run_steps(engine, global_batches())
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
+    assert max(norms) > 0.5  # clipping was active: the global norm must be the whole batch's
+    assert_trees_close(params, ref_params, rtol=1e-5)
+    for leaf in jax.tree.leaves(params):
+        assert leaf.dtype == np.float32
+
+
+def test_each_device_gets_its_rows_and_every_layer():
+    """The micro-batch is split over the devices and each gets its own copy of the weights."""
+    engine = make_dp_engine(jax.devices("cpu")[:2])
+    seen = {}
+
+    def spy(phase, layer=None):
+        if phase == "forward" and layer == 0:
+            for a in jax.live_arrays():
+                if a.shape == (4, 12, CFG.hidden_size) and len(a.sharding.device_set) == 2:
+                    seen["x"] = sorted(s.data.shape[0] for s in a.addressable_shards)
+                if a.shape == (CFG.hidden_size, CFG.num_heads, CFG.head_size) and \
+                        len(a.sharding.device_set) == 2:
+                    seen["w"] = a.sharding.is_fully_replicated
+    engine.on_phase = spy
+    inputs, targets = global_batches(num_steps=1)[0]
+    float(engine.train_step(inputs, targets)["loss"])
+    assert seen == {"x": [2, 2], "w": True}
+    for leaf in jax.tree.leaves(engine.state()):  # the state stays on the host device, once
+        assert leaf.devices() == {jax.devices("cpu")[2]}
+    engine.close()
+
+
+def test_rows_not_dividing_over_devices_are_refused():
+    engine = make_dp_engine(jax.devices("cpu")[:2])
+    inputs, targets = global_batches(num_steps=1, rows=3)[0]
+    with pytest.raises(ValueError, match="3 rows does not split over this process's 2 compute"):
+        engine.train_step(inputs, targets)
+    engine.close()
