@@ -106,6 +106,8 @@ def test_bad_local_setup_is_one_line_exit_2_nothing_written(tmp_path, capsys, ov
      "distributed.process_id must be in [0, distributed.num_processes=1), got -1"),
     (["distributed.num_processes=2"], "distributed.num_processes=2 needs distributed.coordinator"),
     (["distributed.coordinator=localhost"], "distributed.coordinator must be host:port"),
+    (["distributed.coordinator=h:1", "distributed.num_processes=2", "offload.tier=disk",
+      "offload.path=/tmp/t"], "offload.tier=disk with distributed.num_processes=2"),
 ])
 def test_bad_distributed_keys(overrides, message):
     with pytest.raises(ConfigError) as e:
