@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from megatrain_jax.engine.functions import _used_inputs
+from megatrain_jax.engine.functions import used_inputs
 from megatrain_jax.engine.host import nbytes
 from megatrain_jax.engine.stream import Counters, LayerStream, delete
-from megatrain_jax.engine.streamed import _param_split
+from megatrain_jax.engine.streamed import param_split
 
 
 class StreamedDecoder:
@@ -73,10 +73,10 @@ class StreamedDecoder:
             jax.tree.map(lambda p: jnp.asarray(p).astype(dtype), tree), where)
 
         with jax.default_device(self.host_device):
-            stages_def, stages = _param_split((first, last), "the first/last stages")
+            stages_def, stages = param_split((first, last), "the first/last stages")
             self.layers = []
             for i in range(num_layers):
-                graphdef, params = _param_split(make_block(i), f"block {i}")
+                graphdef, params = param_split(make_block(i), f"block {i}")
                 if i == 0:
                     block_def = graphdef
                 elif graphdef != block_def:
@@ -95,9 +95,9 @@ class StreamedDecoder:
             return nnx.merge(stages_def, jax.tree.unflatten(treedef, full))
 
         everything = tuple(range(len(leaves)))
-        first_part = _used_inputs(lambda w: merge(everything, w)[0](example), abstract)
+        first_part = used_inputs(lambda w: merge(everything, w)[0](example), abstract)
         x = jax.eval_shape(lambda w: merge(everything, w)[0](example), abstract)
-        last_part = _used_inputs(
+        last_part = used_inputs(
             lambda w: logits(merge(everything, w)[1], jnp.zeros(x.shape, x.dtype)), abstract)
         self.first_weights = cast([leaves[i] for i in first_part], host)
         self.head_weights = cast([leaves[i] for i in last_part], self.bus)

@@ -61,7 +61,7 @@ class StageParts:
         return [leaves[i] for i in getattr(self, which)]
 
 
-def _used_inputs(fn, leaves) -> tuple:
+def used_inputs(fn, leaves) -> tuple:
     """Indices of `leaves` that fn(leaves) reads, from its jaxpr."""
     jaxpr = jax.make_jaxpr(fn)(leaves).jaxpr
     used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars}
@@ -87,7 +87,7 @@ def stage_parts(stages_def, stages_params, inputs, targets) -> StageParts:
         return split_loss(nnx.merge(stages_def, jax.tree.unflatten(treedef, leaves))[1](
             jnp.zeros(x.shape, x.dtype), targets))
 
-    return StageParts(_used_inputs(first, abstract), _used_inputs(last, abstract))
+    return StageParts(used_inputs(first, abstract), used_inputs(last, abstract))
 
 
 class DeviceFunctions:

@@ -18,7 +18,7 @@ from megatrain_jax.engine.stream import Activations, Counters
 from megatrain_jax.engine.tier import DiskTierOptions
 
 
-def _param_split(module: nnx.Module, what: str):
+def param_split(module: nnx.Module, what: str):
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     if jax.tree.leaves(rest):
         raise ValueError(f"{what} holds non-Param state ({list(rest.flat_state())[0][0]}); "
@@ -106,10 +106,10 @@ class StreamedEngine:
 
         def units():  # one at a time: the disk tier never holds the whole model in RAM
             with jax.default_device(self.host_device):
-                self._stages_def, stages = _param_split((first, last), "the first/last stages")
+                self._stages_def, stages = param_split((first, last), "the first/last stages")
                 yield stages
                 for i in range(num_layers):
-                    graphdef, params = _param_split(make_block(i), f"block {i}")
+                    graphdef, params = param_split(make_block(i), f"block {i}")
                     if i == 0:
                         self._block_def, structure = graphdef, jax.tree.structure(params)
                     elif graphdef != self._block_def or jax.tree.structure(params) != structure:
