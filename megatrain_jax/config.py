@@ -439,19 +439,15 @@ def _check(cfg: Config):
     if data.overlong not in OVERLONG:
         raise ConfigError(f"data.overlong must be one of {', '.join(OVERLONG)}, "
                           f"got {data.overlong!r}{did_you_mean(data.overlong, OVERLONG)}")
-    if data.format == "sft":
-        if not data.document_mask:
-            raise ConfigError("data.document_mask=false with data.format=sft: SFT packs several "
-                              "conversations per row, kept apart by document masks; leave "
-                              "data.document_mask out or set it true")
+    if data.format in ("sft", "preference") and not data.document_mask:
+        why = ("SFT packs several conversations per row, kept apart by document masks"
+               if data.format == "sft" else "its rows mark their padding with segment ids")
+        raise ConfigError(f"data.document_mask=false with data.format={data.format}: {why}; leave "
+                          f"data.document_mask out or set it true")
     if data.format in ("sft", "preference") and not data.tokenizer.endswith(".json"):
         raise ConfigError(f"data.format={data.format} needs data.tokenizer to be a tokenizer.json "
                           f"with the model's chat template beside it, got {data.tokenizer!r}")
     if data.format == "preference":
-        if not data.document_mask:
-            raise ConfigError("data.document_mask=false with data.format=preference: its rows "
-                              "mark their padding with segment ids; leave data.document_mask out "
-                              "or set it true")
         if data.batch_size % 2:
             raise ConfigError(f"data.batch_size must be even with data.format=preference (rows: "
                               f"the chosen and the rejected of each pair), got {data.batch_size}")

@@ -19,7 +19,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from test_gemma3 import make_gemma  # noqa: E402
-from test_hf import make_hf_model  # noqa: E402
+from test_hf import make_hf_model, word_level_tokenizer  # noqa: E402
 from test_moe import make_hf_model as make_moe_model  # noqa: E402
 
 from megatrain_jax import commands, hf  # noqa: E402
@@ -212,15 +212,9 @@ def test_bad_input_is_one_line_exit_2(tiny_run, tmp_path, capsys):
 def llama_with_tokenizer(path):
     """(the tiny HF Llama saved at `path` with a word-level tokenizer.json of 92 tokens, that
     tokenizer as transformers loads it)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
     reference = make_hf_model("llama")
     reference.save_pretrained(str(path))
-    words = [f"w{i}" for i in range(90)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["</s>", "<unk>", *words])},
-                                     unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>",
-                                                unk_token="<unk>")
+    fast = word_level_tokenizer()
     fast.save_pretrained(str(path))
     return reference, fast
 

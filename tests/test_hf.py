@@ -46,6 +46,17 @@ ARCHS = {  # each exercises a different option
 }
 
 
+def word_level_tokenizer():
+    """A tokenizer of 92 ids for the tiny models: </s> (0, also EOS), <unk>, then w0 .. w89."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    words = [f"w{i}" for i in range(90)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["</s>", "<unk>", *words])},
+                                     unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>",
+                                                unk_token="<unk>")
+
+
 def make_hf_model(arch: str, seed: int = 0, **overrides):
     config_cls, model_cls, options = ARCHS[arch]
     torch.manual_seed(seed)
@@ -569,16 +580,9 @@ def test_export_carries_the_tokenizer_so_both_auto_classes_load_it(hf_dirs, tmp_
     """The source model's tokenizer files, generation config and chat template are copied: the
     export loads with AutoTokenizer (the same ids, the same chat template) and with
     AutoModelForCausalLM (the same weights: the checkpoint holds the import)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     source = str(tmp_path / "source")
     shutil.copytree(hf_dirs["llama"][1], source)
-    words = [f"w{i}" for i in range(90)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["</s>", "<unk>", *words])},
-                                     unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>",
-                                                unk_token="<unk>")
+    fast = word_level_tokenizer()
     fast.chat_template = "{% for m in messages %}{{ m['content'] }} </s> {% endfor %}"
     fast.save_pretrained(source)
     transformers.GenerationConfig(eos_token_id=0, max_new_tokens=7).save_pretrained(source)
