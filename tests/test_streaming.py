@@ -74,8 +74,10 @@ def activation_bytes_at_backward_start(num_layers, offload):
     cfg = ModelConfig(**{**CFG.__dict__, "num_layers": num_layers})
     engine = engine_for(cfg, offload_activations=offload)
     found = {}
-    # arrays alive before the step (other tests' fixtures in the same process) are not this step's
-    before = {id(a) for a in jax.live_arrays()}
+    # arrays alive before the step (other tests' fixtures in the same process) are not this step's;
+    # held, so that no id of theirs can be reused by an array the step makes
+    alive_before = jax.live_arrays()
+    before = {id(a) for a in alive_before}
 
     def check(phase, layer=None):
         if phase == "loss":  # the forward is done; the backward starts next
@@ -89,6 +91,7 @@ def activation_bytes_at_backward_start(num_layers, offload):
     engine.on_phase = check
     float(engine.train_step(*batch(cfg))["loss"])
     engine.close()
+    del alive_before
     return found
 
 
