@@ -144,7 +144,10 @@ class OffloadConfig:
     # in flight; bit-identical training). See engine/tier.py.
     tier: str = "ram"
     path: str = ""  # disk: a directory of its own on a fast local disk (NVMe)
-    read_ahead: int = 2  # disk: layers read ahead of the one being updated (and written behind)
+    read_ahead: int = 1  # disk: layers read ahead of the one being updated (and written behind)
+    # disk: O_DIRECT, so the disk moves the bytes and the page cache does not fill with the
+    # model: auto (where the filesystem allows it; else buffered, said once), true, false
+    direct_io: typing.Union[bool, str] = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,6 +470,9 @@ def _check(cfg: Config):
         raise ConfigError("offload.tier=disk needs offload.path, a directory on a fast local disk")
     if offload.read_ahead < 0:
         raise ConfigError(f"offload.read_ahead must be >= 0, got {offload.read_ahead}")
+    if offload.direct_io not in (True, False, "auto"):
+        raise ConfigError(f"offload.direct_io must be true, false or auto, "
+                          f"got {offload.direct_io!r}")
     dist = cfg.distributed
     if dist.local_devices < 0:
         raise ConfigError(f"distributed.local_devices must be >= 0 (0: every accelerator, or 1 on "

@@ -148,7 +148,9 @@ def disk_tier_options(cfg: Config) -> DiskTierOptions:
     """offload.* as the engine's options: the directory is owned by this run_dir and records a
     hash of the model config (engine/tier.py refuses another run's directory)."""
     model = json.dumps(to_dict(cfg.model), sort_keys=True)
+    direct_io = cfg.offload.direct_io
     return DiskTierOptions(cfg.offload.path, read_ahead=cfg.offload.read_ahead,
+                           direct_io=direct_io if direct_io == "auto" else str(direct_io).lower(),
                            run=os.path.abspath(cfg.run_dir),
                            model=hashlib.sha256(model.encode()).hexdigest()[:16])
 
@@ -403,6 +405,7 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
                           f"(python scripts/plan.py --config ... shows what would)")
     if cfg.offload.tier == "disk":  # the engine checks its exact bytes again, before writing
         try:
+            tier_lib.check_writable(cfg.offload.path)
             tier_lib.check_space(cfg.offload.path, run_plan.disk_bytes)
         except tier_lib.TierError as e:
             raise ConfigError(str(e)) from None
@@ -430,7 +433,7 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
     if engine.disk_tier is not None:
         tier = engine.disk_tier
         log(f"disk tier: {tier.total_bytes / 1e9:.2f} GB in {tier.path} ({tier.opened}), "
-            f"read ahead {cfg.offload.read_ahead} layers")
+            f"read ahead {cfg.offload.read_ahead} layers, {tier.io_mode}")
     if cfg.data.format in ("sft", "preference"):  # what was truncated, skipped, packed: said
         log(dataset.summary)
     if eval_set:

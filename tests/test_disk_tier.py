@@ -2,6 +2,7 @@
 bit for bit; checkpoints go through it unit by unit; its directory is never silently reused."""
 
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -42,23 +43,48 @@ def assert_bit_equal(a, b):
         assert x.dtype == y.dtype and np.array_equal(x, y), jax.tree_util.keystr(path)
 
 
-@pytest.mark.parametrize("num_micro,max_grad_norm,read_ahead",
-                         [(1, None, 2), (2, 0.5, 1)], ids=["plain", "micro2_clip"])
-def test_disk_tier_equals_ram_tier_bit_for_bit(tmp_path, num_micro, max_grad_norm, read_ahead):
+def refuses_direct_io(path) -> str:
+    """Why the filesystem of `path` (a directory) refuses O_DIRECT, or "" where it allows it."""
+    name = os.path.join(path, "probe")
+    try:
+        os.close(os.open(name, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
+        return ""
+    except (OSError, AttributeError) as e:
+        return f"{path} refuses O_DIRECT ({e})"
+    finally:
+        if os.path.exists(name):
+            os.remove(name)
+
+
+def opened_direct(tier) -> bool:
+    import fcntl
+    return all(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT for fd in tier._fds)
+
+
+@pytest.mark.parametrize("num_micro,max_grad_norm,read_ahead,direct_io",
+                         [(1, None, 2, "true"), (2, 0.5, 1, "false")],
+                         ids=["plain_direct", "micro2_clip_buffered"])
+def test_disk_tier_equals_ram_tier_bit_for_bit(tmp_path, num_micro, max_grad_norm, read_ahead,
+                                               direct_io):
+    if direct_io == "true" and refuses_direct_io(tmp_path):
+        pytest.skip(refuses_direct_io(tmp_path))
     data = batches(num_micro, batch=4 // num_micro)[:STEPS]
     devices = DEVICE_SETUPS["two_devices"]()
     ram = make_engine(SMALL, devices, max_grad_norm)
     ram_losses, norms = run_steps(ram, data)
     ram_state = numpy_state(ram)
     ram.close()
-    disk = make_engine(SMALL, devices, max_grad_norm,
-                       disk_tier=DiskTierOptions(str(tmp_path / "tier"), read_ahead=read_ahead))
+    disk = make_engine(SMALL, devices, max_grad_norm, disk_tier=DiskTierOptions(
+        str(tmp_path / "tier"), read_ahead=read_ahead, direct_io=direct_io))
     assert all(u.params is None and u.opt_state is None for u in disk.host.units)  # not in RAM
+    tier = disk.disk_tier
+    assert opened_direct(tier) == (direct_io == "true")  # the disk moves the bytes, not the cache
     disk_losses, _ = run_steps(disk, data)
     assert disk_losses == ram_losses
     assert_bit_equal(numpy_state(disk), ram_state)
-    tier = disk.disk_tier
     assert tier.bytes_read >= STEPS * tier.total_bytes  # every unit came from its file each step
+    # The layers' buffers are bounded by read_ahead: reads ahead and writes behind, no more.
+    assert tier.buffers[tier.layouts[1].nbytes] <= read_ahead + max(1, read_ahead)
     if max_grad_norm is not None:  # clipping must have been active for this test to mean much
         assert max(norms) > max_grad_norm
     disk.close()
@@ -127,6 +153,39 @@ def test_checkpoints_move_between_tiers_bit_exact(tmp_path, ram_run):
     assert_bit_equal(resumed_from_step_2(disk_run, str(tmp_path / "to_ram")), final)
 
 
+@pytest.fixture
+def refusing_path(tmp_path, monkeypatch):
+    """A directory whose filesystem refuses O_DIRECT: /dev/shm where it is a tmpfs that does
+    (before Linux 6.6), else one where opening with O_DIRECT is made to fail as such ones do."""
+    if os.path.isdir("/dev/shm") and refuses_direct_io("/dev/shm"):
+        path = os.path.join("/dev/shm", f"megatrain_test_{os.getpid()}_{tmp_path.name}")
+        yield path
+        shutil.rmtree(path, ignore_errors=True)
+        return
+
+    def refuse(name):
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), name)
+    monkeypatch.setattr(tier_lib, "open_direct", refuse)
+    yield str(tmp_path / "refusing")
+
+
+def test_a_filesystem_refusing_o_direct_falls_back_to_buffered_once(tmp_path, ram_run,
+                                                                     refusing_path):
+    # auto: the run goes on buffered, bit-exact, and its log says so in one line.
+    lines = []
+    run_dir = str(tmp_path / "resumed")
+    shutil.copytree(ram_run, run_dir)
+    shutil.rmtree(os.path.join(run_dir, "checkpoints", str(TRAIN_STEPS)))
+    cfg = make_cfg(run_dir, "offload.tier=disk", f"offload.path={refusing_path}")
+    train(cfg, log=lines.append)
+    assert_bit_equal(saved_state(run_dir, TRAIN_STEPS), saved_state(ram_run, TRAIN_STEPS))
+    said = [line for line in lines if "refuses O_DIRECT" in line]
+    assert len(said) == 1 and said[0].startswith("disk tier: ") and "buffered" in said[0]
+    # true: refused with one line naming the key.
+    with pytest.raises(TierError, match="offload.path .*: O_DIRECT refused .*direct_io=auto"):
+        DiskTier(DiskTierOptions(refusing_path + "/t", run="r", direct_io="true"), layouts())
+
+
 # ---------------------------------------------------------------- the directory: scratch, owned
 def layouts(width=8, layers=2):
     """The layouts of a toy model: stages and `layers` blocks, params and an Adam-like state."""
@@ -189,6 +248,26 @@ def test_too_little_free_space_is_refused_naming_the_numbers(tmp_path, monkeypat
     assert not os.path.exists(run_dir)
 
 
+def test_an_unwritable_path_is_one_line_and_nothing_written(tmp_path, capsys):
+    # Root may write anywhere permission bits allow; /sys refuses even root a new file.
+    path = "/sys/megatrain_tier"
+    if os.path.exists(path) or not os.path.isdir("/sys"):
+        pytest.skip("needs /sys (Linux)")
+    try:
+        tier_lib.check_writable(path)
+        pytest.skip("/sys is writable here")
+    except TierError:
+        pass
+    run_dir = tmp_path / "run"
+    assert run_cli(lambda: train(make_cfg(run_dir, "offload.tier=disk",
+                                          f"offload.path={path}"))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: offload.path {path} is not writable (Permission denied)"]
+    assert not os.path.exists(run_dir) and not os.path.exists(path)
+    with pytest.raises(TierError, match=f"offload.path {path} is not writable"):
+        DiskTier(DiskTierOptions(path, run="r"), layouts())
+
+
 @pytest.mark.parametrize("damage,message", [
     (lambda f: os.truncate(f, 100), "was truncated to 100 of"), (os.remove, "was deleted")])
 def test_a_tier_file_damaged_mid_run_is_one_line_naming_it(tmp_path, capsys, damage, message):
@@ -236,7 +315,8 @@ def test_bench_disk_tier_smoke(tmp_path):
 @pytest.mark.parametrize("overrides,message", [
     (["offload.tier=disk"], "offload.tier=disk needs offload.path"),
     (["offload.tier=dsk"], "offload.tier must be one of ram, disk, got 'dsk' (did you mean disk?)"),
-    (["offload.read_ahead=-1"], "offload.read_ahead must be >= 0, got -1")])
+    (["offload.read_ahead=-1"], "offload.read_ahead must be >= 0, got -1"),
+    (["offload.direct_io=maybe"], "offload.direct_io must be true, false or auto, got 'maybe'")])
 def test_bad_offload_keys_are_one_line(tmp_path, overrides, message):
     with pytest.raises(ConfigError) as e:
         make_cfg(tmp_path, *overrides)

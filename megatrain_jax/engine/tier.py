@@ -1,17 +1,19 @@
 """The disk tier: each unit's fp32 master weights and optax state in a preallocated file.
 
-    tier = DiskTier(DiskTierOptions("/nvme/run1", read_ahead=2, run="runs/a"), layouts)
+    tier = DiskTier(DiskTierOptions("/nvme/run1", read_ahead=1, run="runs/a"), layouts)
     tier.expect(u)                 # unit u's update is queued: its read may start
     params, opt_state = tier.load(u)     # host arrays, read (ahead) from unit u's file
-    tier.store(u, params, opt_state)     # written back in the background
+    tier.store(u, params, opt_state)     # copied out, written back in the background
 
 One file per unit, `unit_00000.bin` (the stages), `unit_00001.bin` (layer 0), ...: the unit's
-leaves (params then optax state, in tree order) at 4 KiB-aligned offsets. Reads are one `preadv`
-per unit into a reused, aligned numpy buffer; writes one `pwrite` per leaf from a zero-copy view
-of the updated host array. Both run on a small I/O thread pool: while the host thread updates unit
-i, units i + 1 .. i + read_ahead are being read and unit i - 1 written, so at most
-`read_ahead + 1` units are read and `read_ahead` written at once: host RAM holds the bus copies
-plus a few units' state, not the whole model's.
+leaves (params then optax state, in tree order) at 4 KiB-aligned offsets. A unit moves whole, in
+one `preadv` or one `pwritev` of its file, through a 4 KiB-aligned buffer from a pool that reads
+and writes share; the files are opened with O_DIRECT where the filesystem allows it
+(`direct_io`), so the disk, not the page cache, moves the bytes and the cache does not grow by the
+model. The I/O runs on a small thread pool: while the host thread updates unit i, units
+i + 1 .. i + read_ahead are being read and unit i - 1 written. `store` copies the updated arrays
+into a buffer and lets them go at once, so host RAM holds the bus copies plus read_ahead +
+max(1, read_ahead) units in buffers and the unit being updated, not the whole model's state.
 
 The files are scratch, not state of record: the engine writes them whole at construction and a
 run resumes from its last checkpoint, never from them. `tier.json` in the directory names the run,
@@ -19,6 +21,7 @@ the model and the layout; a directory holding another run's tier, or other files
 (TierError, one line), never reused. A file deleted or truncated mid-run is a TierError naming it.
 """
 
+import collections
 import concurrent.futures
 import dataclasses
 import hashlib
@@ -33,9 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ALIGN = 4096  # page and sector size: the offsets and buffers an O_DIRECT reader would need too
+ALIGN = 4096  # page and sector size: O_DIRECT needs addresses, offsets and lengths aligned to it
 MANIFEST = "tier.json"
 FORMAT = 1
+DIRECT_IO = ("auto", "true", "false")  # offload.direct_io
 
 
 class TierError(ValueError):
@@ -45,9 +49,34 @@ class TierError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class DiskTierOptions:
     path: str  # a directory on a fast local disk (created if missing)
-    read_ahead: int = 2  # units read ahead of the one being updated
+    # Units read ahead of the one being updated (and written behind): 1 hides the I/O when a
+    # unit's read takes less than its update plus the device's work on it, at the least RAM.
+    read_ahead: int = 1
     run: str = ""  # the run owning the directory (e.g. its run_dir): another run's is refused
     model: str = ""  # what the caller calls the model (a config hash), recorded in tier.json
+    # O_DIRECT: auto (where the filesystem allows it, else buffered, said once), true (refused
+    # where it is not allowed), false (buffered: the page cache holds recently moved units).
+    direct_io: str = "auto"
+
+
+def check_writable(path: str):
+    """Raises TierError unless a file can be created in `path`, or in its nearest existing parent
+    where `path` is still to be made (tried for real and removed: permission bits are wrong for
+    root and for read-only mounts); nothing is left behind."""
+    where = os.path.abspath(path)
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    try:
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as e:
+        raise TierError(f"offload.path {path} is not writable ({e.strerror or e})") from None
+
+
+def open_direct(name: str) -> int:
+    """`name` opened for reading and writing with O_DIRECT (a seam: tests make it refuse, as
+    ramfs, FUSE or tmpfs before Linux 6.6 do, with EINVAL)."""
+    return os.open(name, os.O_RDWR | os.O_DIRECT)
 
 
 def free_bytes(path: str) -> int:
@@ -94,15 +123,19 @@ class UnitLayout:
     def describe(self) -> list:
         return [[list(shape), dtype, offset] for shape, dtype, offset in self.leaves]
 
+    def arrays(self, buffer) -> list:
+        """The leaves as numpy views into `buffer` (bytes of the file), in tree order."""
+        return [np.ndarray(shape, np.dtype(dtype), buffer=buffer, offset=offset)
+                for shape, dtype, offset in self.leaves]
+
     def views(self, buffer) -> tuple:
-        """(params, opt_state) as numpy views into `buffer` (bytes of the file)."""
-        arrays = [np.ndarray(shape, np.dtype(dtype), buffer=buffer, offset=offset)
-                  for shape, dtype, offset in self.leaves]
-        return jax.tree.unflatten(self.treedef, arrays)
+        """(params, opt_state) as numpy views into `buffer`."""
+        return jax.tree.unflatten(self.treedef, self.arrays(buffer))
 
 
-def _aligned_empty(nbytes: int) -> np.ndarray:
-    raw = np.empty(nbytes + ALIGN, np.uint8)
+def _aligned_zeros(nbytes: int) -> np.ndarray:
+    # Zeros (calloc: untouched pages cost nothing) so the padding written between leaves is too.
+    raw = np.zeros(nbytes + ALIGN, np.uint8)
     start = (-raw.ctypes.data) % ALIGN
     return raw[start:start + nbytes]
 
@@ -119,24 +152,31 @@ class DiskTier:
     def __init__(self, options: DiskTierOptions, layouts: list):
         if options.read_ahead < 0:
             raise TierError(f"offload.read_ahead must be >= 0, got {options.read_ahead}")
+        if options.direct_io not in DIRECT_IO:
+            raise TierError(f"offload.direct_io must be one of {', '.join(DIRECT_IO)}, "
+                            f"got {options.direct_io!r}")
         self.options = options
         self.path = os.path.abspath(options.path)
         self.layouts = layouts
         self.files = [os.path.join(self.path, f"unit_{u:05d}.bin") for u in range(len(layouts))]
         self.total_bytes = sum(layout.nbytes for layout in layouts)
         self.opened = self._claim_directory()
+        self.direct_io = options.direct_io != "false"  # until the filesystem refuses it (auto)
+        self.io_mode = "buffered (offload.direct_io=false)"  # for the log
         self._fds = [self._create(u) for u in range(len(layouts))]
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max(2, options.read_ahead + 1), thread_name_prefix="disk-tier")
         self._lock = threading.Lock()
         self._upcoming = []  # units whose update is queued, in order (the reads to start)
-        self._reads = {}  # unit -> Future of (buffer, views)
+        self._reads = {}  # unit -> Future of its buffer
         self._writes = {}  # unit -> Future of its last write
         self._free = {}  # nbytes -> [aligned buffers]: reused, never page-faulted again
-        # Bytes moved and the seconds the I/O threads spent moving them (summed over threads):
-        # bytes / seconds is the tier's own throughput, for benchmarks.
+        # Bytes moved and the seconds the I/O threads spent in the syscalls moving them (summed
+        # over threads): bytes / seconds is the tier's own throughput, for benchmarks. copy_s:
+        # the host thread's copies of updated arrays into write buffers.
         self.bytes_read = self.bytes_written = 0
-        self.read_s = self.write_s = 0.0
+        self.read_s = self.write_s = self.copy_s = 0.0
+        self.buffers = collections.Counter()  # nbytes -> aligned buffers of that size made
 
     # ----------------------------------------------------------------- the directory
     def _claim_directory(self) -> str:
@@ -144,10 +184,9 @@ class DiskTier:
         path, where = self.path, f"offload.path {self.options.path}"
         if os.path.exists(path) and not os.path.isdir(path):
             raise TierError(f"{where} is not a directory")
+        check_writable(self.options.path)  # before anything is made
         try:
             os.makedirs(path, exist_ok=True)
-            with tempfile.TemporaryFile(dir=path):
-                pass
         except OSError as e:
             raise TierError(f"{where} is not writable ({e.strerror or e})") from None
         manifest_path = os.path.join(path, MANIFEST)
@@ -188,7 +227,11 @@ class DiskTier:
         return opened
 
     def _create(self, u: int) -> int:
-        fd = os.open(self.files[u], os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(self.files[u], os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise TierError(f"offload.path {self.options.path}: cannot create {self.files[u]} "
+                            f"({e.strerror or e})") from None
         try:
             os.ftruncate(fd, self.layouts[u].nbytes)
             if hasattr(os, "posix_fallocate"):  # the blocks now, not ENOSPC mid-run
@@ -197,7 +240,27 @@ class DiskTier:
             os.close(fd)
             raise TierError(f"offload.path {self.options.path}: cannot allocate {self.files[u]} "
                             f"({e.strerror or e})") from None
+        if self.direct_io:
+            fd = self._reopen_direct(u, fd)
         return fd
+
+    def _reopen_direct(self, u: int, fd: int) -> int:
+        """fd reopened with O_DIRECT; where the filesystem refuses it (tmpfs: EINVAL), fd itself,
+        buffered from then on, with io_mode saying why (auto), or a TierError (true)."""
+        try:
+            direct = open_direct(self.files[u])
+        except (OSError, AttributeError) as e:  # AttributeError: no O_DIRECT on this platform
+            why = e.strerror if isinstance(e, OSError) else "not on this platform"
+            if self.options.direct_io == "true":
+                os.close(fd)
+                raise TierError(f"offload.path {self.options.path}: O_DIRECT refused ({why}); "
+                                f"set offload.direct_io=auto or false") from None
+            self.direct_io = False
+            self.io_mode = f"buffered ({self.options.path} refuses O_DIRECT: {why})"
+            return fd
+        os.close(fd)
+        self.io_mode = "O_DIRECT"
+        return direct
 
     # ----------------------------------------------------------------- raw I/O
     def _check(self, u: int, fd: int):
@@ -208,20 +271,30 @@ class DiskTier:
             raise TierError(f"disk tier file {self.files[u]} {what} mid-run; the run must resume "
                             f"from its last checkpoint (the tier files are rebuilt from it)")
 
-    def _read(self, u: int):
-        """Runs on the I/O pool: unit u's file into a reused aligned buffer."""
-        fd, nbytes = self._fds[u], self.layouts[u].nbytes
-        t0 = time.perf_counter()
-        self._check(u, fd)
+    def _take(self, nbytes: int) -> np.ndarray:
+        """An aligned buffer of nbytes from the pool (made the first time the pool is short)."""
         with self._lock:
             free = self._free.get(nbytes)
-            buffer = free.pop() if free else None
-        if buffer is None:
-            buffer = _aligned_empty(nbytes)
+            if free:
+                return free.pop()
+            self.buffers[nbytes] += 1
+        return _aligned_zeros(nbytes)
+
+    def _give(self, buffer):
+        with self._lock:
+            self._free.setdefault(buffer.nbytes, []).append(buffer)
+
+    def _read(self, u: int) -> np.ndarray:
+        """Runs on the I/O pool: unit u's file into a buffer from the pool, in one preadv."""
+        fd, nbytes = self._fds[u], self.layouts[u].nbytes
+        self._check(u, fd)
+        buffer = self._take(nbytes)
         view, done = memoryview(buffer), 0
-        while done < nbytes:
+        t0 = time.perf_counter()
+        while done < nbytes:  # a single call unless a signal or the kernel cuts it short
             n = os.preadv(fd, [view[done:]], done)
             if n == 0:
+                self._give(buffer)
                 self._check(u, fd)
                 raise TierError(f"disk tier file {self.files[u]}: unexpected end at {done} bytes")
             done += n
@@ -230,25 +303,31 @@ class DiskTier:
             self.read_s += time.perf_counter() - t0
         return buffer
 
-    def _write(self, u: int, leaves: list):
-        """Runs on the I/O pool: unit u's leaves (host arrays) into its file."""
-        fd = self._fds[u]
+    def _fill(self, u: int, leaves: list) -> np.ndarray:
+        """Unit u's leaves (host arrays) copied into a buffer from the pool, laid out as its
+        file: the arrays can go as soon as this returns, and O_DIRECT gets its aligned source."""
         t0 = time.perf_counter()
-        self._check(u, fd)
-        written = 0
-        for (_, _, offset), leaf in zip(self.layouts[u].leaves, leaves):
-            data = memoryview(np.ascontiguousarray(np.asarray(leaf)).reshape(-1).view(np.uint8))
-            done = 0
-            while done < len(data):
-                done += os.pwrite(fd, data[done:], offset + done)
-            written += len(data)
-        with self._lock:
-            self.bytes_written += written
-            self.write_s += time.perf_counter() - t0
+        buffer = self._take(self.layouts[u].nbytes)
+        for view, leaf in zip(self.layouts[u].arrays(buffer), leaves):
+            np.copyto(view, np.asarray(leaf))
+        self.copy_s += time.perf_counter() - t0
+        return buffer
 
-    def _release(self, buffer):
-        with self._lock:
-            self._free.setdefault(buffer.nbytes, []).append(buffer)
+    def _write(self, u: int, buffer: np.ndarray):
+        """Runs on the I/O pool: a filled buffer into unit u's file in one pwritev; the buffer
+        goes back to the pool (also when the write fails)."""
+        try:
+            fd = self._fds[u]
+            self._check(u, fd)
+            view, done = memoryview(buffer), 0
+            t0 = time.perf_counter()
+            while done < len(view):
+                done += os.pwritev(fd, [view[done:]], done)
+            with self._lock:
+                self.bytes_written += done
+                self.write_s += time.perf_counter() - t0
+        finally:
+            self._give(buffer)
 
     def _start_read(self, u: int):
         if u not in self._reads:
@@ -271,8 +350,6 @@ class DiskTier:
                 self._upcoming.pop(0)
             ahead = list(self._upcoming[:self.options.read_ahead])
         self._start_read(u)
-        for v in ahead:
-            self._start_read(v)
         buffer = self._reads.pop(u).result()
         try:
             # A copy: device_put would alias an aligned buffer (even with may_alias=False, JAX
@@ -281,22 +358,28 @@ class DiskTier:
                                  self.layouts[u].views(buffer))
             jax.block_until_ready(state)
         finally:
-            self._release(buffer)
+            self._give(buffer)
+        # The reads ahead start once u's buffer is back in the pool (a copy later, a fraction of
+        # a read), so the next read reuses it: a unit fewer in RAM than starting them first.
+        for v in ahead:
+            self._start_read(v)
         return state
 
     def store(self, u: int, params, opt_state):
-        """Writes unit u's state back in the background (the arrays are kept alive until written);
-        at most read_ahead writes are pending: the oldest is waited for beyond that."""
-        leaves = jax.tree.leaves((params, opt_state))
-        self._writes[u] = self._pool.submit(self._write, u, leaves)
-        pending = [v for v, f in self._writes.items() if not f.done()]
-        while len(pending) > max(1, self.options.read_ahead):
-            self._writes[pending.pop(0)].result()
+        """Copies unit u's updated state into a buffer (the caller's arrays can then be freed) and
+        writes it in the background. At most max(1, read_ahead) writes are pending: beyond that
+        the oldest is waited for first, so its buffer is the one this copy reuses."""
+        while len([f for f in self._writes.values() if not f.done()]) >= max(
+                1, self.options.read_ahead):
+            oldest = next(v for v, f in self._writes.items() if not f.done())
+            self._writes[oldest].result()
+        buffer = self._fill(u, jax.tree.leaves((params, opt_state)))
+        self._writes[u] = self._pool.submit(self._write, u, buffer)
 
     def write_now(self, u: int, params, opt_state):
         """Writes unit u's state and waits (construction, loading a checkpoint)."""
         self.flush()
-        self._write(u, jax.tree.leaves((params, opt_state)))
+        self._write(u, self._fill(u, jax.tree.leaves((params, opt_state))))
 
     def flush(self):
         """Waits for every read and write in flight (re-raising their errors)."""
@@ -304,7 +387,7 @@ class DiskTier:
             future.result()
             self._writes.pop(u, None)
         for u, future in list(self._reads.items()):
-            self._release(future.result())
+            self._give(future.result())
             self._reads.pop(u, None)
 
     def view(self, u: int) -> tuple:
