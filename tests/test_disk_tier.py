@@ -302,14 +302,19 @@ def test_bench_disk_tier_smoke(tmp_path):
                           capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT),
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "disk tier: " in done.stdout and " ram tier: " in done.stdout
+    names = ("ram", "disk_direct_auto", "disk_direct_false")  # a line each
+    assert all(f"{name}: " in done.stdout for name in names)
     result = json.load(open(out))
     assert result["disk"]["read_gbps"] > 0 and result["disk"]["write_gbps"] > 0
-    ram, disk = result["runs"]["ram"], result["runs"]["disk"]
-    assert ram["loss"] == disk["loss"] and ram["params"] == disk["params"]
-    assert disk["tier_bytes"] >= 12 * disk["params"]  # fp32 master, Adam's mu and nu
-    assert disk["tier_read_gbps"] > 0 and disk["tier_write_gbps"] > 0
-    assert all(r["step_s"] > 0 and r["steady_peak_rss_bytes"] > 0 for r in (ram, disk))
+    assert len(result["disk"]["loadavg_after"]) == 3 and result["disk"]["filesystem"]
+    runs = result["runs"]
+    ram, direct, buffered = runs["ram"], runs["disk_direct_auto"], runs["disk_direct_false"]
+    assert buffered["io_mode"].startswith("buffered") and direct["io_mode"] != buffered["io_mode"]
+    for disk in (direct, buffered):
+        assert ram["loss"] == disk["loss"] and ram["params"] == disk["params"]
+        assert disk["tier_bytes"] >= 12 * disk["params"]  # fp32 master, Adam's mu and nu
+        assert disk["read_ratio"] > 0 and disk["write_ratio"] > 0 and disk["tier_read_s"] > 0
+    assert all(r["step_s"] > 0 and r["steady_peak_rss_bytes"] > 0 for r in runs.values())
 
 
 @pytest.mark.parametrize("overrides,message", [

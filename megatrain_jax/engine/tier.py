@@ -172,10 +172,11 @@ class DiskTier:
         self._writes = {}  # unit -> Future of its last write
         self._free = {}  # nbytes -> [aligned buffers]: reused, never page-faulted again
         # Bytes moved and the seconds the I/O threads spent in the syscalls moving them (summed
-        # over threads): bytes / seconds is the tier's own throughput, for benchmarks. copy_s:
-        # the host thread's copies of updated arrays into write buffers.
+        # over threads): bytes / seconds is the tier's own throughput, for benchmarks. The host
+        # thread's seconds: copying between buffers and arrays (copy_s), and waiting for a read
+        # or a write to finish (wait_s, the I/O the read ahead did not hide).
         self.bytes_read = self.bytes_written = 0
-        self.read_s = self.write_s = self.copy_s = 0.0
+        self.read_s = self.write_s = self.copy_s = self.wait_s = 0.0
         self.buffers = collections.Counter()  # nbytes -> aligned buffers of that size made
 
     # ----------------------------------------------------------------- the directory
@@ -306,6 +307,7 @@ class DiskTier:
     def _fill(self, u: int, leaves: list) -> np.ndarray:
         """Unit u's leaves (host arrays) copied into a buffer from the pool, laid out as its
         file: the arrays can go as soon as this returns, and O_DIRECT gets its aligned source."""
+        jax.block_until_ready(leaves)  # the update that makes them is not the copy's time
         t0 = time.perf_counter()
         buffer = self._take(self.layouts[u].nbytes)
         for view, leaf in zip(self.layouts[u].arrays(buffer), leaves):
@@ -349,8 +351,10 @@ class DiskTier:
             if self._upcoming and self._upcoming[0] == u:
                 self._upcoming.pop(0)
             ahead = list(self._upcoming[:self.options.read_ahead])
+        t0 = time.perf_counter()
         self._start_read(u)
         buffer = self._reads.pop(u).result()
+        t1 = time.perf_counter()
         try:
             # A copy: device_put would alias an aligned buffer (even with may_alias=False, JAX
             # 0.10), and the buffer is reused by the next read while the update writes in place.
@@ -359,6 +363,8 @@ class DiskTier:
             jax.block_until_ready(state)
         finally:
             self._give(buffer)
+        self.wait_s += t1 - t0
+        self.copy_s += time.perf_counter() - t1
         # The reads ahead start once u's buffer is back in the pool (a copy later, a fraction of
         # a read), so the next read reuses it: a unit fewer in RAM than starting them first.
         for v in ahead:
@@ -369,10 +375,12 @@ class DiskTier:
         """Copies unit u's updated state into a buffer (the caller's arrays can then be freed) and
         writes it in the background. At most max(1, read_ahead) writes are pending: beyond that
         the oldest is waited for first, so its buffer is the one this copy reuses."""
+        t0 = time.perf_counter()
         while len([f for f in self._writes.values() if not f.done()]) >= max(
                 1, self.options.read_ahead):
             oldest = next(v for v, f in self._writes.items() if not f.done())
             self._writes[oldest].result()
+        self.wait_s += time.perf_counter() - t0
         buffer = self._fill(u, jax.tree.leaves((params, opt_state)))
         self._writes[u] = self._pool.submit(self._write, u, buffer)
 
