@@ -147,3 +147,31 @@ def test_sharded_host_state_refuses_a_0d_parameter():
         StreamedEngine(first=first, last=last, make_block=lambda i: Scaled(), num_layers=1,
                        optimizer=build_optimizer(OPT, STEPS), compute_devices=jax.devices("cpu")[:2],
                        host_device=jax.devices("cpu")[2], shard_host_state=True)
+
+
+def test_sharded_checkpoint_moves_to_one_device_and_back(tmp_path):
+    """A checkpoint of the sharded state (padded rows) restores into a one-device engine (the
+    padding cut off), and a one-device checkpoint into a sharded engine (zero padding added):
+    the same state either way."""
+    from megatrain_jax import checkpoint
+    inputs, targets = global_batches(num_steps=1)[0]
+    sharded = make_dp_engine(jax.devices("cpu")[:2], shard_host_state=True)
+    sharded.train_step(inputs, targets)
+    manager = checkpoint.make_manager(tmp_path / "sharded", async_save=False)
+    checkpoint.save(manager, 1, sharded)
+    one = make_dp_engine([jax.devices("cpu")[0]])
+    meta = checkpoint.restore(manager, one)
+    assert (meta["host_shards"], meta["shard_devices"]) == (1, 2)
+    cut = lambda tree, like: jax.tree.map(lambda x, y: np.array(x)[:np.shape(y)[0]]
+                                          if np.ndim(y) else np.array(x), tree, like)
+    expected = cut(sharded.state(), one.state())
+    assert_trees_close(jax.tree.map(np.array, one.state()), expected, rtol=0)
+
+    manager = checkpoint.make_manager(tmp_path / "one", async_save=False)
+    checkpoint.save(manager, 1, one)
+    again = make_dp_engine(jax.devices("cpu")[:2], shard_host_state=True)
+    checkpoint.restore(manager, again)
+    assert_trees_close(jax.tree.map(np.array, again.state()),
+                       jax.tree.map(np.array, sharded.state()), rtol=0)
+    for engine in (sharded, one, again):
+        engine.close()

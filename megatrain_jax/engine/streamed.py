@@ -262,6 +262,15 @@ class StreamedEngine:
         return {"stages": struct(params["stages"], 0),
                 "layers": [struct(layer, 1) for layer in params["layers"]]}
 
+    def state_shapes(self) -> dict:
+        """The logical shapes of `state()` (params and optax state per unit, as if one process
+        held it all), as jax.ShapeDtypeStruct: a checkpoint's model, whatever the layout."""
+        params = self.param_shapes()
+        init = lambda p: jax.eval_shape(self.host.optimizer.init, p)
+        block = init(params["layers"][0])  # every block has one structure: traced once
+        return {"stages": {"params": params["stages"], "opt_state": init(params["stages"])},
+                "layers": [{"params": p, "opt_state": block} for p in params["layers"]]}
+
     @property
     def shards(self):
         """The sharded host layout (engine/shard.py's Shards), or None when every process holds
