@@ -187,7 +187,11 @@ def save(manager: ocp.CheckpointManager, step: int, engine, meta: dict | None = 
     layout = {"host_shards": 1, "shard_devices": 1}
     if getattr(engine, "shards", None) is not None:  # every process saves its rows
         state = jax.tree.map(functools.partial(_as_global, _host_mesh(engine)), state)
-        layout = {"host_shards": jax.process_count(), "shard_devices": engine.shards.size}
+        logical = _shapes(engine.state_shapes())
+        padded = {p: _saved_shape(s, engine.shards.size) for p, s in logical.items()}
+        layout = {"host_shards": jax.process_count(), "shard_devices": engine.shards.size,
+                  # the leaves whose rows were padded, and their own rows (cut_padding)
+                  "logical_rows": {p: s[0][0] for p, s in logical.items() if padded[p] != s}}
     elif jax.process_count() > 1:  # Orbax saves no process-local jax.Array there: their views
         state = jax.tree.map(np.asarray, state)
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -414,10 +418,19 @@ def largest_unit_bytes(engine) -> int:
                for unit in [state["stages"], *state["layers"]])
 
 
-def read_params(manager: ocp.CheckpointManager, step: int, tree_metadata, which) -> dict:
+def cut_padding(meta: dict, path: str, x):
+    """Leaf `path` (path_str's spelling) read as saved, with a sharded save's zero padding rows
+    cut off: its logical rows."""
+    rows = meta.get("logical_rows", {}).get(path)
+    return x if rows is None else x[:rows]
+
+
+def read_params(manager: ocp.CheckpointManager, step: int, tree_metadata, which,
+                meta: dict | None = None) -> dict:
     """The parameters of one unit ("stages" or a layer index) of checkpoint `step` as numpy
     arrays, read alone: the optimizer state and the other units are never read (to sample from a
-    run, or export it, a unit at a time). `tree_metadata` is read_meta's."""
+    run, or export it, a unit at a time). `tree_metadata` and `meta` are read_meta's (meta: to
+    cut a sharded save's padding rows off)."""
     tree = getattr(tree_metadata, "tree", tree_metadata)  # a TreeMetadata wraps the plain tree
     prefix = "stages/params/" if which == "stages" else f"layers/{which}/params/"
     target = jax.tree_util.tree_map_with_path(
@@ -431,4 +444,5 @@ def read_params(manager: ocp.CheckpointManager, step: int, tree_metadata, which)
     except Exception as e:
         raise unreadable(manager, step, e) from None
     unit = state["stages"] if which == "stages" else state["layers"][which]
-    return unit["params"]
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: cut_padding(meta or {}, prefix + path_str(p), x), unit["params"])

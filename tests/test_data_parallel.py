@@ -151,8 +151,8 @@ def test_sharded_host_state_refuses_a_0d_parameter():
 
 def test_sharded_checkpoint_moves_to_one_device_and_back(tmp_path):
     """A checkpoint of the sharded state (padded rows) restores into a one-device engine (the
-    padding cut off), and a one-device checkpoint into a sharded engine (zero padding added):
-    the same state either way."""
+    padding cut off; read_params, for generate and export, cuts it too), and a one-device
+    checkpoint into a sharded engine (zero padding added): the same state either way."""
     from megatrain_jax import checkpoint
     inputs, targets = global_batches(num_steps=1)[0]
     sharded = make_dp_engine(jax.devices("cpu")[:2], shard_host_state=True)
@@ -166,6 +166,11 @@ def test_sharded_checkpoint_moves_to_one_device_and_back(tmp_path):
                                           if np.ndim(y) else np.array(x), tree, like)
     expected = cut(sharded.state(), one.state())
     assert_trees_close(jax.tree.map(np.array, one.state()), expected, rtol=0)
+    meta, tree = checkpoint.read_meta(manager, 1)  # what generate and export read: cut too
+    stages = checkpoint.read_params(manager, 1, tree, "stages", meta)
+    assert stages["0"]["embedding"].shape == (CFG.vocab_size, CFG.hidden_size)
+    np.testing.assert_array_equal(stages["0"]["embedding"],
+                                  expected["stages"]["params"][0]["embedding"])
 
     manager = checkpoint.make_manager(tmp_path / "one", async_save=False)
     checkpoint.save(manager, 1, one)

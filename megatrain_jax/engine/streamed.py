@@ -143,7 +143,7 @@ class StreamedEngine:
         """The jitted device functions for micro-batches shaped like inputs[0], targets[0]
         (arrays or jax.ShapeDtypeStruct), e.g. to compile them and read `memory_analysis()`."""
         if self.functions is None:
-            stages = self.host.unit_state(0)[0]
+            stages = self.param_shapes()["stages"]  # whole shapes, whatever the host layout
             self.parts = stage_parts(self._stages_def, stages, inputs, targets)
             self.functions = DeviceFunctions(self._stages_def, jax.tree.structure(stages),
                                              self.parts, self._block_def, self.host.grad_dtype,
