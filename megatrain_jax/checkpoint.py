@@ -24,7 +24,8 @@ Host state sharded over processes (the engine's shard_host_state, engine/shard.p
 process saves its rows, through Orbax's multi-process support (one manager per process, all
 active, one commit): each leaf is wrapped, without a copy, as a global array over a mesh of the
 processes' host devices whose shape is the leaf's rows zero-padded to a multiple of the compute
-devices (meta "shard_devices"; "host_shards" is the number of processes that wrote). A restore
+devices (meta "shard_devices"; "host_shards" is the number of processes that wrote, and
+"logical_rows" the rows of each padded leaf; a replicated save adds none of these). A restore
 reads each leaf at the engine's own padded (or, replicated, logical) shape: Orbax zero-pads or
 cuts the rows, and the padding rows are zero, so a checkpoint moves between layouts and process
 counts (2 sharded -> 1, 1 -> 2 sharded, sharded -> replicated).
@@ -184,7 +185,7 @@ def save(manager: ocp.CheckpointManager, step: int, engine, meta: dict | None = 
         raise SaveError(f"refusing to save checkpoint step {step}: {bad} is not finite (NaN or "
                         f"inf); the checkpoints in {manager.directory} are kept as they were")
     wait(manager)  # an earlier asynchronous save's failure is reported as such
-    layout = {"host_shards": 1, "shard_devices": 1}
+    layout = {}  # replicated: meta as the caller gave it
     if getattr(engine, "shards", None) is not None:  # every process saves its rows
         state = jax.tree.map(functools.partial(_as_global, _host_mesh(engine)), state)
         logical = _shapes(engine.state_shapes())
