@@ -23,7 +23,7 @@ with P. With --shard-optimizer each P also runs with distributed.shard_optimizer
 state sharded over the processes, engine/shard.py): each link then carries 1 / P of the bus bytes
 (every leaf's rows zero-padded to a multiple of P), the gradient crossing to a process is its rows
 only, and the engine state per process is ~1 / P. (With P = 1 and one device there is nothing to
-shard: the layout is the replicated one.)
+shard: that row is the replicated one only.)
 """
 
 import argparse
@@ -156,9 +156,9 @@ def main(argv=None):
     if args.child:
         return child(args.child, args.steps, rest)
     results = []
-    layouts = [False, True] if args.shard_optimizer else [False]
     for p in [int(x) for x in args.processes.split(",")]:
-        for sharded in layouts:
+        # one process of one device has nothing to shard: the sharded run would be this one
+        for sharded in [False, True] if args.shard_optimizer and p > 1 else [False]:
             figures = run(p, args.steps, sharded)
             results.append(max(figures, key=lambda r: r["rss"]))  # the largest process
             print(table(results[-1:]).splitlines()[-1], flush=True)

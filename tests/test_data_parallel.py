@@ -145,8 +145,9 @@ def test_sharded_host_state_refuses_a_0d_parameter():
     first, last = make_stages(CFG, seed=0)
     with pytest.raises(ValueError, match=r"parameter .*scale.* is 0-d and cannot be split"):
         StreamedEngine(first=first, last=last, make_block=lambda i: Scaled(), num_layers=1,
-                       optimizer=build_optimizer(OPT, STEPS), compute_devices=jax.devices("cpu")[:2],
-                       host_device=jax.devices("cpu")[2], shard_host_state=True)
+                       optimizer=build_optimizer(OPT, STEPS),
+                       compute_devices=jax.devices("cpu")[:2], host_device=jax.devices("cpu")[2],
+                       shard_host_state=True)
 
 
 def test_sharded_checkpoint_moves_to_one_device_and_back(tmp_path):
