@@ -1,6 +1,6 @@
 """Data parallel from the config and over processes (megatrain_jax/distributed.py,
 scripts/launch.py): equal to one device, each process its rows, a lost process named, checkpoints
-across process counts, bad input in one line.
+across process counts (the host state replicated or sharded), bad input in one line.
 
 In process: conftest's three CPU devices (the host state on the first, two compute devices). Across
 processes: scripts/launch.py starts two on 127.0.0.1 (gloo), one CPU compute device each."""
