@@ -169,9 +169,10 @@ class DeviceFunctions:
         self.block_bwd = on.spread(block_bwd, ("w", "b", "b", "b", "b", "w"), ("b", "b"),
                                    donate_argnums=(3, 4))
         self.zeros = zeros_like_acc(on)
-        # The devices' partial gradients summed (or reduce-scattered), on the devices, with
-        # their sum of squares: (grads, sq).
+        # The devices' partial gradients summed (or reduce-scattered), on the devices; a layer's
+        # with its sum of squares: (grads, sq).
         self.reduce = on.reducer()
+        self.reduce_squares = on.reducer(squares=True)
         self.aux_loss = aux_loss
         self.aux_grad = jax.jit(aux_grad) if aux_loss is not None else None
         self.tree_total = jax.jit(lambda trees: jax.tree.map(lambda *xs: sum(xs), *trees))

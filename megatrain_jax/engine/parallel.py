@@ -181,18 +181,19 @@ class Placement:
         return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=ins, out_specs=outs,
                                      check_vma=False), **jit_kwargs)
 
-    def reducer(self):
-        """acc -> (the sum over the devices of their partial sums, its sum of squares), jitted.
-        The sum is replicated, or in the sharded layout reduce-scattered: leaves padded to N c
-        rows, split over `data` (device k holds rows [k c, (k + 1) c) of the total); the sum of
-        squares is the whole gradient's either way, on every device."""
+    def reducer(self, squares: bool = False):
+        """acc -> the sum over the devices of their partial sums (and with `squares`, its sum of
+        squares: (sum, sq)), jitted. The sum is replicated, or in the sharded layout
+        reduce-scattered: leaves padded to N c rows, split over `data` (device k holds rows
+        [k c, (k + 1) c) of the total); the sum of squares is the whole gradient's either way,
+        on every device."""
         if not self.data_parallel:
-            squares = jax.jit(sum_squares)
-            return lambda acc: (acc, squares(acc))
+            of = jax.jit(sum_squares)
+            return (lambda acc: (acc, of(acc))) if squares else (lambda acc: acc)
 
         def total(acc):
             g = jax.tree.map(lambda a: jax.lax.psum(a[0], AXIS), acc)
-            return g, sum_squares(g)
+            return (g, sum_squares(g)) if squares else g
 
         def scatter(acc):
             def one(a):
@@ -201,12 +202,10 @@ class Placement:
                 g = jnp.pad(g, [(0, padded - g.shape[0])] + [(0, 0)] * (g.ndim - 1))
                 return jax.lax.psum_scatter(g, AXIS, scatter_dimension=0, tiled=True)
             g = jax.tree.map(one, acc)
-            return g, jax.lax.psum(sum_squares(g), AXIS)
+            return (g, jax.lax.psum(sum_squares(g), AXIS)) if squares else g
 
-        if self.shards is None:
-            fn, out = total, (P(), P())
-        else:
-            fn, out = scatter, (P(AXIS), P())
+        fn, out = (total, P()) if self.shards is None else (scatter, P(AXIS))
+        out = (out, P()) if squares else out
         return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=P(AXIS), out_specs=out,
                                      check_vma=False))
 

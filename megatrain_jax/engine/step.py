@@ -143,7 +143,7 @@ def run(engine, inputs, targets, contexts) -> dict:
         stats.append(stat)
         dxs.append(dx)
     delete((fetched(w), xs))
-    (acc, _), head_partial = f.reduce(acc), acc
+    acc, head_partial = f.reduce(acc), acc
     last_grads, head_device = to_host(acc)  # freed once it has arrived, at the first retire
     head_device = [*head_device, *reduced_away(head_partial, acc)]
     aux_loss, daux = None, None
@@ -158,7 +158,7 @@ def run(engine, inputs, targets, contexts) -> dict:
         dw = f.zeros(w)
         for m in range(M):
             dxs[m], dw = f.block_bwd(w, xs[m], contexts[m], dxs[m], dw, daux)
-        (dw, sq), partial = f.reduce(dw), dw  # summed over the devices, on the devices
+        (dw, sq), partial = f.reduce_squares(dw), dw  # summed over the devices, on them
         layer_sq.append(sq)
         layer_grads[1 + i], device_grads = to_host(dw)
         device_grads += reduced_away(partial, dw)
@@ -174,7 +174,7 @@ def run(engine, inputs, targets, contexts) -> dict:
     for x, dx in zip(inputs, dxs):
         acc = f.embed_bwd(w, x, dx, acc)
     delete(fetched(w))
-    first_grads, _ = to_host(f.reduce(acc)[0])
+    first_grads, _ = to_host(f.reduce(acc))
     host.release_bus(0)
     hook("embed backward")
 
