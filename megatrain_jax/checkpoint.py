@@ -19,9 +19,21 @@ A save refuses a state holding NaN or inf, and a failed write raises SaveError n
 the OS error; either way the checkpoints committed before are untouched. (After a failed
 asynchronous save Orbax leaves non-daemon threads waiting for up to its async timeout, which
 delays the interpreter's exit: scripts exit with os._exit after reporting it, see cli.py.)
+
+Host state sharded over processes (the engine's shard_host_state, engine/shard.py): every
+process saves its rows, through Orbax's multi-process support (one manager per process, all
+active, one commit): each leaf is wrapped, without a copy, as a global array over a mesh of the
+processes' host devices whose shape is the leaf's rows zero-padded to a multiple of the compute
+devices (meta "shard_devices"; "host_shards" is the number of processes that wrote, and
+"logical_rows" the rows of each padded leaf; a replicated save adds none of these). A restore
+reads each leaf at the engine's own padded (or, replicated, logical) shape: Orbax zero-pads or
+cuts the rows, and the padding rows are zero, so a checkpoint moves between layouts and process
+counts (2 sharded -> 1, 1 -> 2 sharded, sharded -> replicated).
 """
 
+import functools
 import json
+import math
 import os
 import re
 import tempfile
@@ -31,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
 class CheckpointError(ValueError):
@@ -46,12 +59,14 @@ _in_flight = weakref.WeakKeyDictionary()  # manager -> step of its last asynchro
 
 
 def make_manager(directory, *, keep: int | None = None, async_save: bool = True,
-                 write_bytes: int | None = None) -> ocp.CheckpointManager:
+                 write_bytes: int | None = None, sharded: bool = False) -> ocp.CheckpointManager:
     """A CheckpointManager with the two items of this layout, keeping the `keep` latest steps.
 
     async_save=False makes every `save` block until the checkpoint is committed (see `save`).
     write_bytes bounds the bytes Orbax writes at once (default: everything at once); it must exceed
     the largest array. Tensorstore copies what it writes, so this bounds a save's extra memory.
+    sharded: the engine's host state is sharded over the processes (engine.shards): every
+    process takes part in each save (its rows) and restore.
     """
     # Several processes (data parallel, replicated host state): every process holds the whole
     # state, so each manager works alone (no barrier with the others); only process 0 saves.
@@ -63,7 +78,7 @@ def make_manager(directory, *, keep: int | None = None, async_save: bool = True,
         os.makedirs(directory, exist_ok=True)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, enable_async_checkpointing=async_save, create=not several,
-        **({"multiprocessing_options": alone} if several else {}))
+        **({"multiprocessing_options": alone} if several and not sharded else {}))
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     state_handler = (ocp.StandardCheckpointHandler() if write_bytes is None else
                      ocp.StandardCheckpointHandler(save_concurrent_gb=write_bytes / 1e9))
@@ -170,10 +185,18 @@ def save(manager: ocp.CheckpointManager, step: int, engine, meta: dict | None = 
         raise SaveError(f"refusing to save checkpoint step {step}: {bad} is not finite (NaN or "
                         f"inf); the checkpoints in {manager.directory} are kept as they were")
     wait(manager)  # an earlier asynchronous save's failure is reported as such
-    if jax.process_count() > 1:  # Orbax saves no process-local jax.Array there: their views
+    layout = {}  # replicated: meta as the caller gave it
+    if getattr(engine, "shards", None) is not None:  # every process saves its rows
+        state = jax.tree.map(functools.partial(_as_global, _host_mesh(engine)), state)
+        logical = _shapes(engine.state_shapes())
+        padded = {p: _saved_shape(s, engine.shards.size) for p, s in logical.items()}
+        layout = {"host_shards": jax.process_count(), "shard_devices": engine.shards.size,
+                  # the leaves whose rows were padded, and their own rows (cut_padding)
+                  "logical_rows": {p: s[0][0] for p, s in logical.items() if padded[p] != s}}
+    elif jax.process_count() > 1:  # Orbax saves no process-local jax.Array there: their views
         state = jax.tree.map(np.asarray, state)
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                              meta=ocp.args.JsonSave({**(meta or {}), "step": step}))
+                              meta=ocp.args.JsonSave({**(meta or {}), **layout, "step": step}))
     try:  # force: the caller decides when to save, not Orbax's interval policy
         manager.save(step, force=True, args=args)
         if getattr(engine, "disk_tier", None) is not None:
@@ -182,6 +205,45 @@ def save(manager: ocp.CheckpointManager, step: int, engine, meta: dict | None = 
         raise SaveError(f"saving checkpoint step {step} to {manager.directory} failed "
                         f"({error_line(e)}); {_completed(manager)}") from None
     _in_flight[manager] = step
+
+
+def _host_mesh(engine) -> Mesh:
+    """The sharded layout's mesh over every process's host device (axis "proc"), in process
+    order: process p's part of a leaf is the p-th block of its padded rows (engine/shard.py
+    puts process p's devices after process p - 1's in the mesh)."""
+    me, processes = jax.process_index(), jax.process_count()
+    if processes == 1:
+        return Mesh(np.array([engine.host_device]), ("proc",))
+    hosts = [min((d for d in jax.devices("cpu") if d.process_index == p), key=lambda d: d.id)
+             for p in range(processes)]
+    if engine.host_device != hosts[me] or engine.shards.first != me * engine.shards.local:
+        raise CheckpointError(f"process {me}: a sharded checkpoint needs the host state on the "
+                              f"process's first CPU device and its devices in process order")
+    return Mesh(np.array(hosts), ("proc",))
+
+
+def _global_like(x, mesh: Mesh):
+    """(global shape, sharding) of a local shard leaf x: its rows one block of the whole (0-d
+    leaves, optax counts, are the same everywhere: replicated)."""
+    if np.ndim(x) == 0:
+        return (), NamedSharding(mesh, PartitionSpec())
+    shape = (x.shape[0] * mesh.size,) + tuple(x.shape[1:])
+    return shape, NamedSharding(mesh, PartitionSpec("proc"))
+
+
+def _saved_shape(logical, multiple: int):
+    """(shape, dtype) as a save by `multiple` devices wrote it: axis 0 zero-padded to a multiple
+    of them (None: absent)."""
+    if logical is None or not logical[0]:
+        return logical
+    shape, dtype = logical
+    return (math.ceil(shape[0] / multiple) * multiple,) + shape[1:], dtype
+
+
+def _as_global(mesh: Mesh, x):
+    """This process's host array x as its block of a global array (no copy)."""
+    shape, sharding = _global_like(x, mesh)
+    return jax.make_array_from_single_device_arrays(shape, sharding, [x])
 
 
 def check_writable(directory):
@@ -291,14 +353,17 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None,
             raise CheckpointError(f"{where} does not match this config: {diff[0]} is {diff[1]!r} "
                                   f"in the checkpoint, {diff[2]!r} now")
     current = engine.state()
-    current_shapes = _shapes(current)
+    sharded = getattr(engine, "shards", None) is not None
+    # Compared as logical shapes: a sharded save padded axis 0 to a multiple of its devices.
+    current_shapes = _shapes(engine.state_shapes() if sharded else current)
+    padded = functools.partial(_saved_shape, multiple=meta.get("shard_devices", 1))
     # The disk tier's state is mapped numpy: it is restored into host arrays, then its files.
     sharding = lambda x: getattr(x, "sharding", None) or engine.host_sharding
     paths = list(current_shapes) + [p for p in saved_shapes if p not in current_shapes]
     paths.sort(key=lambda p: "/opt_state/" in p)  # name a parameter before its optimizer state
     for path in paths:
         a, b = saved_shapes.get(path), current_shapes.get(path)
-        if a != b:
+        if a != padded(b):
             show = lambda s: "absent" if s is None else f"shape {s[0]} {s[1]}"
             raise CheckpointError(f"{where} does not match this model: {path} has "
                                   f"{show(a)} in the checkpoint, {show(b)} in the model")
@@ -307,11 +372,16 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None,
     # sharding): the restore needs one unit's state on top of the engine's, not a second model.
     skip = lambda tree: jax.tree.map(lambda _: ocp.PLACEHOLDER, tree)
     units = [("stages", current["stages"])] + list(enumerate(current["layers"]))
+    mesh = _host_mesh(engine) if sharded else None
     for which, unit in units:
         target = {"stages": skip(current["stages"]),
                   "layers": [skip(layer) for layer in current["layers"]]}
+        if sharded:  # each process reads its rows of the engine's padded shape
+            like = lambda x: _global_like(x, mesh)
+        else:
+            like = lambda x: (x.shape, sharding(x))
         abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(x)), unit)
+            lambda x: jax.ShapeDtypeStruct(like(x)[0], x.dtype, sharding=like(x)[1]), unit)
         if which == "stages":
             target["stages"] = abstract
         else:
@@ -323,16 +393,23 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None,
                 item=target, restore_args=restore_args)))["state"]
         except Exception as e:
             raise unreadable(manager, step, e) from None
-        engine.load_unit(which, state["stages"] if which == "stages" else state["layers"][which])
+        loaded = state["stages"] if which == "stages" else state["layers"][which]
+        # This process's block (sharded), or the saved rows cut to the model's (replicated, read
+        # as numpy with several processes: a sharded save's padding rows are cut off here).
+        mine = lambda r, x: (r.addressable_data(0) if sharded else
+                             r[:x.shape[0]] if np.ndim(x) and r.shape != x.shape else r)
+        engine.load_unit(which, jax.tree.map(mine, loaded, unit))
     return meta
 
 
 def _restore_args(x):
-    """Straight into the host device's memory; with several processes (where Orbax restores no
-    process-local jax.Array) as numpy, which load_unit puts there."""
-    if jax.process_count() > 1:
+    """Straight into the host device's memory, rows zero-padded or cut to the target's (a sharded
+    save's padding; strict=False); with several processes and a replicated state (where Orbax
+    restores no process-local jax.Array) as numpy, which load_unit puts there."""
+    if jax.process_count() > 1 and not isinstance(x.sharding, NamedSharding):
         return ocp.RestoreArgs(restore_type=np.ndarray, dtype=x.dtype)
-    return ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype)
+    return ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype,
+                                strict=False)
 
 
 def largest_unit_bytes(engine) -> int:
@@ -342,10 +419,19 @@ def largest_unit_bytes(engine) -> int:
                for unit in [state["stages"], *state["layers"]])
 
 
-def read_params(manager: ocp.CheckpointManager, step: int, tree_metadata, which) -> dict:
+def cut_padding(meta: dict, path: str, x):
+    """Leaf `path` (path_str's spelling) read as saved, with a sharded save's zero padding rows
+    cut off: its logical rows."""
+    rows = meta.get("logical_rows", {}).get(path)
+    return x if rows is None else x[:rows]
+
+
+def read_params(manager: ocp.CheckpointManager, step: int, tree_metadata, which,
+                meta: dict | None = None) -> dict:
     """The parameters of one unit ("stages" or a layer index) of checkpoint `step` as numpy
     arrays, read alone: the optimizer state and the other units are never read (to sample from a
-    run, or export it, a unit at a time). `tree_metadata` is read_meta's."""
+    run, or export it, a unit at a time). `tree_metadata` and `meta` are read_meta's (meta: to
+    cut a sharded save's padding rows off)."""
     tree = getattr(tree_metadata, "tree", tree_metadata)  # a TreeMetadata wraps the plain tree
     prefix = "stages/params/" if which == "stages" else f"layers/{which}/params/"
     target = jax.tree_util.tree_map_with_path(
@@ -359,4 +445,5 @@ def read_params(manager: ocp.CheckpointManager, step: int, tree_metadata, which)
     except Exception as e:
         raise unreadable(manager, step, e) from None
     unit = state["stages"] if which == "stages" else state["layers"][which]
-    return unit["params"]
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: cut_padding(meta or {}, prefix + path_str(p), x), unit["params"])

@@ -166,6 +166,9 @@ class DistributedConfig:
     process_id: int = 0
     # Seconds to wait for every process to join, and for a silent process to be declared lost.
     timeout_s: int = 30
+    # Shard the host state over the processes (ZeRO-1/2 on the host): each keeps ~1 / processes
+    # of the fp32 master weights and optimizer state, and saves its part of a checkpoint.
+    shard_optimizer: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -494,6 +497,9 @@ def _check(cfg: Config):
     if offload.tier == "disk" and dist.num_processes > 1:
         raise ConfigError(f"offload.tier=disk with distributed.num_processes={dist.num_processes}: "
                           f"the disk tier holds one process's state; use offload.tier=ram")
+    if offload.tier == "disk" and dist.shard_optimizer:
+        raise ConfigError("distributed.shard_optimizer=true with offload.tier=disk: the disk tier "
+                          "holds the whole state; use one or the other")
     train = cfg.train
     if train.eval_every < 0:
         raise ConfigError(f"train.eval_every must be >= 0 (0: only at the end), "

@@ -150,13 +150,13 @@ def from_run(run_dir: str, step: int | None = None) -> Model:
     model_cfg = cfg.model
 
     def first_last(execution):
-        params = checkpoint.read_params(manager, step, tree, "stages")
+        params = checkpoint.read_params(manager, step, tree, "stages", meta)
         abstract = nnx.eval_shape(lambda: make_stages(model_cfg, 0, execution))
         return _module(abstract, {int(k): v for k, v in params.items()})
 
     def block(i, execution):
         abstract = nnx.eval_shape(lambda: Block(model_cfg, rngs=nnx.Rngs(0), execution=execution))
-        params = checkpoint.read_params(manager, step, tree, i)
+        params = checkpoint.read_params(manager, step, tree, i, meta)
         expected = nnx.to_pure_dict(nnx.split(abstract)[1])
         for key, value in expected.items():
             got = params.get(key)

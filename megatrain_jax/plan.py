@@ -206,6 +206,9 @@ class _Counts:
     accelerator: bool  # compute device apart from the host: fetches copy, bus copies are staged
     stages_state: int = 0  # bytes of the stages' master weights and optax state
     layer_state: int = 0  # bytes of one layer's
+    # distributed.shard_optimizer over P processes: each holds ~1/P of every unit's rows (master,
+    # optax state, bus copy, gradient, staging; the zero padding rows are not counted)
+    host_shards: int = 1
 
     def host(self, tokens: int, offload: bool) -> dict:
         """Kind -> bytes of host RAM at the end of a step, `tokens` per micro-batch.
@@ -215,15 +218,17 @@ class _Counts:
         has grown to. (On a CPU-only run the released bus copies make room for the gradients.)"""
         params = self.stages + self.layers * self.layer
         bus_is_master = not self.accelerator and self.compute == 4
+        share = lambda n: -(-n // self.host_shards)  # this process's rows of the state
         return {
-            "master": 4 * params,
-            "optimizer": self.optimizer,
-            "bus": 0 if bus_is_master else self.compute * params,
+            "master": share(4 * params),
+            "optimizer": share(self.optimizer),
+            "bus": 0 if bus_is_master else share(self.compute * params),
             # every unit's, waiting for the global norm; the stages' first and last parts, then
             # their merged sum
-            "gradients": self.grad * (self.layers * self.layer + self.first + self.last
-                                      + self.stages),
-            "staging": self.compute * (self.stages + self.layer) if self.accelerator else 0,
+            "gradients": share(self.grad * (self.layers * self.layer + self.first + self.last
+                                            + self.stages)),
+            "staging": share(self.compute * (self.stages + self.layer)) if self.accelerator
+            else 0,
             "activations": self.layers * self._acts(tokens) if offload else 0,
         }
 
@@ -525,7 +530,8 @@ def _counts(cfg: Config, execution: Execution, machine: Machine) -> _Counts:
         optimizer=optimizer_bytes(stages) + cfg.model.num_layers * optimizer_bytes(block),
         accelerator=not machine.compute_on_host,
         stages_state=4 * size(stages) + optimizer_bytes(stages),
-        layer_state=4 * size(block) + optimizer_bytes(block))
+        layer_state=4 * size(block) + optimizer_bytes(block),
+        host_shards=cfg.distributed.num_processes if cfg.distributed.shard_optimizer else 1)
 
 
 def plan(cfg: Config, machine: Machine) -> Plan:

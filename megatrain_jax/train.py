@@ -130,6 +130,8 @@ def build_engine(cfg: Config, *, offload_activations: bool | None = None,
             block = lambda i: make_block(model, cfg.train.seed, i, execution)
         if cfg.data.format == "preference":  # the same head weights, the DPO loss
             last = dpo.PreferenceHead(last, beta=cfg.dpo.beta, loss=cfg.dpo.loss)
+    if cfg.distributed.shard_optimizer:  # a no-op on one device
+        engine_kwargs.setdefault("shard_host_state", True)
     if cfg.offload.tier == "disk" and "disk_tier" not in engine_kwargs:
         engine_kwargs["disk_tier"] = disk_tier_options(cfg)
     try:
@@ -411,8 +413,10 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
             raise ConfigError(str(e)) from None
     engine = build_engine(cfg, offload_activations=run_plan.offload_activations, **placed)
     ckpt = cfg.checkpoint
+    sharded = engine.shards is not None  # every process saves (and restores) its rows
     manager = checkpoint.make_manager(ckpt_dir, keep=ckpt.keep, async_save=ckpt.async_save,
-                                      write_bytes=checkpoint.largest_unit_bytes(engine))
+                                      write_bytes=checkpoint.largest_unit_bytes(engine),
+                                      sharded=sharded)
     if cfg.data.format == "preference":  # the starting weights', before any checkpoint's
         dpo.prepare_reference(cfg, engine, dataset, log)
     start = 0
@@ -529,7 +533,7 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
                 log(f"step {step:5d} | eval loss {record['eval_loss']:.4f} | "
                     f"ppl {record['eval_ppl']:.2f}")
             if (ckpt.every and step % ckpt.every == 0) or step == cfg.train.steps or stop.received:
-                if not primary:  # replicated host state: process 0 saves it all
+                if not primary and not sharded:  # replicated host state: process 0 saves it all
                     pass
                 elif step in manager.all_steps():  # only after resume_step: never overwrite one
                     log(f"checkpoint step {step} already exists in {manager.directory}; kept as is")

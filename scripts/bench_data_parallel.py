@@ -2,6 +2,7 @@
 
     python scripts/bench_data_parallel.py                       # P = 1, 2, 4 processes (CPU)
     python scripts/bench_data_parallel.py --processes 1,2 --steps 3 --json out.json
+    python scripts/bench_data_parallel.py --shard-optimizer       # replicated and sharded rows
 
 For each P, trains the tiny config (configs/tiny.yaml, fp32) with P processes of one compute
 device each, started by scripts/launch.py on 127.0.0.1 (gloo), and reports per process:
@@ -11,12 +12,18 @@ device each, started by scripts/launch.py on 127.0.0.1 (gloo), and reports per p
   counts, measured by the engine's counters (`engine.counters.bytes_h2d`, one link's bytes)
 - device -> host bytes per process per step: the gradient, summed over the devices first, crosses
   once per process (predicted; measured by `bytes_d2h`)
-- all-reduce bytes each device sends per step (a ring's 2 (D - 1) / D of the fp32 accumulators):
-  predicted only, XLA does not count them
+- collective bytes each device sends per step (replicated: a ring all-reduce, 2 (D - 1) / D of
+  the fp32 accumulators; sharded: a reduce-scatter, (D - 1) / D of them, and the all-gather of
+  every fetch, (D - 1) / D of its bytes): predicted only, XLA does not count them
 - host RAM per process: the plan's figure (master + optimizer + bus + gradients), the engine's own
   accounting of master + optax state (`nbytes(engine.state())`), and the process's RSS
 
-Host state is replicated: every process holds all of it, so the host figures do not fall with P.
+Host state replicated (default): every process holds all of it, so the host figures do not fall
+with P. With --shard-optimizer each P also runs with distributed.shard_optimizer=true (the host
+state sharded over the processes, engine/shard.py): each link then carries 1 / P of the bus bytes
+(every leaf's rows zero-padded to a multiple of P), the gradient crossing to a process is its rows
+only, and the engine state per process is ~1 / P. (With P = 1 and one device there is nothing to
+shard: that row is the replicated one only.)
 """
 
 import argparse
@@ -64,13 +71,24 @@ def child(out_dir: str, steps: int, overrides: list):
     run_plan = plan_lib.plan(per_device, plan_lib.machine_from_device(jax.local_devices()[0]))
     c = run_plan.counts
     grads = c.first + c.last + c.layers * c.layer  # parameters whose gradients cross
+    h2d = c.compute * (2 * c.first + c.last + 2 * c.layers * c.layer)
+    d2h = c.grad * grads
+    collectives = 0 if D == 1 else 2 * (D - 1) / D * 4 * grads  # a ring all-reduce
+    if engine.shards is not None:  # each link gets its piece of the padded rows, 1 / D of them
+        first, last, layer = padded_counts(engine)
+        fetched = 2 * first + last + 2 * c.layers * layer
+        h2d = c.compute * fetched // D
+        d2h = c.grad * (first + last + c.layers * layer) // processes
+        # a ring reduce-scatter of the fp32 accumulators, and an all-gather of every fetch
+        collectives = (D - 1) / D * (4 * (first + last + c.layers * layer) + c.compute * fetched)
     result = {
         "processes": processes, "process": me, "devices": D,
-        "h2d_per_link_predicted": c.compute * (2 * c.first + c.last + 2 * c.layers * c.layer),
+        "layout": "replicated" if engine.shards is None else "sharded",
+        "h2d_per_link_predicted": h2d,
         "h2d_per_link_measured": per_step("bytes_h2d"),
-        "d2h_per_process_predicted": c.grad * grads,
+        "d2h_per_process_predicted": d2h,
         "d2h_per_process_measured": per_step("bytes_d2h"),
-        "allreduce_per_device_predicted": 0 if D == 1 else 2 * (D - 1) / D * 4 * grads,
+        "allreduce_per_device_predicted": collectives,
         "host_plan": sum(v for k, v in run_plan.host.items() if k != "activations"),
         "host_state_engine": nbytes(engine.state()),
         "rss": rss_bytes(),
@@ -81,10 +99,27 @@ def child(out_dir: str, steps: int, overrides: list):
     distributed.finish(cfg.distributed)
 
 
-def run(processes: int, steps: int) -> list:
+def padded_counts(engine) -> tuple:
+    """Parameters of the first stage's part, the last's (a tied leaf in both) and one block,
+    with every leaf's rows zero-padded as the sharded layout pads them (engine/shard.py)."""
+    import math
+
+    import jax
+
+    shards, shapes = engine.shards, engine.param_shapes()
+    padded = lambda tree: [math.prod(shards.padded_shape(x.shape)) for x in jax.tree.leaves(tree)]
+    stages = padded(shapes["stages"])
+    first = sum(stages[i] for i in engine.parts.first)
+    last = sum(stages[i] for i in engine.parts.last)
+    return first, last, sum(padded(shapes["layers"][0]))
+
+
+def run(processes: int, steps: int, sharded: bool = False) -> list:
     """The figures of every process of a P-process run."""
     with tempfile.TemporaryDirectory() as out:
         me = [os.path.abspath(__file__), "--child", out, "--steps", str(steps)]
+        if sharded:
+            me.append("distributed.shard_optimizer=true")
         env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
         command = ([sys.executable, *me] if processes == 1 else
                    [sys.executable, os.path.join(ROOT, "scripts", "launch.py"), "--nproc",
@@ -97,11 +132,11 @@ def run(processes: int, steps: int) -> list:
 
 def table(results: list) -> str:
     kb = lambda x: f"{x / 1e3:,.1f} kB"
-    rows = ["| P | h2d per link: predicted / measured | d2h per process: predicted / measured | "
-            "all-reduce per device (predicted) | host RAM per process: plan / engine state / RSS |",
-            "|---|---|---|---|---|"]
+    rows = ["| host state | P | h2d per link: predicted / measured | d2h per process: predicted / "
+            "measured | collectives per device (predicted) | host RAM per process: plan / engine "
+            "state / RSS |", "|---|---|---|---|---|---|"]
     for r in results:
-        rows.append(f"| {r['processes']} | {kb(r['h2d_per_link_predicted'])} / "
+        rows.append(f"| {r['layout']} | {r['processes']} | {kb(r['h2d_per_link_predicted'])} / "
                     f"{kb(r['h2d_per_link_measured'])} | {kb(r['d2h_per_process_predicted'])} / "
                     f"{kb(r['d2h_per_process_measured'])} | "
                     f"{kb(r['allreduce_per_device_predicted'])} | {kb(r['host_plan'])} / "
@@ -114,15 +149,19 @@ def main(argv=None):
     parser.add_argument("--processes", default="1,2,4", help="comma-separated process counts")
     parser.add_argument("--steps", type=int, default=3, help="measured steps (after one compiling)")
     parser.add_argument("--json", help="also write every process's figures here")
+    parser.add_argument("--shard-optimizer", action="store_true",
+                        help="each P also with distributed.shard_optimizer=true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args(argv)
     if args.child:
         return child(args.child, args.steps, rest)
     results = []
     for p in [int(x) for x in args.processes.split(",")]:
-        figures = run(p, args.steps)
-        results.append(max(figures, key=lambda r: r["rss"]))  # the largest process
-        print(table(results[-1:]).splitlines()[-1], flush=True)
+        # one process of one device has nothing to shard: the sharded run would be this one
+        for sharded in [False, True] if args.shard_optimizer and p > 1 else [False]:
+            figures = run(p, args.steps, sharded)
+            results.append(max(figures, key=lambda r: r["rss"]))  # the largest process
+            print(table(results[-1:]).splitlines()[-1], flush=True)
     print(table(results))
     if args.json:
         with open(args.json, "w") as f:

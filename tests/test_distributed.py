@@ -1,6 +1,6 @@
 """Data parallel from the config and over processes (megatrain_jax/distributed.py,
 scripts/launch.py): equal to one device, each process its rows, a lost process named, checkpoints
-across process counts, bad input in one line.
+across process counts (the host state replicated or sharded), bad input in one line.
 
 In process: conftest's three CPU devices (the host state on the first, two compute devices). Across
 processes: scripts/launch.py starts two on 127.0.0.1 (gloo), one CPU compute device each."""
@@ -16,8 +16,10 @@ import time
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
+from megatrain_jax import checkpoint
 from megatrain_jax.cli import run_cli
 from megatrain_jax.config import ConfigError, load_config
 from megatrain_jax.train import train
@@ -108,6 +110,8 @@ def test_bad_local_setup_is_one_line_exit_2_nothing_written(tmp_path, capsys, ov
     (["distributed.coordinator=localhost"], "distributed.coordinator must be host:port"),
     (["distributed.coordinator=h:1", "distributed.num_processes=2", "offload.tier=disk",
       "offload.path=/tmp/t"], "offload.tier=disk with distributed.num_processes=2"),
+    (["distributed.shard_optimizer=true", "offload.tier=disk", "offload.path=/tmp/t"],
+     "distributed.shard_optimizer=true with offload.tier=disk"),
 ])
 def test_bad_distributed_keys(overrides, message):
     with pytest.raises(ConfigError) as e:
@@ -159,12 +163,41 @@ runpy.run_path(os.path.join(os.getcwd(), "scripts", "train.py"), run_name="__mai
 """
 
 
+def saved_arrays(run_dir, step):
+    """Checkpoint `step`'s state as numpy arrays, as saved (a sharded save's padded rows too):
+    read without its shardings, which name the devices of the processes that wrote it."""
+    manager = checkpoint.make_manager(os.path.join(run_dir, "checkpoints"))
+    _, tree = checkpoint.read_meta(manager, step)
+    tree = getattr(tree, "tree", tree)  # a TreeMetadata wraps the plain tree
+    target = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), tree)
+    restore_args = jax.tree.map(lambda leaf: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=target, restore_args=restore_args)))["state"]
+    manager.close()
+    return state
+
+
+def rows_cut_to(saved, like):
+    """A sharded checkpoint's state with each leaf's axis 0 cut to `like`'s (its zero padding
+    rows, checked to be zero, dropped)."""
+    def cut(x, y):
+        if np.ndim(y) and x.shape[0] != y.shape[0]:
+            assert not x[y.shape[0]:].any()
+            return x[:y.shape[0]]
+        return x
+    return jax.tree.map(cut, saved, like)
+
+
+@pytest.mark.parametrize("layout", [[], ["distributed.shard_optimizer=true"]],
+                         ids=["replicated", "sharded"])
 def test_two_processes_equal_one_lost_process_named_and_checkpoints_cross_process_counts(
-        tmp_path, reference):
+        tmp_path, reference, layout):
     """1 -> 2 processes: resume the single-process checkpoint 1 with two processes; they run step
     2 (equal to one process) and save checkpoint 2; process 1 is killed at step 3: process 0 stops
     naming it within 60 s and the launcher fails. 2 -> 1: one process resumes checkpoint 2 and
-    finishes equal to the uninterrupted single-process run."""
+    finishes equal to the uninterrupted single-process run. Sharded (the host state split over
+    the two processes): both save checkpoint 2, each its rows (the vocabulary's 257 rows padded
+    to 258), and one replicated process resumes it."""
     run_dir = tmp_path / "run"
     os.makedirs(run_dir / "checkpoints")
     shutil.copytree(os.path.join(reference, "checkpoints", "1"), run_dir / "checkpoints" / "1")
@@ -173,7 +206,7 @@ def test_two_processes_equal_one_lost_process_named_and_checkpoints_cross_proces
     runner.write_text(RUNNER)
     proc = subprocess.Popen(
         [sys.executable, "scripts/launch.py", "--nproc", "2", "--", str(runner), "1", "2",
-         str(marker), "--config", "configs/tiny.yaml", *FAST, f"run_dir={run_dir}"],
+         str(marker), "--config", "configs/tiny.yaml", *FAST, f"run_dir={run_dir}", *layout],
         cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=400)
     assert marker.exists(), err[-3000:]
@@ -185,7 +218,12 @@ def test_two_processes_equal_one_lost_process_named_and_checkpoints_cross_proces
 
     assert_steps_equal(run_dir, reference, [2])
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["1", "2"]
-    assert_trees_close(saved_state(run_dir, 2), saved_state(reference, 2), rtol=1e-5)
+    if layout:  # written by both processes, each its rows
+        manager = checkpoint.make_manager(run_dir / "checkpoints")
+        assert checkpoint.read_meta(manager, 2)[0]["host_shards"] == 2
+        manager.close()
+    want = saved_arrays(reference, 2)
+    assert_trees_close(rows_cut_to(saved_arrays(run_dir, 2), want), want, rtol=1e-5)
 
     lines = []
     train(make_cfg(run_dir), log=lines.append)  # one process, from the two processes' step 2

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from megatrain_jax.config import Config, DataConfig, OptimizerConfig, TrainConfig
+from megatrain_jax.config import (Config, DataConfig, DistributedConfig, OptimizerConfig,
+                                  TrainConfig)
 from megatrain_jax.data import document_context
 from megatrain_jax.engine import StreamedEngine
 from megatrain_jax.model import ModelConfig, make_block, make_stages
@@ -151,6 +152,21 @@ def test_host_plan_matches_the_engine(engines, setup):
     assert nbytes(host.staging) == p.host["staging"]
     M, B, T, L, D = 2, 2, 64, MODEL.num_layers, MODEL.hidden_size
     assert p.host["activations"] == (L * M * B * T * D * 4 if p.offload_activations else 0)
+
+
+def test_sharded_host_state_plans_each_process_its_share():
+    """distributed.shard_optimizer over two processes: the plan counts half of every unit's host
+    state per process, so a host that holds half fits where the replicated layout does not."""
+    cfg = config(64)
+    sharded = dataclasses.replace(cfg, distributed=DistributedConfig(
+        coordinator="h:1", num_processes=2, shard_optimizer=True))
+    whole, half = plan(cfg, MACHINE), plan(sharded, MACHINE)
+    for kind in ("master", "optimizer", "bus", "gradients", "staging"):
+        assert half.host[kind] == -(-whole.host[kind] // 2), kind
+    assert half.host["master"] > 0
+    between = (whole.host_total + half.host_total) / 2 / GB
+    machine = dataclasses.replace(MACHINE, host_memory_gb=between, device_memory_gb=10.0)
+    assert plan(sharded, machine).fits and not plan(cfg, machine).fits
 
 
 def test_workspaces_grow_linearly_in_the_sequence():

@@ -16,6 +16,7 @@ Modules, by concern:
   tier.py       the disk tier: each unit's master weights and optax state in a file
   functions.py  the jitted device functions
   parallel.py   placement: one device, or data parallel over a mesh of devices and processes
+  shard.py      the sharded host layout: which rows of every leaf a process keeps
 """
 
 from megatrain_jax.engine.decode import StreamedDecoder

@@ -24,15 +24,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from megatrain_jax.engine.parallel import Placement, zeros_like_acc
+from megatrain_jax.engine.parallel import Placement, sum_squares, zeros_like_acc
 
 
 def tree_add(acc, tree):
     return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, tree)
-
-
-def sum_squares(tree):
-    return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
 
 
 def split_loss(out):
@@ -173,7 +169,10 @@ class DeviceFunctions:
         self.block_bwd = on.spread(block_bwd, ("w", "b", "b", "b", "b", "w"), ("b", "b"),
                                    donate_argnums=(3, 4))
         self.zeros = zeros_like_acc(on)
-        self.reduce = on.reducer()  # the devices' partial gradients summed, on the devices
+        # The devices' partial gradients summed (or reduce-scattered), on the devices; a layer's
+        # with its sum of squares: (grads, sq).
+        self.reduce = on.reducer()
+        self.reduce_squares = on.reducer(squares=True)
         self.aux_loss = aux_loss
         self.aux_grad = jax.jit(aux_grad) if aux_loss is not None else None
         self.tree_total = jax.jit(lambda trees: jax.tree.map(lambda *xs: sum(xs), *trees))

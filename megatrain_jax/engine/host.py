@@ -39,7 +39,8 @@ class HostState:
 
     def __init__(self, units: list, optimizer: optax.GradientTransformation, *, max_grad_norm,
                  compute_dtype, grad_dtype, compute_device, host_device, counters,
-                 disk_tier: Optional[tier_lib.DiskTierOptions] = None, num_units=None):
+                 disk_tier: Optional[tier_lib.DiskTierOptions] = None, num_units=None,
+                 shards=None):
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
         self.compute_dtype = jnp.dtype(compute_dtype)
@@ -75,10 +76,18 @@ class HostState:
         # out_shardings: optax state that does not depend on the params (counts, zeros) would
         # otherwise land uncommitted on the default device, the accelerator.
         init = jax.jit(optimizer.init, out_shardings=self.host)
-        self.units, self.tier = [], None
+        # shards (shard.Shards): keep only this process's rows of every leaf (the sharded layout);
+        # `shapes` keeps the logical leaf shapes of the stages (0) and of a block (1).
+        if shards is not None and disk_tier is not None:
+            raise ValueError("shard_host_state with the disk tier is not supported")
+        self.units, self.tier, self.shapes = [], None, {}
         for params in units:  # an iterable: with the disk tier, one unit in RAM at a time
             params = jax.device_put(jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params),
                                     self.host)
+            if len(self.units) < 2:
+                self.shapes[len(self.units)] = [tuple(p.shape) for p in jax.tree.leaves(params)]
+            if shards is not None:
+                params = shards.cut(params)
             self.units.append(Unit(params, init(params), self.make_bus(params)))
             if len(self.units) == 1:  # the stages' leaf shapes, for their gradient (step.py)
                 leaves, treedef = jax.tree.flatten(params)

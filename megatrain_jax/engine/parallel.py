@@ -15,6 +15,16 @@ axis, `data`, over every compute device of every process, and
     scalars     loss sums, loss weights and a block's aux statistics are summed over the devices
                 inside the function that makes them (psum)
 
+Sharded host state (`shard=True`, the layout in shard.py): each process holds only its rows of
+every unit, so
+
+    weights     each device gets its own row-piece of the bus copy (1/N of the unit's bytes per
+                link); one jitted function per unit structure all-gathers the pieces over `data`
+                and cuts the padding off (`put_shards`)
+    gradients   the partial sums are reduce-scattered instead (psum_scatter over `data`): each
+                device keeps the total of its own rows, and only this process's pieces cross to
+                the host (`to_host`): its gradient shard
+
 The device functions are the single-device ones under `jax.shard_map` (functions.py): each device
 computes on its rows exactly as one device would on the whole batch, so the sum of the partial
 gradients is the gradient of the global batch.
@@ -25,14 +35,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
+from megatrain_jax.engine.shard import Shards, unpad
+
 AXIS = "data"
+
+
+def sum_squares(tree):
+    return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
 
 
 class Placement:
     """Where a step's arrays live, for `devices`: the compute devices of every process, in mesh
-    order (one device and one process: no mesh)."""
+    order (one device and one process: no mesh). shard: the sharded host layout (`shards`, a
+    shard.Shards; None when the host state is replicated, always on one device)."""
 
-    def __init__(self, devices):
+    def __init__(self, devices, shard: bool = False):
         self.devices = tuple(devices)
         if not self.devices:
             raise ValueError("no compute device")
@@ -48,6 +65,17 @@ class Placement:
         else:
             self.mesh = None
             self.weights = self.batch = SingleDeviceSharding(self.devices[0])
+        self.shards = None
+        if shard and self.data_parallel:
+            first = self.devices.index(self.local_devices[0])
+            if self.devices[first:first + len(self.local_devices)] != tuple(self.local_devices):
+                raise ValueError(f"shard_host_state: process {me}'s compute devices are not "
+                                 f"consecutive in the mesh")
+            self.shards = Shards(len(self.devices), first, len(self.local_devices))
+            self.pieces = NamedSharding(self.mesh, P(AXIS))  # a padded leaf, split by rows
+            # Compiled once per unit structure (the rows are static): XLA inserts the all-gather.
+            self._gather = jax.jit(unpad, static_argnums=1, out_shardings=self.weights)
+            self._sum = jax.jit(jnp.sum, out_shardings=self.weights)
 
     @property
     def size(self) -> int:
@@ -65,6 +93,21 @@ class Placement:
             return jax.make_array_from_single_device_arrays(x.shape, self.weights, copies)
 
         return jax.tree.map(replicate, tree)
+
+    def put_shards(self, tree, shapes):
+        """This process's rows of every leaf (the sharded layout: host or pinned-host arrays) ->
+        the whole leaves, shaped `shapes` (a matching list of logical shapes), on every device."""
+        leaves, treedef = jax.tree.flatten(tree)
+        shards = self.shards
+
+        def assemble(x, shape):
+            pieces = [jax.device_put(piece, SingleDeviceSharding(d))
+                      for piece, d in zip(shards.pieces(x), self.local_devices)]
+            return jax.make_array_from_single_device_arrays(shards.padded_shape(shape),
+                                                            self.pieces, pieces)
+
+        padded = [assemble(x, shape) for x, shape in zip(leaves, shapes)]
+        return jax.tree.unflatten(treedef, self._gather(padded, tuple(s[0] for s in shapes)))
 
     def put_batch(self, tree):
         """This process's rows of a micro-batch (numpy arrays, batch first; or a pytree of them)
@@ -85,6 +128,32 @@ class Placement:
         if not self.data_parallel:
             return tree
         return jax.tree.map(lambda x: x.addressable_data(0), tree)
+
+    def to_host(self, tree, sharding):
+        """A reduced gradient (`reducer`'s) as this process's host arrays on `sharding`: the
+        whole sum, or in the sharded layout this process's pieces one after the other."""
+        if self.shards is None:
+            return jax.device_put(self.local(tree), sharding)
+
+        def mine(x):
+            pieces = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+            pieces = [jax.device_put(s.data, sharding) for s in pieces]
+            return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+
+        return jax.tree.map(mine, tree)
+
+    def sum_over_processes(self, x, sharding):
+        """A host scalar summed over the processes (the sharded layout's stages' sum of squares:
+        each process has its rows), as a host scalar on `sharding`. Waits for every process."""
+        if self.shards is None or jax.process_count() == 1:
+            return x
+        first = self.local_devices[0]
+        parts = [jax.device_put(jnp.reshape(x, (1,)) if d == first else
+                                jnp.zeros((1,), x.dtype), SingleDeviceSharding(d))
+                 for d in self.local_devices]
+        spread = jax.make_array_from_single_device_arrays((self.size,), self.pieces, parts)
+        total = self._sum(spread)
+        return jax.device_put(self.local(total), sharding)
 
     # ----------------------------------------------------------------- device functions
     def sum_over_devices(self, tree):
@@ -112,12 +181,32 @@ class Placement:
         return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=ins, out_specs=outs,
                                      check_vma=False), **jit_kwargs)
 
-    def reducer(self):
-        """acc -> the sum over the devices of their partial sums, replicated (jitted)."""
+    def reducer(self, squares: bool = False):
+        """acc -> the sum over the devices of their partial sums (and with `squares`, its sum of
+        squares: (sum, sq)), jitted. The sum is replicated, or in the sharded layout
+        reduce-scattered: leaves padded to N c rows, split over `data` (device k holds rows
+        [k c, (k + 1) c) of the total); the sum of squares is the whole gradient's either way,
+        on every device."""
         if not self.data_parallel:
-            return lambda acc: acc
-        total = lambda acc: jax.tree.map(lambda a: jax.lax.psum(a[0], AXIS), acc)
-        return jax.jit(jax.shard_map(total, mesh=self.mesh, in_specs=P(AXIS), out_specs=P(),
+            of = jax.jit(sum_squares)
+            return (lambda acc: (acc, of(acc))) if squares else (lambda acc: acc)
+
+        def total(acc):
+            g = jax.tree.map(lambda a: jax.lax.psum(a[0], AXIS), acc)
+            return (g, sum_squares(g)) if squares else g
+
+        def scatter(acc):
+            def one(a):
+                g = a[0]
+                padded = self.shards.padded_shape(g.shape)[0]
+                g = jnp.pad(g, [(0, padded - g.shape[0])] + [(0, 0)] * (g.ndim - 1))
+                return jax.lax.psum_scatter(g, AXIS, scatter_dimension=0, tiled=True)
+            g = jax.tree.map(one, acc)
+            return (g, jax.lax.psum(sum_squares(g), AXIS)) if squares else g
+
+        fn, out = (total, P()) if self.shards is None else (scatter, P(AXIS))
+        out = (out, P()) if squares else out
+        return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=P(AXIS), out_specs=out,
                                      check_vma=False))
 
 

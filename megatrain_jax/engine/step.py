@@ -18,7 +18,10 @@
 Each block weight crosses the bus twice per step whatever the number of micro-batches M is.
 Data parallel over several devices (parallel.py): every fetch goes to each device, each
 micro-batch's rows are split over them, and each gradient (dW_i, the stages' parts) is summed over
-the devices on the devices (f.reduce) before it crosses to the host, once per process.
+the devices on the devices (f.reduce) before it crosses to the host, once per process. With the
+sharded host layout (engine/shard.py) each device is sent only its rows of a unit and the devices
+all-gather them; f.reduce reduce-scatters each gradient instead, and only this process's rows
+cross to the host; the stages' sum of squares is then summed over the processes.
 """
 
 import functools
@@ -43,22 +46,33 @@ def _merge_stage_grads(first, last, first_idx, last_idx, shapes, dtype):
 
 
 @jax.jit
-def _norm_and_scale(layers_sq, stages_grads, weight):
-    """(global norm of the scaled gradient, scale = 1 / sum of loss weights, the stages' sum of
-    squares), on the host."""
-    stages_sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in stages_grads)
+def _stages_sq(stages_grads):
+    """The stages' gradient's sum of squares, on the host."""
+    return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in stages_grads)
+
+
+@jax.jit
+def _norm_and_scale(layers_sq, stages_sq, weight):
+    """(global norm of the scaled gradient, scale = 1 / sum of loss weights), on the host."""
     scale = jnp.where(weight > 0, 1.0 / jnp.where(weight > 0, weight, 1.0), 0.0)
-    return jnp.sqrt(sum(layers_sq) + stages_sq) * scale, scale, stages_sq
+    return jnp.sqrt(sum(layers_sq) + stages_sq) * scale, scale
 
 
 def fetch_unit(engine, u, part=None):
     """Unit u's bus copy (or one stage part of it, as a flat list of leaves) put on the compute
     device, once u's pending host update has finished."""
-    bus = engine.host.bus(u)
+    bus, placement = engine.host.bus(u), engine.placement
     if part is not None:
         bus = engine.parts.take(part, jax.tree.leaves(bus))
-    engine.counters.bytes_h2d += nbytes(bus)  # per link: each device gets its own copy
-    return engine.placement.put_weights(bus)
+    if placement.shards is None:
+        engine.counters.bytes_h2d += nbytes(bus)  # per link: each device gets its own copy
+        return placement.put_weights(bus)
+    # Sharded: each device gets its piece of this process's rows, then the devices all-gather.
+    engine.counters.bytes_h2d += nbytes(bus) // placement.shards.local
+    shapes = engine.host.shapes[min(u, 1)]
+    if part is not None:
+        shapes = engine.parts.take(part, shapes)
+    return placement.put_shards(bus, shapes)
 
 
 def fetched_copy(engine, w):
@@ -85,13 +99,13 @@ def run(engine, inputs, targets, contexts) -> dict:
 
     def to_host(grads):
         """(the gradient on the host, the device arrays to free once it has arrived there).
-        `grads` is reduced over the devices already (f.reduce)."""
+        `grads` is reduced over the devices already (f.reduce): sharded, this process's rows."""
         device = jax.tree.leaves(grads)
         if device and device[0].dtype != host.grad_dtype:
             grads = f.cast_grads(grads)  # cast on the device: fewer bytes cross and wait
             device += jax.tree.leaves(grads)
-        engine.counters.bytes_d2h += nbytes(grads)
-        on_host = jax.device_put(engine.placement.local(grads), engine.host_sharding)
+        on_host = engine.placement.to_host(grads, engine.host_sharding)
+        engine.counters.bytes_d2h += nbytes(on_host)  # per process
         kept = {id(x) for x in jax.tree.leaves(on_host)}  # no copy when they share a device
         return on_host, [x for x in device if id(x) not in kept]
 
@@ -144,8 +158,8 @@ def run(engine, inputs, targets, contexts) -> dict:
         dw = f.zeros(w)
         for m in range(M):
             dxs[m], dw = f.block_bwd(w, xs[m], contexts[m], dxs[m], dw, daux)
-        dw, partial = f.reduce(dw), dw  # summed over the devices, on the devices
-        layer_sq.append(f.sum_squares(dw))
+        (dw, sq), partial = f.reduce_squares(dw), dw  # summed over the devices, on them
+        layer_sq.append(sq)
         layer_grads[1 + i], device_grads = to_host(dw)
         device_grads += reduced_away(partial, dw)
         host.release_bus(1 + i)
@@ -171,8 +185,10 @@ def run(engine, inputs, targets, contexts) -> dict:
     on_host = lambda x: jax.device_put(x, engine.host_sharding)
     total_weight = f.total(weights)
     local = engine.placement.local
-    grad_norm, scale, stages_sq = _norm_and_scale(on_host(local(layer_sq)), stage_grads,
-                                                  on_host(local(total_weight)))
+    # Sharded over processes, each has its rows of the stages: their sums of squares add up.
+    stages_sq = engine.placement.sum_over_processes(_stages_sq(stage_grads), engine.host_sharding)
+    grad_norm, scale = _norm_and_scale(on_host(local(layer_sq)), stages_sq,
+                                       on_host(local(total_weight)))
     engine.unit_sq = [stages_sq] + local(layer_sq[::-1])  # per unit, for nonfinite_units()
     host.submit(0, jax.tree.unflatten(stage_def, stage_grads), grad_norm, scale)
     for u in range(1, L + 1):  # in the order the next forward needs them

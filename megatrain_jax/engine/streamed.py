@@ -70,6 +70,15 @@ class StreamedEngine:
         split over them, each gets every layer's weights, and each unit's gradient is summed over
         them on the devices before it crosses to the host. A micro-batch's rows must divide by
         their number. The host state and its update are as with one device.
+      shard_host_state: with compute_devices (several), each process keeps only its rows of
+        every unit's master weights and optax state (~1 / processes of the host state; the layout
+        is in engine/shard.py): each device is sent its rows of a unit (1 / devices of its bytes)
+        and the devices all-gather them, each gradient is reduce-scattered so only this process's
+        rows cross to the host, and the update runs on those rows alone. The optimizer must
+        therefore be elementwise (adam, adamw, sgd, lion, ...: no per-tensor statistics such as
+        adafactor's or a per-tensor norm), and every parameter must have at least one dimension.
+        `state()` and `params()` are this process's rows (zero-padded; `param_shapes()` gives the
+        whole shapes). Not with the disk tier. Training equals the replicated layout.
 
     A step whose gradient is not finite changes nothing (see `train_step`); a step that raises
     leaves the state as it was before it.
@@ -80,7 +89,8 @@ class StreamedEngine:
                  max_grad_norm: Optional[float] = None, compute_dtype=jnp.bfloat16, prefetch: int = 1,
                  compute_device=None, host_device=None, grad_dtype=jnp.float32,
                  offload_activations: bool = False, aux_loss: Optional[Callable] = None,
-                 disk_tier: Optional[DiskTierOptions] = None, compute_devices=None):
+                 disk_tier: Optional[DiskTierOptions] = None, compute_devices=None,
+                 shard_host_state: bool = False):
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         if prefetch < 0:
@@ -89,7 +99,8 @@ class StreamedEngine:
             raise ValueError(f"grad_dtype must be a floating dtype, got {jnp.dtype(grad_dtype)}")
         self.num_layers = num_layers
         self.prefetch = prefetch
-        self.placement = Placement(compute_devices or [compute_device or jax.local_devices()[0]])
+        self.placement = Placement(compute_devices or [compute_device or jax.local_devices()[0]],
+                                   shard=shard_host_state)
         self.compute_device = self.placement.local_devices[0]
         self.host_device = host_device or jax.local_devices(backend="cpu")[0]
         if self.placement.data_parallel and self.host_device in self.placement.devices:
@@ -121,7 +132,7 @@ class StreamedEngine:
                               compute_dtype=compute_dtype, grad_dtype=grad_dtype,
                               compute_device=self.compute_device, host_device=self.host_device,
                               counters=self.counters, disk_tier=disk_tier,
-                              num_units=1 + num_layers)
+                              num_units=1 + num_layers, shards=self.placement.shards)
         self.parts = self.functions = None  # built at the first step, from its shapes
         self.unit_sq = None
         self._broken = None
@@ -132,7 +143,7 @@ class StreamedEngine:
         """The jitted device functions for micro-batches shaped like inputs[0], targets[0]
         (arrays or jax.ShapeDtypeStruct), e.g. to compile them and read `memory_analysis()`."""
         if self.functions is None:
-            stages = self.host.unit_state(0)[0]
+            stages = self.param_shapes()["stages"]  # whole shapes, whatever the host layout
             self.parts = stage_parts(self._stages_def, stages, inputs, targets)
             self.functions = DeviceFunctions(self._stages_def, jax.tree.structure(stages),
                                              self.parts, self._block_def, self.host.grad_dtype,
@@ -239,6 +250,32 @@ class StreamedEngine:
         self.wait()
         params = [self.host.unit_state(u)[0] for u in range(len(self.host.units))]
         return {"stages": params[0], "layers": params[1:]}
+
+    def param_shapes(self) -> dict:
+        """The logical shapes of the master weights, as `params()`'s structure of
+        jax.ShapeDtypeStruct (fp32). They are params()' own shapes, except with
+        `shard_host_state`, where params() holds this process's rows of each."""
+        shapes = self.host.shapes
+        struct = lambda leaves, u: jax.tree.unflatten(jax.tree.structure(leaves), [
+            jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes[u]])
+        params = self.params()
+        return {"stages": struct(params["stages"], 0),
+                "layers": [struct(layer, 1) for layer in params["layers"]]}
+
+    def state_shapes(self) -> dict:
+        """The logical shapes of `state()` (params and optax state per unit, as if one process
+        held it all), as jax.ShapeDtypeStruct: a checkpoint's model, whatever the layout."""
+        params = self.param_shapes()
+        init = lambda p: jax.eval_shape(self.host.optimizer.init, p)
+        block = init(params["layers"][0])  # every block has one structure: traced once
+        return {"stages": {"params": params["stages"], "opt_state": init(params["stages"])},
+                "layers": [{"params": p, "opt_state": block} for p in params["layers"]]}
+
+    @property
+    def shards(self):
+        """The sharded host layout (engine/shard.py's Shards), or None when every process holds
+        the whole state."""
+        return self.placement.shards
 
     def state(self) -> dict:
         """The full training state (params and optax state per unit), host-resident; a view

@@ -59,7 +59,7 @@ def _state_path(unit: int, key) -> str:
     return f"layers/{unit - 1}/params/{key}"
 
 
-def _write_shards(manager, step, tree, tmp, shards, names, np_dtype, where) -> int:
+def _write_shards(manager, step, tree, tmp, shards, names, np_dtype, where, meta) -> int:
     """Writes each shard's tensors, restored from checkpoint `step` a shard at a time, as
     safetensors files in tmp; returns the bytes written. A tensor that is not finite, or would not
     be in np_dtype, is refused."""
@@ -86,6 +86,7 @@ def _write_shards(manager, step, tree, tmp, shards, names, np_dtype, where) -> i
         restored = {checkpoint.path_str(p): x
                     for p, x in jax.tree_util.tree_leaves_with_path(state)
                     if x is not ocp.PLACEHOLDER}
+        restored = {p: checkpoint.cut_padding(meta, p, x) for p, x in restored.items()}
         del state
         out = {}
         for name, shape, unit, key, transpose in shard:
@@ -152,6 +153,9 @@ def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None,
         for name, shape, unit, key, _ in all_tensors(cfg):  # every parameter, unfused
             leaf = saved.get(_state_path(unit, key))
             size = math.prod(shape) * (cfg.num_experts if isinstance(key, Expert) else 1)
+            rows = meta.get("logical_rows", {}).get(_state_path(unit, key))  # a sharded save's
+            if leaf is not None and rows is not None:
+                leaf = jax.ShapeDtypeStruct((rows,) + tuple(leaf.shape[1:]), leaf.dtype)
             if leaf is None or math.prod(leaf.shape) != size:
                 raise HFError(f"{where} does not match its config: {_state_path(unit, key)} "
                               f"({name}) is {'absent' if leaf is None else tuple(leaf.shape)}")
@@ -179,7 +183,8 @@ def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None,
         except OSError as e:
             raise HFError(f"--out {out_dir}: cannot write in {parent} ({e.strerror})") from None
         try:  # any failure removes the half-written directory
-            total = _write_shards(manager, step, tree, tmp, shards, names, np_dtype, where)
+            total = _write_shards(manager, step, tree, tmp, shards, names, np_dtype, where,
+                                  meta)
             if len(shards) > 1:
                 weight_map = {t[0]: name for shard, name in zip(shards, names) for t in shard}
                 with open(os.path.join(tmp, INDEX_FILE), "w") as f:
