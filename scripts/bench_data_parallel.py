@@ -3,8 +3,11 @@
     python scripts/bench_data_parallel.py                       # P = 1, 2, 4 processes (CPU)
     python scripts/bench_data_parallel.py --processes 1,2 --steps 3 --json out.json
     python scripts/bench_data_parallel.py --shard-optimizer       # replicated and sharded rows
+    python scripts/bench_data_parallel.py --shard-optimizer --processes 1,2 --steps 1 \
+        model.hidden_size=768 model.intermediate_size=2048 model.num_layers=8  # a larger model
 
-For each P, trains the tiny config (configs/tiny.yaml, fp32) with P processes of one compute
+For each P, trains the tiny config (configs/tiny.yaml, fp32; dotted key=value overrides after the
+options change it, e.g. to a model large enough for RSS to show the host state) with P processes of one compute
 device each, started by scripts/launch.py on 127.0.0.1 (gloo), and reports per process:
 
 - host -> device bytes per link per step: each device gets every unit's weights over its own link
@@ -114,10 +117,10 @@ def padded_counts(engine) -> tuple:
     return first, last, sum(padded(shapes["layers"][0]))
 
 
-def run(processes: int, steps: int, sharded: bool = False) -> list:
-    """The figures of every process of a P-process run."""
+def run(processes: int, steps: int, sharded: bool = False, overrides: tuple = ()) -> list:
+    """The figures of every process of a P-process run (config `overrides`: key=value)."""
     with tempfile.TemporaryDirectory() as out:
-        me = [os.path.abspath(__file__), "--child", out, "--steps", str(steps)]
+        me = [os.path.abspath(__file__), "--child", out, "--steps", str(steps), *overrides]
         if sharded:
             me.append("distributed.shard_optimizer=true")
         env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -159,7 +162,7 @@ def main(argv=None):
     for p in [int(x) for x in args.processes.split(",")]:
         # one process of one device has nothing to shard: the sharded run would be this one
         for sharded in [False, True] if args.shard_optimizer and p > 1 else [False]:
-            figures = run(p, args.steps, sharded)
+            figures = run(p, args.steps, sharded, rest)
             results.append(max(figures, key=lambda r: r["rss"]))  # the largest process
             print(table(results[-1:]).splitlines()[-1], flush=True)
     print(table(results))
