@@ -181,3 +181,29 @@ def test_sharded_checkpoint_moves_to_one_device_and_back(tmp_path):
                        jax.tree.map(np.array, sharded.state()), rtol=0)
     for engine in (sharded, one, again):
         engine.close()
+
+
+def test_sharded_asynchronous_save_is_the_state_of_its_step(tmp_path):
+    """An asynchronous save of the sharded state (each process's rows wrapped as a global array
+    without a copy) holds the state as of its step although the next steps update the state in
+    place while it is written."""
+    from megatrain_jax import checkpoint
+    batches = global_batches(num_steps=3)
+    engine = make_dp_engine(jax.devices("cpu")[:2], shard_host_state=True)
+    engine.train_step(*batches[0])
+    expected = jax.tree.map(np.array, engine.state())
+    manager = checkpoint.make_manager(tmp_path / "async", async_save=True)
+    checkpoint.save(manager, 1, engine)
+    for inputs, targets in batches[1:]:
+        engine.train_step(inputs, targets)
+    engine.wait()
+    checkpoint.wait(manager)
+    moved = jax.tree.map(np.array, engine.state())
+    leaves = lambda tree: jax.tree.leaves(tree["layers"][0]["params"])
+    assert not any(np.array_equal(a, b) for a, b in zip(leaves(moved), leaves(expected)))
+    again = make_dp_engine(jax.devices("cpu")[:2], shard_host_state=True)
+    checkpoint.restore(manager, again)
+    assert_trees_close(jax.tree.map(np.array, again.state()), expected, rtol=0)
+    for e in (engine, again):
+        e.close()
+    manager.close()
