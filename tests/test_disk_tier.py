@@ -181,9 +181,10 @@ def test_a_filesystem_refusing_o_direct_falls_back_to_buffered_once(tmp_path, ra
     assert_bit_equal(saved_state(run_dir, TRAIN_STEPS), saved_state(ram_run, TRAIN_STEPS))
     said = [line for line in lines if "refuses O_DIRECT" in line]
     assert len(said) == 1 and said[0].startswith("disk tier: ") and "buffered" in said[0]
-    # true: refused with one line naming the key.
+    # true: refused with one line naming the key, before any file of the tier is written.
     with pytest.raises(TierError, match="offload.path .*: O_DIRECT refused .*direct_io=auto"):
         DiskTier(DiskTierOptions(refusing_path + "/t", run="r", direct_io="true"), layouts())
+    assert os.listdir(refusing_path + "/t") == []
 
 
 # ---------------------------------------------------------------- the directory: scratch, owned

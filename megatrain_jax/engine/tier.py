@@ -160,9 +160,9 @@ class DiskTier:
         self.layouts = layouts
         self.files = [os.path.join(self.path, f"unit_{u:05d}.bin") for u in range(len(layouts))]
         self.total_bytes = sum(layout.nbytes for layout in layouts)
-        self.opened = self._claim_directory()
         self.direct_io = options.direct_io != "false"  # until the filesystem refuses it (auto)
         self.io_mode = "buffered (offload.direct_io=false)"  # for the log
+        self.opened = self._claim_directory()
         self._fds = [self._create(u) for u in range(len(layouts))]
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max(2, options.read_ahead + 1), thread_name_prefix="disk-tier")
@@ -214,6 +214,13 @@ class DiskTier:
             if others:
                 raise TierError(f"{where} is not empty and holds no {MANIFEST} (e.g. {others[0]}"
                                 f"); the disk tier needs a directory of its own")
+        if self.direct_io:  # refused (direct_io=true) before any of ours is touched
+            fd, probe = tempfile.mkstemp(dir=path, prefix=".direct_io_probe")
+            os.close(fd)
+            try:
+                os.close(self._reopen_direct(probe, os.open(probe, os.O_RDWR)))
+            finally:
+                os.remove(probe)
         stale = [name for name in os.listdir(path) if name.startswith("unit_")
                  and name.endswith(".bin") and name not in ours]
         for name in stale:  # units of a deeper model of this run
@@ -242,14 +249,15 @@ class DiskTier:
             raise TierError(f"offload.path {self.options.path}: cannot allocate {self.files[u]} "
                             f"({e.strerror or e})") from None
         if self.direct_io:
-            fd = self._reopen_direct(u, fd)
+            fd = self._reopen_direct(self.files[u], fd)
         return fd
 
-    def _reopen_direct(self, u: int, fd: int) -> int:
-        """fd reopened with O_DIRECT; where the filesystem refuses it (tmpfs: EINVAL), fd itself,
-        buffered from then on, with io_mode saying why (auto), or a TierError (true)."""
+    def _reopen_direct(self, name: str, fd: int) -> int:
+        """fd (of file `name`) reopened with O_DIRECT; where the filesystem refuses it (tmpfs:
+        EINVAL), fd itself, buffered from then on, with io_mode saying why (auto), or a TierError
+        (true)."""
         try:
-            direct = open_direct(self.files[u])
+            direct = open_direct(name)
         except (OSError, AttributeError) as e:  # AttributeError: no O_DIRECT on this platform
             why = e.strerror if isinstance(e, OSError) else "not on this platform"
             if self.options.direct_io == "true":
