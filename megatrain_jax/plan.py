@@ -235,14 +235,15 @@ class _Counts:
     def host_on_disk(self, tokens: int, offload: bool, read_ahead: int) -> dict:
         """`host` with offload.tier=disk (engine/tier.py): no master weights or optax state in
         RAM, a bus copy even in fp32, and the units in flight: read_ahead read buffers, the unit
-        being updated and up to read_ahead written behind (at least 1), all from one pool of
-        buffers; the stages' own buffers (one read, one written) stay pooled besides their
-        arrays while they are updated."""
+        being updated (its read buffer, which its arrays alias, and the update's outputs) and up
+        to read_ahead written behind (at least 1), the buffers from one pool; the stages' own
+        buffers (one read, one written) stay pooled besides their arrays while they are
+        updated."""
         params = self.stages + self.layers * self.layer
         return {**self.host(tokens, offload), "master": 0, "optimizer": 0,
                 "bus": self.compute * params,
                 "tier buffers": 3 * self.stages_state
-                + (read_ahead + max(1, read_ahead) + 1) * self.layer_state}
+                + (read_ahead + max(1, read_ahead) + 2) * self.layer_state}
 
     def _acts(self, tokens: int) -> int:
         """One layer's activations (input or output) for all micro-batches."""

@@ -67,6 +67,10 @@ class HostState:
         # keep_unused: the old bus is never read, only donated; jit would otherwise prune it.
         self._update = jax.jit(self._host_update, donate_argnums=(0, 1, 3), static_argnums=(6,),
                                keep_unused=True)
+        if disk_tier is not None:  # the state aliases the tier's read buffer (tier.load): the
+            # outputs get buffers of their own, copied out to the file by tier.store
+            self._update = jax.jit(self._host_update, donate_argnums=(3,), static_argnums=(6,),
+                                   keep_unused=True)
         # Scaled and clipped inside the update, the gradient becomes an intermediate that both
         # Adam moments read, and XLA:CPU gives it a fresh temporary (~3 B/param, page-faulted each
         # step). An fp32 gradient is therefore prepared first, in place, by its own pass; a bf16

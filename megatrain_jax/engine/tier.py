@@ -2,8 +2,8 @@
 
     tier = DiskTier(DiskTierOptions("/nvme/run1", read_ahead=1, run="runs/a"), layouts)
     tier.expect(u)                 # unit u's update is queued: its read may start
-    params, opt_state = tier.load(u)     # host arrays, read (ahead) from unit u's file
-    tier.store(u, params, opt_state)     # copied out, written back in the background
+    params, opt_state = tier.load(u)     # host arrays aliasing unit u's read (ahead) buffer
+    tier.store(u, new_params, new_state) # copied out, written back in the background
 
 One file per unit, `unit_00000.bin` (the stages), `unit_00001.bin` (layer 0), ...: the unit's
 leaves (params then optax state, in tree order) at 4 KiB-aligned offsets. A unit moves whole, in
@@ -11,9 +11,10 @@ one `preadv` or one `pwritev` of its file, through a 4 KiB-aligned buffer from a
 and writes share; the files are opened with O_DIRECT where the filesystem allows it
 (`direct_io`), so the disk, not the page cache, moves the bytes and the cache does not grow by the
 model. The I/O runs on a small thread pool: while the host thread updates unit i, units
-i + 1 .. i + read_ahead are being read and unit i - 1 written. `store` copies the updated arrays
-into a buffer and lets them go at once, so host RAM holds the bus copies plus read_ahead +
-max(1, read_ahead) units in buffers and the unit being updated, not the whole model's state.
+i + 1 .. i + read_ahead are being read and unit i - 1 written. `load` hands out arrays that alias
+the read buffer (no copy in); `store` copies the update's outputs into a buffer and lets them go
+at once, so host RAM holds the bus copies plus read_ahead + max(1, read_ahead) + 1 units in
+buffers and the update's outputs, not the whole model's state.
 
 The files are scratch, not state of record: the engine writes them whole at construction and a
 run resumes from its last checkpoint, never from them. `tier.json` in the directory names the run,
@@ -171,6 +172,7 @@ class DiskTier:
         self._reads = {}  # unit -> Future of its buffer
         self._writes = {}  # unit -> Future of its last write
         self._free = {}  # nbytes -> [aligned buffers]: reused, never page-faulted again
+        self._loaned = {}  # unit -> its read buffer, aliased by the arrays load() returned
         # Bytes moved and the seconds the I/O threads spent in the syscalls moving them (summed
         # over threads): bytes / seconds is the tier's own throughput, for benchmarks. The host
         # thread's seconds: copying between buffers and arrays (copy_s), and waiting for a read
@@ -353,8 +355,9 @@ class DiskTier:
             self._upcoming.append(u)
 
     def load(self, u: int, host) -> tuple:
-        """(params, opt_state) of unit u as arrays on `host` (a sharding), its read started ahead;
-        the reads of the next read_ahead queued units are started before waiting."""
+        """(params, opt_state) of unit u as arrays on `host` (a sharding) aliasing its read
+        buffer, which must not be donated nor used after `store(u)`; its read was started ahead,
+        and the reads of the next read_ahead queued units start now."""
         with self._lock:
             if self._upcoming and self._upcoming[0] == u:
                 self._upcoming.pop(0)
@@ -363,25 +366,21 @@ class DiskTier:
         self._start_read(u)
         buffer = self._reads.pop(u).result()
         t1 = time.perf_counter()
-        try:
-            # A copy: device_put would alias an aligned buffer (even with may_alias=False, JAX
-            # 0.10), and the buffer is reused by the next read while the update writes in place.
-            state = jax.tree.map(lambda x: jnp.array(x, copy=True, device=host),
-                                 self.layouts[u].views(buffer))
-            jax.block_until_ready(state)
-        finally:
-            self._give(buffer)
+        # No copy: device_put of the (4 KiB-aligned) views aliases the buffer, which stays loaned
+        # to these arrays until store() has copied the update's outputs out. Copying it into
+        # fresh XLA arrays instead ran at ~2 GB/s, most of the host thread's time (the update
+        # must then not donate them: HostState compiles a non-donating update for the tier).
+        state = jax.tree.map(lambda x: jax.device_put(x, host), self.layouts[u].views(buffer))
+        self._loaned[u] = buffer
         self.wait_s += t1 - t0
         self.copy_s += time.perf_counter() - t1
-        # The reads ahead start once u's buffer is back in the pool (a copy later, a fraction of
-        # a read), so the next read reuses it: a unit fewer in RAM than starting them first.
-        for v in ahead:
+        for v in ahead:  # each in a buffer of its own: u's is loaned until store(u)
             self._start_read(v)
         return state
 
     def store(self, u: int, params, opt_state):
-        """Copies unit u's updated state into a buffer (the caller's arrays can then be freed) and
-        writes it in the background. At most max(1, read_ahead) writes are pending: beyond that
+        """Copies unit u's updated state into a buffer (the caller's arrays can then be freed),
+        gives back the buffer `load(u)` loaned, and writes the copy in the background. At most max(1, read_ahead) writes are pending: beyond that
         the oldest is waited for first, so its buffer is the one this copy reuses."""
         t0 = time.perf_counter()
         while len([f for f in self._writes.values() if not f.done()]) >= max(
@@ -390,6 +389,9 @@ class DiskTier:
             self._writes[oldest].result()
         self.wait_s += time.perf_counter() - t0
         buffer = self._fill(u, jax.tree.leaves((params, opt_state)))
+        loaned = self._loaned.pop(u, None)
+        if loaned is not None:
+            self._give(loaned)
         self._writes[u] = self._pool.submit(self._write, u, buffer)
 
     def write_now(self, u: int, params, opt_state):
