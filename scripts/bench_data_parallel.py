@@ -4,11 +4,13 @@
     python scripts/bench_data_parallel.py --processes 1,2 --steps 3 --json out.json
     python scripts/bench_data_parallel.py --shard-optimizer       # replicated and sharded rows
     python scripts/bench_data_parallel.py --shard-optimizer --processes 1,2 --steps 1 \
-        model.hidden_size=768 model.intermediate_size=2048 model.num_layers=8  # a larger model
+        model.hidden_size=768 model.intermediate_size=2048 model.num_layers=8 \
+        model.num_heads=12 model.num_kv_heads=4                 # a larger model (50.7M params)
 
 For each P, trains the tiny config (configs/tiny.yaml, fp32; dotted key=value overrides after the
-options change it, e.g. to a model large enough for RSS to show the host state) with P processes of one compute
-device each, started by scripts/launch.py on 127.0.0.1 (gloo), and reports per process:
+options change it, e.g. to a model large enough for RSS to show the host state) with P processes
+of one compute device each, started by scripts/launch.py on 127.0.0.1 (gloo), and reports per
+process:
 
 - host -> device bytes per link per step: each device gets every unit's weights over its own link
   (the embedding twice, the head once, each block twice); predicted from the model's parameter

@@ -65,12 +65,11 @@ class HostState:
         # Donating params, optax state and the old bus copy makes the update write in place: on
         # the CPU backend a fresh output buffer is page-faulted in at a fraction of memory speed.
         # keep_unused: the old bus is never read, only donated; jit would otherwise prune it.
-        self._update = jax.jit(self._host_update, donate_argnums=(0, 1, 3), static_argnums=(6,),
+        # With the disk tier, params and optax state alias the tier's read buffer (tier.load),
+        # which XLA does not own: the outputs get buffers of their own, copied out by tier.store.
+        donate = (3,) if disk_tier is not None else (0, 1, 3)
+        self._update = jax.jit(self._host_update, donate_argnums=donate, static_argnums=(6,),
                                keep_unused=True)
-        if disk_tier is not None:  # the state aliases the tier's read buffer (tier.load): the
-            # outputs get buffers of their own, copied out to the file by tier.store
-            self._update = jax.jit(self._host_update, donate_argnums=(3,), static_argnums=(6,),
-                                   keep_unused=True)
         # Scaled and clipped inside the update, the gradient becomes an intermediate that both
         # Adam moments read, and XLA:CPU gives it a fresh temporary (~3 B/param, page-faulted each
         # step). An fp32 gradient is therefore prepared first, in place, by its own pass; a bf16

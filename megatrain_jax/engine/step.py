@@ -46,12 +46,6 @@ def _merge_stage_grads(first, last, first_idx, last_idx, shapes, dtype):
 
 
 @jax.jit
-def _stages_sq(stages_grads):
-    """The stages' gradient's sum of squares, on the host."""
-    return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in stages_grads)
-
-
-@jax.jit
 def _norm_and_scale(layers_sq, stages_sq, weight):
     """(global norm of the scaled gradient, scale = 1 / sum of loss weights), on the host."""
     scale = jnp.where(weight > 0, 1.0 / jnp.where(weight > 0, weight, 1.0), 0.0)
@@ -186,7 +180,8 @@ def run(engine, inputs, targets, contexts) -> dict:
     total_weight = f.total(weights)
     local = engine.placement.local
     # Sharded over processes, each has its rows of the stages: their sums of squares add up.
-    stages_sq = engine.placement.sum_over_processes(_stages_sq(stage_grads), engine.host_sharding)
+    stages_sq = engine.placement.sum_over_processes(f.sum_squares(stage_grads),  # on the host
+                                                    engine.host_sharding)
     grad_norm, scale = _norm_and_scale(on_host(local(layer_sq)), stages_sq,
                                        on_host(local(total_weight)))
     engine.unit_sq = [stages_sq] + local(layer_sq[::-1])  # per unit, for nonfinite_units()

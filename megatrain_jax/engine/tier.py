@@ -380,8 +380,9 @@ class DiskTier:
 
     def store(self, u: int, params, opt_state):
         """Copies unit u's updated state into a buffer (the caller's arrays can then be freed),
-        gives back the buffer `load(u)` loaned, and writes the copy in the background. At most max(1, read_ahead) writes are pending: beyond that
-        the oldest is waited for first, so its buffer is the one this copy reuses."""
+        gives back the buffer `load(u)` loaned, and writes the copy in the background. At most
+        max(1, read_ahead) writes are pending: beyond that the oldest is waited for first, so its
+        buffer is the one this copy reuses."""
         t0 = time.perf_counter()
         while len([f for f in self._writes.values() if not f.done()]) >= max(
                 1, self.options.read_ahead):
