@@ -192,12 +192,12 @@ def rows_cut_to(saved, like):
                          ids=["replicated", "sharded"])
 def test_two_processes_equal_one_lost_process_named_and_checkpoints_cross_process_counts(
         tmp_path, reference, layout):
-    """1 -> 2 processes: resume the single-process checkpoint 1 with two processes; they run step
-    2 (equal to one process) and save checkpoint 2; process 1 is killed at step 3: process 0 stops
-    naming it within 60 s and the launcher fails. 2 -> 1: one process resumes checkpoint 2 and
-    finishes equal to the uninterrupted single-process run. Sharded (the host state split over
-    the two processes): both save checkpoint 2, each its rows (the vocabulary's 257 rows padded
-    to 258), and one replicated process resumes it."""
+    """1 -> 2 processes: resume the single-process checkpoint 1 with two processes; they run steps
+    2 and 3 (equal to one process) and save checkpoints 2 and 3; process 1 is killed at step 4:
+    process 0 stops naming it within 60 s and the launcher fails. 2 -> 1: one process resumes
+    checkpoint 3 and finishes equal to the uninterrupted single-process run. Sharded (the host
+    state split over the two processes): both save each checkpoint, each its rows (the
+    vocabulary's 257 rows padded to 258), and one replicated process resumes it."""
     run_dir = tmp_path / "run"
     os.makedirs(run_dir / "checkpoints")
     shutil.copytree(os.path.join(reference, "checkpoints", "1"), run_dir / "checkpoints" / "1")
@@ -205,29 +205,29 @@ def test_two_processes_equal_one_lost_process_named_and_checkpoints_cross_proces
     runner, marker = tmp_path / "runner.py", tmp_path / "killed"
     runner.write_text(RUNNER)
     proc = subprocess.Popen(
-        [sys.executable, "scripts/launch.py", "--nproc", "2", "--", str(runner), "1", "2",
+        [sys.executable, "scripts/launch.py", "--nproc", "2", "--", str(runner), "1", "3",
          str(marker), "--config", "configs/tiny.yaml", *FAST, f"run_dir={run_dir}", *layout],
         cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=400)
     assert marker.exists(), err[-3000:]
     assert time.time() - marker.stat().st_mtime < 60  # everything stopped within 60 s of the kill
     assert proc.returncode != 0
-    assert "[0] error: lost process 1 of 2 at step 3" in err, err[-3000:]
+    assert "[0] error: lost process 1 of 2 at step 4" in err, err[-3000:]
     assert re.search(r"launch: process (1 exited with code -9|0 exited with code 1)", err)
     assert "compute cpu x 2 (data parallel: 2 process(es) x 1 devices)" in out
 
-    assert_steps_equal(run_dir, reference, [2])
-    assert sorted(os.listdir(run_dir / "checkpoints")) == ["1", "2"]
+    assert_steps_equal(run_dir, reference, [2, 3])
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["1", "2", "3"]
     if layout:  # written by both processes, each its rows
         manager = checkpoint.make_manager(run_dir / "checkpoints")
-        assert checkpoint.read_meta(manager, 2)[0]["host_shards"] == 2
+        assert checkpoint.read_meta(manager, 3)[0]["host_shards"] == 2
         manager.close()
-    want = saved_arrays(reference, 2)
-    assert_trees_close(rows_cut_to(saved_arrays(run_dir, 2), want), want, rtol=1e-5)
+    want = saved_arrays(reference, 3)
+    assert_trees_close(rows_cut_to(saved_arrays(run_dir, 3), want), want, rtol=1e-5)
 
     lines = []
-    train(make_cfg(run_dir), log=lines.append)  # one process, from the two processes' step 2
-    assert any("resumed from checkpoint step 2" in x for x in lines)
+    train(make_cfg(run_dir), log=lines.append)  # one process, from the two processes' step 3
+    assert any("resumed from checkpoint step 3" in x for x in lines)
     assert_steps_equal(run_dir, reference, range(1, STEPS + 1))
     assert_trees_close(saved_state(run_dir), saved_state(reference), rtol=1e-5)
 
