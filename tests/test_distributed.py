@@ -233,16 +233,21 @@ def test_two_processes_equal_one_lost_process_named_and_checkpoints_cross_proces
 
 
 def test_bench_data_parallel_smoke(tmp_path):
-    """scripts/bench_data_parallel.py with two processes: they finish cleanly (exit 0, the
-    coordinator leaving last), and the engine's counters equal the predicted bytes per link."""
+    """scripts/bench_data_parallel.py with two processes, replicated and sharded: they finish
+    cleanly (exit 0, the coordinator leaving last), the engine's counters equal the predicted
+    bytes per link, and sharded, each process holds half the engine state (plus padding rows)."""
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "scripts/bench_data_parallel.py", "--processes", "2",
-                           "--steps", "1", "--json", str(out)],
+                           "--steps", "1", "--shard-optimizer", "--json", str(out)],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (row,) = json.loads(out.read_text())
-    assert row["processes"] == 2 and row["devices"] == 2
-    assert row["h2d_per_link_measured"] == row["h2d_per_link_predicted"] > 0
-    assert row["d2h_per_process_measured"] == row["d2h_per_process_predicted"] > 0
-    assert row["host_state_engine"] > 0 and row["rss"] > row["host_state_engine"]
+    replicated, sharded = json.loads(out.read_text())
+    assert (replicated["layout"], sharded["layout"]) == ("replicated", "sharded")
+    for row in (replicated, sharded):
+        assert row["processes"] == 2 and row["devices"] == 2
+        assert row["h2d_per_link_measured"] == row["h2d_per_link_predicted"] > 0
+        assert row["d2h_per_process_measured"] == row["d2h_per_process_predicted"] > 0
+        assert row["host_state_engine"] > 0 and row["rss"] > row["host_state_engine"]
+    assert 0.5 <= sharded["host_state_engine"] / replicated["host_state_engine"] < 0.51
+    assert sharded["h2d_per_link_measured"] < 0.51 * replicated["h2d_per_link_measured"]
     assert "| 2 |" in proc.stdout
