@@ -60,13 +60,20 @@ class Meter:
 
     def __init__(self, *, total_steps: int, start_step: int, tokens_per_step: int,
                  flops_per_token: float, peak_flops: float | None, device=None,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, smoothing: dict | None = None):
+        """`smoothing`: a `smoothing()` of the run's meter at start_step (a resumed run goes on
+        with it, so its loss_smooth equals an uninterrupted run's)."""
         self.total, self.start = total_steps, start_step
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.peak_flops, self.device, self.clock = peak_flops, device, clock
         self.began = clock()
         self._first_done = None  # when this process's first step ended
-        self._average, self._weight = 0.0, 0.0
+        smoothing = smoothing or {}
+        self._average, self._weight = smoothing.get("average", 0.0), smoothing.get("weight", 0.0)
+
+    def smoothing(self) -> dict:
+        """loss_smooth's running sums, JSON-able: a checkpoint's, for Meter(smoothing=...)."""
+        return {"average": self._average, "weight": self._weight}
 
     def measure(self, step: int, loss: float, step_time_s: float) -> dict:
         now = self.clock()

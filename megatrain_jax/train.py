@@ -22,6 +22,7 @@ import yaml
 from megatrain_jax import advice, attention, chat, checkpoint, dpo, preference
 from megatrain_jax import distributed
 from megatrain_jax import data as data_lib
+from megatrain_jax import fingerprint
 from megatrain_jax import hf
 from megatrain_jax import hostmem
 from megatrain_jax import moe
@@ -301,7 +302,29 @@ def resume_point(cfg: Config, log=print) -> int | None:
                 f"{new!r} now; to resume with the new value, add checkpoint.allow_changes=[{key}]")
         log(f"resuming with a changed {key}: {old!r} in {where}, {new!r} now "
             f"(checkpoint.allow_changes)")
+    change = ("data_files" in meta and  # older checkpoints did not record their data
+              fingerprint.first_change(meta["data_files"],
+                                       fingerprint.files_identity(data_files(cfg))))
+    if change:
+        if not {"data.path", "data"} & set(cfg.checkpoint.allow_changes):
+            raise checkpoint.CheckpointError(
+                f"{where} was trained on other data: {change}; to resume with the data as it is "
+                f"now, add checkpoint.allow_changes=[data.path]")
+        log(f"resuming with changed data: {change} (checkpoint.allow_changes)")
     return step
+
+
+def data_files(cfg: Config) -> list[str]:
+    """The files the run reads its data from (data.path, data.eval_path; a directory's files,
+    sorted), whose identity each checkpoint records."""
+    files = []
+    for path in (cfg.data.path, cfg.data.eval_path):
+        if os.path.isdir(path):
+            files += sorted(os.path.join(root, name) for root, _, names in os.walk(path)
+                            for name in names)
+        elif path:
+            files.append(path)
+    return files
 
 
 def train(cfg: Config, *, log=print, console=None) -> list[dict]:
@@ -419,12 +442,13 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
                                       sharded=sharded)
     if cfg.data.format == "preference":  # the starting weights', before any checkpoint's
         dpo.prepare_reference(cfg, engine, dataset, log)
-    start = 0
+    start, saved_progress = 0, {}
     if resume_step is not None:
         # The saved shapes are checked against the engine's before anything is loaded.
         meta = checkpoint.restore(manager, engine, resume_step)
         dataset.restore(meta["data_state"])
-        start = meta["step"]
+        start, saved_progress = meta["step"], meta.get("progress", {})
+    identity = fingerprint.files_identity(data_files(cfg))
 
     log(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
     peak_flops, peak_source = _peak_flops(cfg, engine.compute_device)
@@ -449,12 +473,16 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
         log(f"resumed from checkpoint step {start} ({manager.directory})")
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     history, bad_steps = [], 0
+    # Updates applied so far: the count the schedule reads (a skipped step applies none). Older
+    # checkpoints did not record it: their steps, as if none had been skipped.
+    updates = saved_progress.get("updates", start)
     with jax.default_device(jax.local_devices(backend="cpu")[0]):  # each step's lr, for the log
         lrs = np.asarray(build_schedule(cfg.optimizer, cfg.train.steps)(np.arange(cfg.train.steps)))
     meter = progress.Meter(total_steps=cfg.train.steps, start_step=start,
                            tokens_per_step=dataset.tokens_per_batch,
                            flops_per_token=plan_lib.flops_per_token(cfg.model, cfg.data.seq_len),
-                           peak_flops=peak_flops, device=engine.compute_device)
+                           peak_flops=peak_flops, device=engine.compute_device,
+                           smoothing=saved_progress.get("loss_smooth"))
     with _StopSignals() as stop, contextlib.ExitStack() as files:
         live = None
         if console is not None and console.is_terminal and start < cfg.train.steps:
@@ -491,7 +519,7 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
                 files.callback(sinks.close)
             record = {"step": step, "loss": loss, "grad_norm": grad_norm,
                       "tokens_per_sec": dataset.tokens_per_batch / dt, "step_time_s": dt,
-                      "lr": float(lrs[step - 1])}
+                      "lr": float(lrs[updates])}  # the rate this step's update uses
             if "aux_loss" in out:  # a mixture of experts' load balancing, included in loss
                 record["aux_loss"] = float(out["aux_loss"])
             if "stats" in out:  # the DPO head's: reward margin and accuracy, log-probs
@@ -499,6 +527,8 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
             bad_steps = 0 if math.isfinite(grad_norm) else bad_steps + 1
             if bad_steps:
                 record["skipped"] = True
+            else:
+                updates += 1
             # Forward only: reads the weights (after this step's update), changes nothing.
             evaluating = bool(eval_set) and (
                 (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == cfg.train.steps)
@@ -510,7 +540,7 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
             if live is not None:
                 live.update(record)
             history.append(record)
-            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.write(_json_line(record))
             metrics_file.flush()
             sinks.write(record)
             if bad_steps:
@@ -519,11 +549,12 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
                     f"optimizer state unchanged ({bad_steps} of train.max_bad_steps="
                     f"{cfg.train.max_bad_steps} in a row)")
                 if bad_steps >= cfg.train.max_bad_steps:
+                    checkpoint.wait(manager)  # the last one written is complete before it is named
                     raise TrainingError(
                         f"stopped at step {step}: {bad_steps} consecutive steps with a non-finite "
                         f"gradient (train.max_bad_steps={cfg.train.max_bad_steps}, last in "
-                        f"{where}); no update and no checkpoint was made from them; lower "
-                        f"optimizer.learning_rate or check the data")
+                        f"{where}); no update and no checkpoint was made from them; "
+                        f"{_resume_hint(manager)}")
             elif step % cfg.train.log_every == 0 or step == cfg.train.steps:
                 log(progress.line(record, total_steps=cfg.train.steps))
             if step == start + ADVICE_AFTER:
@@ -535,15 +566,21 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
             if (ckpt.every and step % ckpt.every == 0) or step == cfg.train.steps or stop.received:
                 if not primary and not sharded:  # replicated host state: process 0 saves it all
                     pass
+                elif bad_steps:  # its state is an earlier step's: saved, it would rotate that out
+                    log(f"step {step:5d} | skipped: no checkpoint ({_last_checkpoint(manager)})")
                 elif step in manager.all_steps():  # only after resume_step: never overwrite one
                     log(f"checkpoint step {step} already exists in {manager.directory}; kept as is")
                 else:
                     checkpoint.save(manager, step, engine, {
                         "config": to_dict(cfg), "data_state": dataset.state(),
+                        "data_files": identity,
+                        "progress": {"updates": updates, "loss_smooth": meter.smoothing()},
                         "rng": {"seed": cfg.train.seed}})  # the home of a future dropout key
             if stop.received:
                 log(f"{stop.received} received: stopped after step {step} with a checkpoint; "
-                    f"run the same command again to resume")
+                    f"run the same command again to resume" if not bad_steps else
+                    f"{stop.received} received: stopped after step {step}, skipped; "
+                    f"{_resume_hint(manager)}")
                 break
         checkpoint.wait(manager)  # inside: a second signal still exits at once
     manager.close()
@@ -551,6 +588,32 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
     if start >= cfg.train.steps:
         log(f"nothing to do: checkpoint step {start} reached train.steps={cfg.train.steps}")
     return history
+
+
+def _last_checkpoint(manager) -> str:
+    step = manager.latest_step()
+    if step is None:
+        return f"none written yet in {manager.directory}"
+    return f"the last is step {step} in {manager.directory}"
+
+
+def _resume_hint(manager) -> str:
+    """Where the run can go on from after non-finite steps, and how."""
+    step = manager.latest_step()
+    if step is None:
+        return ("no checkpoint was written before them: start again with a lower "
+                "optimizer.learning_rate, or check the data")
+    return (f"the last checkpoint written before them is step {step} in {manager.directory}; "
+            f"to resume from it, run again with a lower optimizer.learning_rate and "
+            f"checkpoint.allow_changes=[optimizer] (or check the data)")
+
+
+def _json_line(record: dict) -> str:
+    """A metrics.jsonl line: strict JSON, so a non-finite number (a skipped step's grad_norm, an
+    infinite perplexity) is null."""
+    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+              for k, v in record.items()}
+    return json.dumps(finite, allow_nan=False) + "\n"
 
 
 def _data_parallel_note(devices: int) -> str:

@@ -27,6 +27,7 @@ from megatrain_jax import checkpoint, hf
 from megatrain_jax.config import RESUME_KEYS, Config, ConfigError, load_config, resume_changes, \
     resume_keys, to_dict
 from megatrain_jax.model import ModelConfig
+from megatrain_jax.train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -256,6 +257,27 @@ def test_resume_refuses_a_changed_run_names_key_old_new(copy_run, tmp_path, env)
         ("resume_step absent", run("checkpoint.resume_step=3"), ["no checkpoint at step 3"]),
     ]
     cli_cases_refuse_and_leave_the_run_alone(cases, copy_run, env)
+
+
+def test_resume_refuses_a_corpus_edited_in_place_unless_allowed(tmp_path, env):
+    """The checkpoint records its data files' identity (size, a hash of the head): a corpus cut
+    short in place between a run and its resume is refused, naming the file, unless allowed."""
+    corpus = tmp_path / "corpus.txt"
+    shutil.copy(os.path.join(ROOT, "megatrain_jax", "texts", "devils_dictionary.txt"), corpus)
+    run_dir = str(tmp_path / "run")
+    args = [*FAST, "checkpoint.every=2", f"data.path={corpus}", f"run_dir={run_dir}"]
+    train(load_config(TINY, [*args, "train.steps=2"]), log=lambda *a: None)
+    corpus.write_bytes(corpus.read_bytes()[:60_000])  # 383 KB cut to 60 KB, same name
+    before = files(run_dir)
+    proc = run(train_cmd(*args, "train.steps=3", "checkpoint.allow_changes=[train.steps]"), env)
+    assert_one_error_line(proc, 2, "checkpoint step 2", "was trained on other data", str(corpus),
+                          "60,000 bytes", "checkpoint.allow_changes=[data.path]")
+    assert files(run_dir) == before
+    lines = []
+    train(load_config(TINY, [*args, "train.steps=3",
+                             "checkpoint.allow_changes=[train.steps,data.path]"]), log=lines.append)
+    assert any(line.startswith("resuming with changed data: ") for line in lines)
+    assert [r["step"] for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl")))] == [1, 2, 3]
 
 
 def test_damaged_checkpoints_read_as_damaged(copy_run, env):

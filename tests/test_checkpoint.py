@@ -34,9 +34,9 @@ def make_cfg(run_dir, *extra):
     return load_config(os.path.join(ROOT, "configs/tiny.yaml"), [*FAST, f"run_dir={run_dir}", *extra])
 
 
-def losses(run_dir):
+def losses(run_dir, key="loss"):
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return [(r["step"], r["loss"]) for r in records]
+    return [(r["step"], r[key]) for r in records]
 
 
 def saved_state(run_dir, step=None):
@@ -80,7 +80,8 @@ def reference(tmp_path_factory):
     """STEPS uninterrupted steps, an asynchronous checkpoint every 2."""
     run_dir = str(tmp_path_factory.mktemp("reference"))
     train(make_cfg(run_dir), log=lambda *_: None)
-    return {"run_dir": run_dir, "losses": losses(run_dir), "final": saved_state(run_dir)}
+    return {"run_dir": run_dir, "losses": losses(run_dir), "final": saved_state(run_dir),
+            "smoothed": losses(run_dir, "loss_smooth")}
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM])
@@ -102,6 +103,7 @@ def test_signal_mid_run_then_resume_is_bit_exact(tmp_path, reference, sig):
     assert "resumed from checkpoint step 3" in "\n".join(lines)
     assert [r["step"] for r in history] == [4, 5, 6]
     assert losses(run_dir) == reference["losses"]  # every step once, identical floats
+    assert losses(run_dir, "loss_smooth") == reference["smoothed"]  # it went on where it stopped
     assert_states_equal(saved_state(run_dir), reference["final"])
 
     lines = []  # train.steps is the total: a finished run re-run does nothing

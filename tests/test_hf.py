@@ -340,7 +340,8 @@ def assert_adamw_step_equals_torch(cfg, engine, model, inputs, targets, *, lr, b
     for name, ref in grads64.items():
         err = lambda g: np.linalg.norm(g - ref) / max(np.linalg.norm(ref), 1e-300)
         bound = 100 * max(err(grads32[name]), 2.0 ** -24)
-        assert err(ours[name]) <= bound, f"{name}: gradient error {err(ours[name]):.2e} > {bound:.2e}"
+        got = err(ours[name])
+        assert got <= bound, f"{name}: gradient error {got:.2e} > {bound:.2e}"
     expected = torch_adamw_from(model, ours, lr=lr, betas=betas, eps=eps, wd=wd)
     after = as_hf(cfg, engine.params())
     for name, ref in expected.items():

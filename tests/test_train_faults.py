@@ -11,7 +11,7 @@ import pytest
 
 from megatrain_jax import StreamedEngine, checkpoint
 from megatrain_jax.config import ConfigError, load_config
-from megatrain_jax.train import build_engine, train
+from megatrain_jax.train import TrainingError, build_engine, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -71,3 +71,40 @@ def test_out_of_memory_at_the_first_step_is_one_line_and_leaves_no_trace(tmp_pat
     assert "\n" not in line and "out of memory at step 1" in line and "34364211200" in line
     assert "train.offload_activations" in line and "the plan predicted a device peak" in line
     assert not run_dir.exists()
+
+
+def strict_records(path) -> list[dict]:
+    """metrics.jsonl's records, refusing NaN and Infinity (not JSON)."""
+    def refuse(constant):
+        raise ValueError(f"{path}: {constant} is not JSON")
+    return [json.loads(line, parse_constant=refuse) for line in open(path)]
+
+
+def test_skipped_steps_write_no_checkpoint_and_keep_rotates_none_of_the_healthy_out(tmp_path):
+    """3 healthy steps saved every step, then a diverging resume with keep=3: the steps it skips
+    write nothing, so the kept checkpoints are the last 3 steps that trained; the stop line names
+    the last one and how to resume from it."""
+    run_dir = tmp_path / "run"
+    cfg = lambda *o: load_config(TINY, [*FAST, f"run_dir={run_dir}", "checkpoint.every=1", *o])
+    train(cfg("train.steps=3"), log=lambda *a: None)
+    manager = checkpoint.make_manager(str(run_dir / "checkpoints"))
+    assert manager.all_steps() == [1, 2, 3]
+    with pytest.raises(TrainingError) as e:
+        train(cfg("train.steps=12", "optimizer.learning_rate=1.0e30", "checkpoint.keep=3",
+                  "checkpoint.allow_changes=[train.steps,optimizer]"), log=lambda *a: None)
+    records = strict_records(run_dir / "metrics.jsonl")
+    skipped = [r["step"] for r in records if r.get("skipped")]
+    trained = [r["step"] for r in records if not r.get("skipped")]
+    assert len(skipped) == 3 and skipped == list(range(skipped[0], skipped[0] + 3))
+    manager.reload()
+    assert manager.all_steps() == trained[-3:]  # none of the skipped, the last 3 that trained
+    line = str(e.value)
+    assert "\n" not in line and f"stopped at step {skipped[-1]}" in line
+    assert f"the last checkpoint written before them is step {trained[-1]}" in line
+    assert "checkpoint.allow_changes=[optimizer]" in line
+    # A skipped step's grad norm is null, and the rate it logs is the one the optimizer would use:
+    # the schedule's at the updates made so far (skipped steps make none), not at the step.
+    assert all(r["grad_norm"] is None for r in records if r.get("skipped"))
+    assert len({r["lr"] for r in records if r.get("skipped")}) == 1
+    assert records[skipped[0] - 1]["lr"] > records[skipped[0] - 2]["lr"]  # the warmup rises
+    manager.close()
