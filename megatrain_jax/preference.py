@@ -93,6 +93,9 @@ class Pairs:
     lines: int = 0  # non-blank lines
     truncated: int = 0  # pairs with a sequence cut to seq_len + 1 tokens (data.overlong=truncate)
     skipped: int = 0  # pairs dropped (data.overlong=skip)
+    # pairs dropped because their chosen and rejected sequences are the same within seq_len + 1
+    # tokens (they differ only past it, or not at all): DPO's loss is log 2 and its gradient 0
+    identical: int = 0
 
     @property
     def num_pairs(self) -> int:
@@ -103,6 +106,9 @@ class Pairs:
             what = f"none truncated, {self.skipped} skipped (a sequence over data.seq_len={seq_len})"
         else:
             what = f"{self.truncated} truncated to data.seq_len={seq_len}"
+        if self.identical:
+            what += (f", {self.identical} skipped with the chosen and the rejected the same "
+                     f"within data.seq_len={seq_len} (nothing to learn from)")
         return f"{self.path}: {self.lines} pairs, {self.num_pairs} used; {what}"
 
 
@@ -110,7 +116,7 @@ def load_pairs(path: str, tokenizer, template: ChatTemplate, *, seq_len: int,
                overlong: str = "truncate", vocab_size: int | None = None) -> Pairs:
     """The pairs of a preference JSONL file as sequences of at most seq_len + 1 tokens. A pair
     with a longer sequence is truncated (the completion's end cut) or skipped per `overlong`, and
-    counted. Raises DataError naming file and line for a bad pair, a prompt that leaves no
+    counted; a pair whose two sequences are then the same is skipped and counted. Raises DataError naming file and line for a bad pair, a prompt that leaves no
     completion token within seq_len, or if no pair is left."""
     out = Pairs(path, [], [])
     for where, obj in read_records(path, "preference pairs"):
@@ -136,6 +142,11 @@ def load_pairs(path: str, tokenizer, template: ChatTemplate, *, seq_len: int,
                 continue
             sequences = [(ids[:seq_len + 1], labels[:seq_len + 1]) for ids, labels in sequences]
             out.truncated += 1
+        (chosen_ids, chosen_labels), (rejected_ids, rejected_labels) = sequences
+        if np.array_equal(chosen_ids, rejected_ids) and np.array_equal(chosen_labels,
+                                                                       rejected_labels):
+            out.identical += 1
+            continue
         for ids, labels in sequences:
             out.ids.append(ids)
             out.labels.append(labels)

@@ -372,6 +372,28 @@ def test_pair_shapes_masks_and_overlong(tmp_path, bundled):
     assert "1 skipped (a sequence over data.seq_len=48)" in skipped.report(48, "skip")
 
 
+def test_pairs_made_identical_by_truncation_are_skipped_counted_and_all_such_refused(tmp_path,
+                                                                                   bundled):
+    """Two completions that differ only past seq_len are the same sequence once truncated: DPO
+    would train on them at loss log 2 with a zero gradient. Skipped and counted; a file of only
+    such pairs is one line naming it (exit 2 from the command line)."""
+    from megatrain_jax.data import DataError
+    from megatrain_jax.preference import load_pairs
+    tok, template = bundled
+    same_start = {"prompt": "Hi?", "chosen": "word " * 60 + "yes", "rejected": "word " * 60 + "no"}
+    path = write_pairs(tmp_path / "p.jsonl", [same_start, {"prompt": "Hi?", "chosen": "Yes.",
+                                                           "rejected": "No."}, same_start])
+    pairs = load_pairs(path, tok, template, seq_len=48)
+    assert (pairs.lines, pairs.num_pairs, pairs.truncated, pairs.identical) == (3, 1, 2, 2)
+    assert all(not np.array_equal(pairs.ids[2 * p], pairs.ids[2 * p + 1])
+               for p in range(pairs.num_pairs))
+    assert "2 skipped with the chosen and the rejected the same" in pairs.report(48, "truncate")
+    assert load_pairs(path, tok, template, seq_len=256).identical == 0  # whole, they differ
+    only = write_pairs(tmp_path / "only.jsonl", [same_start] * 3)
+    with pytest.raises(DataError, match=f"^{only}: no usable pair .*3 skipped with the chosen"):
+        load_pairs(only, tok, template, seq_len=48)
+
+
 def test_batches_keep_pairs_whole_and_resume(tmp_path, bundled):
     from megatrain_jax.preference import PreferenceDataset, load_pairs, rows
     tok, template = bundled
