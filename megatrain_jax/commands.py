@@ -335,8 +335,7 @@ def generate(argv=None, prog=None) -> int:
         from megatrain_jax.config import ConfigError
         if args.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-        if not args.temperature >= 0:
-            raise ConfigError(f"--temperature must be >= 0 (0: greedy), got {args.temperature:g}")
+        gen.check_temperature(args.temperature)
         if not 0 < args.top_p <= 1:
             raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p:g}")
         if args.step is not None and not args.run:

@@ -15,6 +15,7 @@ decode step serves every token.
 
 import dataclasses
 import json
+import math
 import os
 import time
 from typing import Callable
@@ -149,14 +150,22 @@ def from_run(run_dir: str, step: int | None = None) -> Model:
     context, source = _run_context(cfg, run_dir)
     model_cfg = cfg.model
 
+    def finite(params, unit: str):  # NaN weights would generate garbage: refused, as export does
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+            if not (np.isfinite(np.min(leaf)) and np.isfinite(np.max(leaf))):  # NaN propagates
+                raise checkpoint.CheckpointError(
+                    f"{where}: {unit}/params/{checkpoint.path_str(path)} holds NaN or inf; "
+                    f"refusing to generate from it")
+        return params
+
     def first_last(execution):
-        params = checkpoint.read_params(manager, step, tree, "stages", meta)
+        params = finite(checkpoint.read_params(manager, step, tree, "stages", meta), "stages")
         abstract = nnx.eval_shape(lambda: make_stages(model_cfg, 0, execution))
         return _module(abstract, {int(k): v for k, v in params.items()})
 
     def block(i, execution):
         abstract = nnx.eval_shape(lambda: Block(model_cfg, rngs=nnx.Rngs(0), execution=execution))
-        params = checkpoint.read_params(manager, step, tree, i, meta)
+        params = finite(checkpoint.read_params(manager, step, tree, i, meta), f"layers/{i}")
         expected = nnx.to_pure_dict(nnx.split(abstract)[1])
         for key, value in expected.items():
             got = params.get(key)
@@ -195,12 +204,22 @@ def decoder(model: Model, max_len: int, *, compute_dtype=None, compute_device=No
 def _sample(logits, key, temperature, top_p):
     """(B,) token ids sampled from (B, V) logits at `temperature`, from the smallest set of most
     likely tokens whose probability reaches top_p (nucleus sampling, as transformers' top_p)."""
-    probs = jax.nn.softmax(logits / temperature, axis=-1)
+    # The largest logit subtracted first: any positive temperature divides numbers <= 0, which
+    # may underflow to -inf (probability 0) but never overflow to NaN
+    logits = logits.astype(jnp.float32)
+    probs = jax.nn.softmax((logits - logits.max(axis=-1, keepdims=True)) / temperature, axis=-1)
     order = jnp.argsort(-probs, axis=-1)
     sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
     keep = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs < top_p  # the first always stays
     choice = jax.random.categorical(key, jnp.where(keep, jnp.log(sorted_probs), -jnp.inf))
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+
+
+def check_temperature(temperature: float):
+    """A sampling temperature must be a finite number >= 0 (inf would sample uniform noise)."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ConfigError(f"--temperature must be a finite number >= 0 (0: greedy), got "
+                          f"{temperature:g}")
 
 
 def check_length(model: Model, prompt_len: int):
@@ -220,6 +239,10 @@ def generate(model: Model, prompt_ids, *, max_new_tokens: int, temperature: floa
     tokens fill the model's context.
     on_token(id) is called as each arrives. `decode` reuses a StreamedDecoder (its caches must
     hold the prompt plus max_new_tokens); `stats`, when given, gets timings and counts."""
+    check_temperature(temperature)
+    # Below fp32's smallest normal number (~1.2e-38) a temperature is 0 to XLA (denormals are
+    # flushed): greedy, the limit of sampling as the temperature goes to 0
+    sample = temperature >= np.finfo(np.float32).tiny
     prompt = np.asarray(prompt_ids, np.int32).reshape(1, -1)
     check_length(model, prompt.shape[1])
     total = min(model.context, prompt.shape[1] + max_new_tokens)
@@ -231,7 +254,7 @@ def generate(model: Model, prompt_ids, *, max_new_tokens: int, temperature: floa
     logits = decode.start(prompt)
     new, t1 = [], None
     while True:
-        if temperature > 0:
+        if sample:
             token = _sample(logits, jax.random.fold_in(key, len(new)), temperature, top_p)
         else:
             token = jnp.argmax(logits, axis=-1)

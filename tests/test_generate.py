@@ -18,11 +18,12 @@ torch = pytest.importorskip("torch")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
 from test_gemma3 import make_gemma  # noqa: E402
 from test_hf import make_hf_model, word_level_tokenizer  # noqa: E402
 from test_moe import make_hf_model as make_moe_model  # noqa: E402
 
-from megatrain_jax import commands, hf  # noqa: E402
+from megatrain_jax import checkpoint, commands, hf  # noqa: E402
 from megatrain_jax import generate as gen  # noqa: E402
 from megatrain_jax.config import load_config  # noqa: E402
 from megatrain_jax.data import ByteTokenizer  # noqa: E402
@@ -140,6 +141,44 @@ def test_seeded_sampling_is_reproducible(run_decoder):
     assert sample(temperature=1.0, top_p=0.9, seed=8) != first
     # the nucleus of a tiny top_p is the most likely token alone: greedy
     assert sample(temperature=1.0, top_p=1e-9, seed=7) == sample(temperature=0.0)
+
+
+def test_tiny_temperatures_are_greedy_and_non_finite_ones_refused(run_decoder, tiny_run, capsys):
+    """logits / 1e-30 overflowed to NaN (NUL bytes printed); inf sampled uniform noise."""
+    model, decoder = run_decoder
+    prompt = model.tokenizer.encode("CYNIC, n.")
+    sample = lambda **kw: gen.generate(model, prompt, max_new_tokens=12, decode=decoder, **kw)
+    greedy = sample(temperature=0.0)
+    assert 0 not in greedy
+    for tiny in (1e-30, 1e-38, 1e-50):  # the last is 0 in fp32
+        assert sample(temperature=tiny, seed=3) == greedy, tiny
+    for bad in ("inf", "nan", "-inf", "1e400"):
+        code, out, err = cli(capsys, "--run", tiny_run[1], "--prompt", "A", f"--temperature={bad}")
+        assert code == 2 and out == "" and err.count("\n") == 1
+        assert err.startswith("error: --temperature must be a finite number >= 0"), err
+
+
+def test_a_checkpoint_holding_nan_is_refused_as_export_refuses_it(tiny_run, tmp_path, capsys):
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(tiny_run[1], run_dir)
+    manager = checkpoint.make_manager(os.path.join(run_dir, "checkpoints"), async_save=False)
+    step = manager.latest_step()
+    meta, _ = checkpoint.read_meta(manager, step)
+    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    state = jax.tree.map(np.array, restored["state"])
+    (path, leaf), *_ = jax.tree_util.tree_leaves_with_path(state["layers"][1]["params"])
+    leaf.flat[7] = np.nan
+    manager.save(step + 1, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                   meta=ocp.args.JsonSave({**meta, "step": step + 1})))
+    manager.wait_until_finished()
+    manager.close()
+    code, _, err = cli(capsys, "--run", run_dir, "--prompt", "A", "--temperature", "0")
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: checkpoint step {step + 1} in ") and (
+        f"layers/1/params/{checkpoint.path_str(path)} holds NaN or inf; refusing" in err), err
+    code, _, err = cli(capsys, "--run", run_dir, "--step", str(step), "--prompt", "A",
+                       "--temperature", "0", "--max-new-tokens", "2")
+    assert code == 0, err  # the healthy step before it still generates
 
 
 def test_layers_stream_with_bounded_residency_and_cross_once_per_token(run_decoder):
