@@ -130,10 +130,12 @@ class ChatTemplate:
                             f"{e.lineno} of the template)") from None
 
     @classmethod
-    def for_tokenizer(cls, tokenizer_json: str) -> "ChatTemplate":
+    def for_tokenizer(cls, tokenizer_json: str, needed_by: str = "data.format=sft"
+                      ) -> "ChatTemplate":
         """The template of the tokenizer.json at `tokenizer_json`: chat_template.jinja beside it
         (which transformers prefers), else tokenizer_config.json's `chat_template` (a string, or
-        a list of named templates: the one named "default"). Raises DataError if there is none."""
+        a list of named templates: the one named "default"). Raises DataError if there is none,
+        saying what needs it (`needed_by`)."""
         directory = os.path.dirname(os.path.abspath(tokenizer_json))
         config_path = os.path.join(directory, "tokenizer_config.json")
         jinja_path = os.path.join(directory, "chat_template.jinja")
@@ -148,7 +150,7 @@ class ChatTemplate:
                 source = next((t.get("template") for t in source
                                if isinstance(t, dict) and t.get("name") == "default"), None)
         if not isinstance(source, str) or not source.strip():
-            raise DataError(f"data.format=sft needs the model's chat template: neither "
+            raise DataError(f"{needed_by} needs the model's chat template: neither "
                             f"{jinja_path} nor a chat_template in {config_path} was found")
         tokens = {}
         map_path = os.path.join(directory, "special_tokens_map.json")  # older repositories

@@ -201,7 +201,7 @@ def reference_key(cfg, engine) -> dict:
     template, the model (its config and its weights as the engine holds them now: the starting
     weights) and the settings that change the sequences or their arithmetic."""
     d = cfg.data
-    template = ChatTemplate.for_tokenizer(d.tokenizer)
+    template = ChatTemplate.for_tokenizer(d.tokenizer, f"data.format={d.format}")
     model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "from_hf"}
     return {"data": file_digest(d.path),
             "tokenizer": text_digest(file_digest(d.tokenizer), template.source, template.variables),

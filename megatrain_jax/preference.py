@@ -221,7 +221,7 @@ class PreferenceDataset:
 def load_preference(d, tokenizer, *, vocab_size: int, seed: int) -> PreferenceDataset:
     """The training PreferenceDataset of a DataConfig `d` with format preference (reference
     log-probs not yet filled in); its `summary` says what was truncated or skipped."""
-    template = ChatTemplate.for_tokenizer(tokenizer.path)
+    template = ChatTemplate.for_tokenizer(tokenizer.path, f"data.format={d.format}")
     pairs = load_pairs(d.path, tokenizer, template, seq_len=d.seq_len, overlong=d.overlong,
                        vocab_size=vocab_size)
     table = rows(pairs, d.seq_len)

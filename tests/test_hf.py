@@ -351,11 +351,12 @@ def assert_adamw_step_equals_torch(cfg, engine, model, inputs, targets, *, lr, b
     return before, loss32, after
 
 
-def save_checkpoint(run_dir, cfg, state, step):
-    """A checkpoint in the agreed layout (see the common brief)."""
+def save_checkpoint(run_dir, cfg, state, step, **data):
+    """A checkpoint in the agreed layout (see the common brief); `data`: DataConfig fields."""
     manager = ocp.CheckpointManager(os.path.join(run_dir, "checkpoints"),
                                     item_names=("state", "meta"))
-    meta = {"step": step, "config": to_dict(Config(model=cfg, data=DataConfig(seq_len=64))),
+    data = DataConfig(**{"seq_len": 64, **data})
+    meta = {"step": step, "config": to_dict(Config(model=cfg, data=data)),
             "data_state": {"epoch": 0, "index": 0}}
     manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                meta=ocp.args.JsonSave(meta)))
@@ -606,6 +607,33 @@ def test_finetune_from_hf_on_jsonl_starts_at_the_hf_models_loss(hf_dirs, tmp_pat
     assert sorted(before) == sorted(after)
     assert all(np.isfinite(after[n]).all() for n in after)
     assert any(not np.allclose(before[n], after[n]) for n in after)  # the steps moved it
+
+
+def test_export_of_a_chat_run_carries_the_chat_template_it_trained_with(hf_dirs, tmp_path):
+    """An SFT run on a tokenizer.json whose chat template sits beside it (tokenizer_config.json):
+    the export renders conversations as the run did, with transformers and as a DPO run's
+    data.tokenizer; a tokenizer without one is refused naming the format that needs it."""
+    from megatrain_jax.chat import ChatTemplate
+    from megatrain_jax.data import DataError
+    bundled = os.path.join(ROOT, "megatrain_jax", "texts", "sft_tokenizer", "tokenizer.json")
+    cfg, _, _, params = import_model(hf_dirs["llama"][1])  # its directory has no tokenizer
+    units = [params["stages"], *params["layers"]]
+    state = {"stages": {"params": units[0], "opt_state": {}},
+             "layers": [{"params": u, "opt_state": {}} for u in units[1:]]}
+    save_checkpoint(str(tmp_path / "run"), cfg, state, 2, format="sft", tokenizer=bundled)
+    out = str(tmp_path / "out")
+    lines = []
+    hf.export_checkpoint(str(tmp_path / "run"), out, log=lines.append)
+    assert "the chat template it trained with" in lines[-1], lines[-1]
+    trained = ChatTemplate.for_tokenizer(bundled)
+    messages = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Yes."}]
+    exported = ChatTemplate.for_tokenizer(os.path.join(out, "tokenizer.json"), "data.format=preference")
+    assert exported.render(messages) == trained.render(messages)
+    loaded = transformers.AutoTokenizer.from_pretrained(out)
+    assert loaded.apply_chat_template(messages, tokenize=False) == trained.render(messages)
+    os.remove(os.path.join(out, "tokenizer_config.json"))
+    with pytest.raises(DataError, match="^data.format=preference needs the model's chat template"):
+        ChatTemplate.for_tokenizer(os.path.join(out, "tokenizer.json"), "data.format=preference")
 
 
 def test_export_carries_the_tokenizer_so_both_auto_classes_load_it(hf_dirs, tmp_path):

@@ -16,7 +16,8 @@ import numpy as np
 
 from megatrain_jax.hf.config import hf_config
 from megatrain_jax.hf.files import (CONFIG_FILE, INDEX_FILE, SINGLE_FILE, HFError,
-                                    copy_tokenizer_files, read_hf_config, save_safetensors)
+                                    copy_tokenizer_files, read_hf_config, read_json,
+                                    save_safetensors)
 from megatrain_jax.hf.tensors import Expert, all_tensors, parts, to_hf_layout
 from megatrain_jax.model import ModelConfig
 
@@ -57,6 +58,35 @@ def _state_path(unit: int, key) -> str:
     if isinstance(key, Expert):  # one expert of an (E, ...) parameter
         key = key[0]
     return f"layers/{unit - 1}/params/{key}"
+
+
+def _carry_chat_template(run_config: dict, out_dir: str) -> str:
+    """A chat run (data.format sft or preference) trained with its tokenizer's chat template:
+    written into out_dir's tokenizer_config.json as `chat_template` (with the special tokens it
+    renders, where the file lacks them), and into chat_template.jinja if one was copied (which
+    transformers prefers), so that the export renders conversations as the run did. Returns what
+    it did, as the end of copy_tokenizer_files's line."""
+    from megatrain_jax.chat import ChatTemplate
+    from megatrain_jax.data import DataError
+
+    data = run_config.get("data", {})
+    if data.get("format") not in ("sft", "preference"):
+        return ""
+    try:
+        template = ChatTemplate.for_tokenizer(data.get("tokenizer") or "")
+    except DataError:
+        return (f"; no chat template: the run's data.tokenizer={data.get('tokenizer')} has none "
+                f"now (copy it by hand)")
+    config_path = os.path.join(out_dir, "tokenizer_config.json")
+    config = read_json(config_path, "tokenizer config") if os.path.isfile(config_path) else {}
+    config = {**template.variables, **config, "chat_template": template.source}
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+    jinja_path = os.path.join(out_dir, "chat_template.jinja")
+    if os.path.isfile(jinja_path):
+        with open(jinja_path, "w", encoding="utf-8") as f:
+            f.write(template.source)
+    return f"; the chat template it trained with (from {template.where}) in tokenizer_config.json"
 
 
 def _write_shards(manager, step, tree, tmp, shards, names, np_dtype, where, meta) -> int:
@@ -193,6 +223,7 @@ def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None,
             with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
                 json.dump(config, f, indent=2)
             copied = copy_tokenizer_files(meta.get("config", {}), tmp)
+            copied += _carry_chat_template(meta.get("config", {}), tmp)
             # mkdtemp makes the directory private (0700); give the result the usual permissions.
             umask = os.umask(0)
             os.umask(umask)
