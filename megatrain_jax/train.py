@@ -613,7 +613,7 @@ def _json_line(record: dict) -> str:
     infinite perplexity) is null."""
     finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
               for k, v in record.items()}
-    return json.dumps(finite, allow_nan=False) + "\n"
+    return json.dumps(finite) + "\n"
 
 
 def _data_parallel_note(devices: int) -> str:
