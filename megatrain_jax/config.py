@@ -101,6 +101,9 @@ class TrainConfig:
     loss_chunk: int = 2048  # tokens per chunk of the cross-entropy (the logits never exist whole)
     loss_vocab_chunk: int = 0  # vocabulary chunk of the cross-entropy; 0: the whole vocabulary
     max_bad_steps: int = 3  # consecutive steps with a non-finite gradient before the run stops
+    # Run a config the memory plan says does not fit (the plan is printed, the override said):
+    # for a plan that over-estimates, e.g. one compiled on the CPU for a GPU.
+    ignore_plan: bool = False
     # With data.eval_path or data.eval_fraction: evaluate every eval_every steps (0: only at the
     # end; always at the last step) on the first eval_batches batches of the held-out tokens.
     eval_every: int = 0
