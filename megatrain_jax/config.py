@@ -495,6 +495,11 @@ def _check(cfg: Config):
                                                                  dist.coordinator):
         raise ConfigError(f"distributed.coordinator must be host:port (or auto), "
                           f"got {dist.coordinator!r}")
+    if dist.coordinator not in ("", "auto"):
+        port = int(dist.coordinator.rsplit(":", 1)[1])
+        if not 0 < port < 65536:  # refused now, not blamed on reachability after the timeout
+            raise ConfigError(f"distributed.coordinator={dist.coordinator}: port {port} is not a "
+                              f"TCP port (1 to 65535)")
     if dist.timeout_s < 1:
         raise ConfigError(f"distributed.timeout_s must be >= 1, got {dist.timeout_s}")
     if offload.tier == "disk" and dist.num_processes > 1:

@@ -502,7 +502,7 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
                                                         "a"))
                 sinks = (metrics_log.Sinks.open(cfg, start, log) if primary  # TensorBoard, W&B
                          else metrics_log.Sinks())
-                files.callback(sinks.close)
+                files.push(_closing(sinks.close))
             record = {"step": step, "loss": loss, "grad_norm": grad_norm,
                       "tokens_per_sec": dataset.tokens_per_batch / dt, "step_time_s": dt,
                       "lr": float(lrs[step - 1])}
@@ -568,6 +568,20 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
     if start >= cfg.train.steps:
         log(f"nothing to do: checkpoint step {start} reached train.steps={cfg.train.steps}")
     return history
+
+
+def _closing(close):
+    """An ExitStack exit for close(): a close that fails while an error is on its way out (a full
+    disk fails TensorBoard's flush too) leaves that error, which names the step and the
+    checkpoints, in place."""
+    def exit_(exc_type, exc, tb):
+        try:
+            close()
+        except Exception:
+            if exc is None:
+                raise
+        return False
+    return exit_
 
 
 def _data_parallel_note(devices: int) -> str:

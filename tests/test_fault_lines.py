@@ -5,12 +5,15 @@ import errno
 import importlib.util
 import os
 import re
+import types
 
+import numpy as np
 import pytest
 
-from megatrain_jax import checkpoint, distributed
+from megatrain_jax import checkpoint, commands, distributed, dpo, metrics_log
 from megatrain_jax import plan as plan_lib
 from megatrain_jax.config import ConfigError, load_config
+from megatrain_jax.data import DataError
 from megatrain_jax.engine import tier as tier_lib
 from megatrain_jax.runlock import LockedError, RunLock
 from megatrain_jax.train import TrainingError, train
@@ -131,3 +134,118 @@ def test_a_disk_tier_filled_mid_run_is_one_line_naming_path_step_and_checkpoints
     assert re.match(rf"stopped at step [34]: offload.path {path}: writing {path}/unit_\d+\.bin "
                     rf"failed \(No space left on device\); completed checkpoints: 1, 2 ", line), line
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["1", "2"]
+
+
+# ----------------------------------------------------------------------------- DPO's reference cache
+
+
+def test_a_truncated_reference_cache_is_one_line_naming_it_and_kept(tmp_path):
+    """Item 4: a reference_logps-*.npz cut short (BadZipFile) is refused naming the file; it is
+    not ours to delete."""
+    cache = dpo.ReferenceCache(str(tmp_path), {"data": "d"})
+    cache.save(np.arange(1000, dtype=np.float32))
+    whole = open(cache.path, "rb").read()
+    for cut in (len(whole) // 2, 10):
+        open(cache.path, "wb").write(whole[:cut])
+        with pytest.raises(DataError, match=rf"^{re.escape(cache.path)}: not a reference log-prob "
+                                            rf"cache of this trainer, or a damaged one .*move it "
+                                            rf"away \(it is not overwritten\)"):
+            cache.load(1000)
+        assert open(cache.path, "rb").read() == whole[:cut]
+
+
+def test_an_unusable_reference_dir_is_refused_before_the_reference_pass(tmp_path, monkeypatch):
+    """Item 5: dpo.reference_dir a file, or not writable (/sys/...: even for root): one line
+    naming the key, before the reference pass (not a bare errno after it)."""
+    from test_dpo import build, bundled_pairs, preference_cfg, write_pairs
+    data = write_pairs(tmp_path / "pairs.jsonl", bundled_pairs(4))
+    dataset, engine = build(preference_cfg(tmp_path, data))
+    monkeypatch.setattr(dpo, "reference_logps", lambda *a: pytest.fail("the pass ran"))
+    a_file = tmp_path / "refs"
+    a_file.write_text("mine")
+    for where, why in [(a_file, "is not a directory"), ("/sys/megatrain_refs", "is not writable")]:
+        cfg = preference_cfg(tmp_path, data, f"dpo.reference_dir={where}")
+        with pytest.raises(ConfigError, match=f"^dpo.reference_dir={where}.*{why}"):
+            dpo.prepare_reference(cfg, engine, dataset, lambda line: None)
+    engine.close()
+    assert a_file.read_text() == "mine" and not os.path.exists("/sys/megatrain_refs")
+
+
+# ----------------------------------------------------------------------------- plot --out
+
+
+def test_plot_out_names_the_formats_and_says_what_it_wrote(tmp_path, capsys):
+    """Item 4: --out x.txt is one line naming the suffixes (not matplotlib's ValueError). Item 5:
+    --out DIR (a directory) writes DIR/metrics.png; --out NAME (no suffix) NAME.png; each said."""
+    from test_plot import PNG, fake_run
+    run = fake_run(tmp_path / "run", 1.0)
+    assert commands.plot([str(run), "--out", str(tmp_path / "x.txt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --out {tmp_path / 'x.txt'}: cannot write "
+                                               f"a .txt picture"), err
+    assert ".png" in err[0] and ".svg" in err[0] and not (tmp_path / "x.txt").exists()
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    for out, written in [(folder, folder / "metrics.png"), (tmp_path / "p", tmp_path / "p.png")]:
+        assert commands.plot([str(run), "--out", str(out)]) == 0
+        assert capsys.readouterr().out.strip() == f"wrote {written}"
+        assert written.read_bytes().startswith(PNG)
+    assert not (tmp_path / "plots.png").exists()
+
+
+# ----------------------------------------------------------------------------- generate
+
+
+def test_a_generate_error_starts_a_line_of_its_own(monkeypatch, capsys):
+    """Item 5: the prompt is printed before generation starts; an error then must not be glued
+    to it (`hierror: ...` on a terminal)."""
+    from megatrain_jax import generate as gen
+    tokenizer = types.SimpleNamespace(encode=lambda text: [104, 105], decode=bytes, eos_ids=[256])
+    monkeypatch.setattr(gen, "from_run", lambda run, step: types.SimpleNamespace(
+        tokenizer=tokenizer))
+    monkeypatch.setattr(gen, "check_length", lambda model, n: None)
+
+    def fails(*args, **kwargs):
+        raise ConfigError("checkpoint step 3 holds NaN")
+
+    monkeypatch.setattr(gen, "generate", fails)
+    assert commands.generate(["--run", "r", "--prompt", "hi"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "hi\n"
+    assert captured.err == "error: checkpoint step 3 holds NaN\n"
+
+
+# ----------------------------------------------------------------------------- distributed
+
+
+@pytest.mark.parametrize("port", [99999, 0])
+def test_a_coordinator_port_out_of_range_is_refused_at_once(port):
+    """Item 5: not a port at all, so not a matter of reachability after distributed.timeout_s."""
+    with pytest.raises(ConfigError, match=rf"^distributed.coordinator=127.0.0.1:{port}: port "
+                                          rf"{port} is not a TCP port \(1 to 65535\)$"):
+        load_config(None, [f"distributed.coordinator=127.0.0.1:{port}",
+                           "distributed.num_processes=2"])
+
+
+# ----------------------------------------------------------------------------- a full disk
+
+
+def test_a_failed_save_is_the_error_when_closing_the_writers_fails_too(tmp_path, monkeypatch):
+    """Item 5: a disk that fills fails the save (SaveError naming the step and the complete
+    checkpoints) and then TensorBoard's close: the first error is the one reported."""
+    save = checkpoint.save
+
+    def save_until_full(manager, step, *args, **kwargs):
+        if step == 2:
+            raise checkpoint.SaveError(f"saving checkpoint step 2 failed (No space left on "
+                                       f"device); {checkpoint.completed(manager)}")
+        save(manager, step, *args, **kwargs)
+
+    def close(self):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpoint, "save", save_until_full)
+    monkeypatch.setattr(metrics_log.Sinks, "close", close)
+    with pytest.raises(checkpoint.SaveError, match="^saving checkpoint step 2 failed .*completed "
+                                                   "checkpoints: 1 "):
+        train(tiny(tmp_path / "run", "train.steps=2", "checkpoint.every=1"), log=lambda x: None)
