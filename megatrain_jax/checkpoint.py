@@ -247,15 +247,16 @@ def _as_global(mesh: Mesh, x):
     return jax.make_array_from_single_device_arrays(shape, sharding, [x])
 
 
-def check_writable(directory):
-    """Raises CheckpointError if no file can be created in `directory` (tried for real: a
-    permission check alone is wrong for root and for read-only mounts)."""
+def check_writable(directory, what: str = "", error=CheckpointError):
+    """Raises `error` (CheckpointError) if no file can be created in `directory` (tried for real:
+    a permission check alone is wrong for root and for read-only mounts); its line begins with
+    `what` (default: "checkpoint directory DIRECTORY")."""
     try:
         with tempfile.TemporaryFile(dir=directory):
             pass
     except OSError as e:
-        raise CheckpointError(f"checkpoint directory {directory} is not writable "
-                              f"({e.strerror or e})") from None
+        raise error(f"{what or f'checkpoint directory {directory}'} is not writable "
+                    f"({e.strerror or e})") from None
 
 
 def path_str(path) -> str:

@@ -24,7 +24,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 import time
 import zipfile
 
@@ -32,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from megatrain_jax import checkpoint
 from megatrain_jax.chat import ChatTemplate
 from megatrain_jax.config import ConfigError
 from megatrain_jax.data import DataError
@@ -223,14 +223,10 @@ def check_reference_dir(cfg):
     while not os.path.exists(where):
         where = os.path.dirname(where)
     if not os.path.isdir(where):
-        raise ConfigError(f"{key}={directory}: {where} is not a directory; the reference "
-                          f"log-probs cache is written there")
-    try:
-        with tempfile.TemporaryFile(dir=where):
-            pass
-    except OSError as e:
-        raise ConfigError(f"{key}={directory} is not writable ({e.strerror or e}); the reference "
-                          f"log-probs cache is written there") from None
+        raise ConfigError(f"{key}={directory}: {where} is not a directory (where the reference "
+                          f"log-probs cache is written)")
+    checkpoint.check_writable(where, f"{key}={directory} (where the reference log-probs cache "
+                                     f"is written)", ConfigError)
 
 
 def prepare_reference(cfg, engine, dataset, log=print):
