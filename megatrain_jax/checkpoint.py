@@ -112,7 +112,8 @@ def error_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}".rstrip(": ")
 
 
-def _completed(manager) -> str:
+def completed(manager) -> str:
+    """The checkpoints complete in manager's directory, in words (for an error line)."""
     try:
         manager.reload()
         steps = manager.all_steps()
@@ -130,7 +131,7 @@ def wait(manager: ocp.CheckpointManager):
         step = _in_flight.pop(manager, None)
         which = "an asynchronous save" if step is None else f"saving checkpoint step {step}"
         raise SaveError(f"{which} to {manager.directory} failed ({error_line(e)}); "
-                        f"{_completed(manager)}") from None
+                        f"{completed(manager)}") from None
     _in_flight.pop(manager, None)
 
 
@@ -203,7 +204,7 @@ def save(manager: ocp.CheckpointManager, step: int, engine, meta: dict | None = 
             manager.wait_until_finished()
     except Exception as e:
         raise SaveError(f"saving checkpoint step {step} to {manager.directory} failed "
-                        f"({error_line(e)}); {_completed(manager)}") from None
+                        f"({error_line(e)}); {completed(manager)}") from None
     _in_flight[manager] = step
 
 
@@ -246,15 +247,16 @@ def _as_global(mesh: Mesh, x):
     return jax.make_array_from_single_device_arrays(shape, sharding, [x])
 
 
-def check_writable(directory):
-    """Raises CheckpointError if no file can be created in `directory` (tried for real: a
-    permission check alone is wrong for root and for read-only mounts)."""
+def check_writable(directory, what: str = "", error=CheckpointError):
+    """Raises `error` (CheckpointError) if no file can be created in `directory` (tried for real:
+    a permission check alone is wrong for root and for read-only mounts); its line begins with
+    `what` (default: "checkpoint directory DIRECTORY")."""
     try:
         with tempfile.TemporaryFile(dir=directory):
             pass
     except OSError as e:
-        raise CheckpointError(f"checkpoint directory {directory} is not writable "
-                              f"({e.strerror or e})") from None
+        raise error(f"{what or f'checkpoint directory {directory}'} is not writable "
+                    f"({e.strerror or e})") from None
 
 
 def path_str(path) -> str:

@@ -286,7 +286,8 @@ def plot(argv=None, prog=None) -> int:
     parser = _Parser(prog=prog, description=PLOT_HELP,
                      epilog="Needs matplotlib: pip install 'megatrain-jax[plot]'.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory")
-    parser.add_argument("--out", help="the PNG to write")
+    parser.add_argument("--out", help="the picture to write: PNG, or the format its suffix "
+                                      "names (.svg, .pdf, ...); a directory: DIR/metrics.png")
 
     def go(args):
         from megatrain_jax.plot import plot_runs
@@ -354,10 +355,14 @@ def generate(argv=None, prog=None) -> int:
         out = _TextStream(tokenizer)
         print(args.prompt, end="", flush=True)
         stats = {}
-        gen.generate(model, prompt, max_new_tokens=args.max_new_tokens,
-                     temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                     eos_ids=tokenizer.eos_ids, on_token=out.add, compute_dtype=dtype,
-                     stats=stats)
+        try:
+            gen.generate(model, prompt, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                         eos_ids=tokenizer.eos_ids, on_token=out.add, compute_dtype=dtype,
+                         stats=stats)
+        except BaseException:
+            print(flush=True)  # an error goes on a line of its own, not after the prompt's text
+            raise
         out.finish()
         why = (f"; stopped at the model's context of {model.context:,} tokens "
                f"({model.context_source})" if stats["stopped_at_context"] else "")

@@ -101,6 +101,9 @@ class TrainConfig:
     loss_chunk: int = 2048  # tokens per chunk of the cross-entropy (the logits never exist whole)
     loss_vocab_chunk: int = 0  # vocabulary chunk of the cross-entropy; 0: the whole vocabulary
     max_bad_steps: int = 3  # consecutive steps with a non-finite gradient before the run stops
+    # Run a config the memory plan says does not fit (the plan is printed, the override said):
+    # for a plan that over-estimates, e.g. one compiled on the CPU for a GPU.
+    ignore_plan: bool = False
     # With data.eval_path or data.eval_fraction: evaluate every eval_every steps (0: only at the
     # end; always at the last step) on the first eval_batches batches of the held-out tokens.
     eval_every: int = 0
@@ -492,6 +495,11 @@ def _check(cfg: Config):
                                                                  dist.coordinator):
         raise ConfigError(f"distributed.coordinator must be host:port (or auto), "
                           f"got {dist.coordinator!r}")
+    if dist.coordinator not in ("", "auto"):
+        port = int(dist.coordinator.rsplit(":", 1)[1])
+        if not 0 < port < 65536:  # refused now, not blamed on reachability after the timeout
+            raise ConfigError(f"distributed.coordinator={dist.coordinator}: port {port} is not a "
+                              f"TCP port (1 to 65535)")
     if dist.timeout_s < 1:
         raise ConfigError(f"distributed.timeout_s must be >= 1, got {dist.timeout_s}")
     if offload.tier == "disk" and dist.num_processes > 1:

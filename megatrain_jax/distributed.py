@@ -38,7 +38,8 @@ def initialize(d: DistributedConfig):
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # A lost process then fails the others' next collective with an error this run can name
     # (lost_processes), instead of JAX's coordination client aborting them with a C++ fatal log.
-    # (A lost process 0, which serves the coordinator, still aborts the others at once: theirs.)
+    # (A lost process 0, which serves the coordinator, still aborts the others at once: theirs;
+    # scripts/launch.py then passes on its own line naming process 0, not their fatal logs.)
     jax.config.update("jax_enable_recoverability", True)
     kwargs = {} if d.coordinator == "auto" else dict(
         coordinator_address=d.coordinator, num_processes=d.num_processes, process_id=d.process_id)

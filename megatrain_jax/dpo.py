@@ -25,12 +25,15 @@ import hashlib
 import json
 import os
 import time
+import zipfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from megatrain_jax import checkpoint
 from megatrain_jax.chat import ChatTemplate
+from megatrain_jax.config import ConfigError
 from megatrain_jax.data import DataError
 from megatrain_jax.loss import IGNORE_ID
 from megatrain_jax.model import LMHead
@@ -171,10 +174,12 @@ class ReferenceCache:
         try:
             with np.load(self.path, allow_pickle=False) as f:
                 key, logps = json.loads(str(f["key"])), np.asarray(f["logps"])
-        except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
-            raise DataError(f"{self.path}: not a reference log-prob cache of this trainer "
-                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                            f"move it away (it is not overwritten)") from None
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+            # BadZipFile, EOFError: a file cut short (a full disk, a killed copy)
+            raise DataError(f"{self.path}: not a reference log-prob cache of this trainer, or a "
+                            f"damaged one ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}); move it away (it is not "
+                            f"overwritten) and the reference pass rebuilds it") from None
         if key != self.key:
             differ = sorted(k for k in set(key) | set(self.key) if key.get(k) != self.key.get(k))
             raise DataError(f"{self.path}: stale or foreign reference cache: its key differs in "
@@ -209,6 +214,21 @@ def reference_key(cfg, engine) -> dict:
             "settings": text_digest(d.format, d.seq_len, d.overlong, cfg.train.compute_dtype)}
 
 
+def check_reference_dir(cfg):
+    """Raises ConfigError naming dpo.reference_dir (or run_dir, its default) unless the cache
+    can be written there: a directory, or one still to be made, where a file can be created."""
+    key = "dpo.reference_dir" if cfg.dpo.reference_dir else "run_dir"
+    directory = cfg.dpo.reference_dir or cfg.run_dir
+    where = os.path.abspath(directory)
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    if not os.path.isdir(where):
+        raise ConfigError(f"{key}={directory}: {where} is not a directory (where the reference "
+                          f"log-probs cache is written)")
+    checkpoint.check_writable(where, f"{key}={directory} (where the reference log-probs cache "
+                                     f"is written)", ConfigError)
+
+
 def prepare_reference(cfg, engine, dataset, log=print):
     """Fills dataset.rows["reference"] with the reference log-probs of the engine's current (the
     starting) weights: from the cache when its key matches, else from a reference pass, saved."""
@@ -218,6 +238,7 @@ def prepare_reference(cfg, engine, dataset, log=print):
     if logps is not None:
         log(f"reference log-probs: {rows} sequences from {cache.path} (key matches)")
     else:
+        check_reference_dir(cfg)  # before the pass, not at its end
         t0 = time.perf_counter()
         logps = reference_logps(engine, dataset)
         if not np.all(np.isfinite(logps)):

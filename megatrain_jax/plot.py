@@ -47,14 +47,31 @@ def _series(records, key):
     return [s for s, _ in points], [v for _, v in points]
 
 
+def output_path(out: str, formats) -> str:
+    """Where `--out out` writes: out itself, `out/metrics.png` for a directory, `out.png` when it
+    has no suffix; ConfigError naming the suffixes `formats` (matplotlib's) when it has another."""
+    if os.path.isdir(out):
+        return os.path.join(out, "metrics.png")
+    suffix = os.path.splitext(out)[1][1:].lower()
+    if not suffix:
+        return out + ".png"
+    if suffix not in formats:
+        raise ConfigError(f"--out {out}: cannot write a .{suffix} picture; the suffix picks the "
+                          f"format, one of {', '.join('.' + f for f in sorted(formats))}")
+    return out
+
+
 def plot_runs(run_dirs, out: str) -> str:
-    """Writes the PNG `out` for run_dirs; returns its path."""
+    """Writes the picture `out` (a PNG unless its suffix says otherwise; see output_path) for
+    run_dirs; returns the path written."""
     runs = [(d, read_metrics(d)) for d in run_dirs]  # every input checked before any drawing
     try:
         import matplotlib
     except ImportError:
         raise ConfigError("plotting needs matplotlib: pip install 'megatrain-jax[plot]'") from None
     matplotlib.use("Agg")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    out = output_path(out, FigureCanvasAgg.get_supported_filetypes())
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 

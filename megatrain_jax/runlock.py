@@ -56,6 +56,21 @@ class RunLock:
                            f"file {self.path}){why}; wait for that run to finish or pick another "
                            f"run_dir")
 
+    def check_free(self):
+        """Raises LockedError if another process holds the lock now: a look that takes nothing and
+        creates nothing (a data-parallel run's process 0 looks before the others join it)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:  # no lock file: free (one that cannot be read: __enter__ says so)
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise self._refuse(*_read_holder(fd)) from None
+        finally:
+            os.close(fd)  # drops our shared lock, if we took it
+
     def __enter__(self):
         host = socket.gethostname()
         while True:

@@ -340,6 +340,8 @@ def train(cfg: Config, *, log=print, console=None) -> list[dict]:
 
     Data parallel (cfg.distributed, megatrain_jax/distributed.py): every process runs this with
     its own distributed.process_id; process 0 alone logs, writes the run's files and saves."""
+    if cfg.distributed.process_id == 0:  # a busy run_dir refused before the others join
+        RunLock(cfg.run_dir).check_free()  # (process 0 refusing later would abort them)
     distributed.initialize(cfg.distributed)  # before anything touches a device
     devices, host_device = distributed.devices(cfg.distributed)
     distributed.check_batch(cfg.data.batch_size, len(devices), jax.process_count())
@@ -399,6 +401,12 @@ def _raise_if_lost(e: BaseException, step: int):
             raise TrainingError(line) from None
 
 
+def _tier_fault(e: tier_lib.TierError, step: int, manager) -> TrainingError:
+    """The disk tier failed at step `step` (its files are scratch: the checkpoints hold the run)."""
+    return TrainingError(f"stopped at step {step}: {e}; {checkpoint.completed(manager)}; run the "
+                         f"same command again to resume")
+
+
 def _peak_flops(cfg: Config, device) -> tuple[float | None, str]:
     """(the bf16 dense peak FLOP/s that MFU is measured against, or None, and where it is from)."""
     if cfg.logging.peak_tflops:
@@ -425,9 +433,10 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
     per_device = dataclasses.replace(cfg, data=dataclasses.replace(
         cfg.data, batch_size=cfg.data.batch_size // devices))
     run_plan = plan_lib.plan(per_device, plan_lib.machine_from_device(jax.local_devices()[0]))
-    if not run_plan.fits:
+    if not run_plan.fits and not cfg.train.ignore_plan:
         raise ConfigError(f"this config does not fit: {' '.join(run_plan.summary().split())} "
-                          f"(python scripts/plan.py --config ... shows what would)")
+                          f"(python scripts/plan.py --config ... shows what would; "
+                          f"train.ignore_plan=true runs it anyway)")
     if cfg.offload.tier == "disk":  # the engine checks its exact bytes again, before writing
         try:
             tier_lib.check_writable(cfg.offload.path)
@@ -458,6 +467,9 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
     if peak_flops is not None:
         peak_flops *= devices  # MFU of the whole run: every device's peak
     log(run_plan.summary())
+    if not run_plan.fits:
+        log("plan: overridden by train.ignore_plan=true: running a config the plan says does not "
+            "fit (an out-of-memory error names the step)")
     if engine.disk_tier is not None:
         tier = engine.disk_tier
         log(f"disk tier: {tier.total_bytes / 1e9:.2f} GB in {tier.path} ({tier.opened}), "
@@ -500,6 +512,8 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
                     raise ConfigError(_out_of_memory_line(e, step, run_plan)) from None
                 _raise_if_lost(e, step)
                 raise
+            except tier_lib.TierError as e:  # e.g. the disk of offload.path filled mid-run
+                raise _tier_fault(e, step, manager) from None
             except (RuntimeError, ValueError) as e:  # gloo's failed collective is a ValueError
                 _raise_if_lost(e, step)
                 raise
@@ -516,7 +530,7 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
                                                         "a"))
                 sinks = (metrics_log.Sinks.open(cfg, start, log) if primary  # TensorBoard, W&B
                          else metrics_log.Sinks())
-                files.callback(sinks.close)
+                files.push(_closing(sinks.close))
             record = {"step": step, "loss": loss, "grad_norm": grad_norm,
                       "tokens_per_sec": dataset.tokens_per_batch / dt, "step_time_s": dt,
                       "lr": float(lrs[updates])}  # the rate this step's update uses
@@ -571,11 +585,14 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
                 elif step in manager.all_steps():  # only after resume_step: never overwrite one
                     log(f"checkpoint step {step} already exists in {manager.directory}; kept as is")
                 else:
-                    checkpoint.save(manager, step, engine, {
-                        "config": to_dict(cfg), "data_state": dataset.state(),
-                        "data_files": identity,
-                        "progress": {"updates": updates, "loss_smooth": meter.smoothing()},
-                        "rng": {"seed": cfg.train.seed}})  # the home of a future dropout key
+                    try:  # the state is read back from the disk tier's files, which may fail
+                        checkpoint.save(manager, step, engine, {
+                            "config": to_dict(cfg), "data_state": dataset.state(),
+                            "data_files": identity,
+                            "progress": {"updates": updates, "loss_smooth": meter.smoothing()},
+                            "rng": {"seed": cfg.train.seed}})  # the home of a future dropout key
+                    except tier_lib.TierError as e:
+                        raise _tier_fault(e, step, manager) from None
             if stop.received:
                 log(f"{stop.received} received: stopped after step {step} with a checkpoint; "
                     f"run the same command again to resume" if not bad_steps else
@@ -614,6 +631,20 @@ def _json_line(record: dict) -> str:
     finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
               for k, v in record.items()}
     return json.dumps(finite) + "\n"
+
+
+def _closing(close):
+    """An ExitStack exit for close(): a close that fails while an error is on its way out (a full
+    disk fails TensorBoard's flush too) leaves that error, which names the step and the
+    checkpoints, in place."""
+    def exit_(exc_type, exc, tb):
+        try:
+            close()
+        except Exception:
+            if exc is None:
+                raise
+        return False
+    return exit_
 
 
 def _data_parallel_note(devices: int) -> str:

@@ -9,6 +9,10 @@ the others get --grace seconds to notice and stop by themselves (a training proc
 lost one in its error), then SIGTERM, then SIGKILL 5 s later; the launcher exits with the first
 failed process's code (128 + N for a signal N); 0 when all finish cleanly. Ctrl-C (SIGINT or
 SIGTERM) is passed on to every process.
+Once a process has failed, the others' stderr is passed on only in its `error: ...` lines: what
+else they print while they stop is JAX's own log of the lost connection (a C++ fatal error and its
+stack, when process 0, which serves the coordinator, is the one lost), not the cause, which the
+first failure's line and the launcher's name.
 On several hosts, start one process per host with the same three keys yourself (or
 distributed.coordinator=auto under SLURM / Open MPI, where JAX reads them from the cluster).
 """
@@ -29,12 +33,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pump(stream, out, prefix: str, lock: threading.Lock):
+def _pump(stream, out, prefix: str, lock: threading.Lock, quiet=lambda: False):
+    """Copies stream's lines to out, prefixed; while quiet() only the `error: ...` lines."""
     for line in iter(stream.readline, ""):
+        if quiet() and not line.startswith("error:"):
+            continue
         with lock:
             out.write(prefix + line)
             out.flush()
     stream.close()
+
+
+def _failed(code) -> bool:
+    return code not in (None, 0)
+
+
+def _how(code: int) -> str:
+    """A failed process's exit code in words."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"exited with code {code} (killed by {name}: lost)"
 
 
 def _wait_all(procs, seconds: float):
@@ -68,8 +90,12 @@ def launch(nproc: int, command: list, *, port: int = 0, grace: float = 10.0) -> 
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 bufsize=1, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         procs.append(proc)
-        for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            t = threading.Thread(target=_pump, args=(stream, out, f"[{i}] ", lock), daemon=True)
+        # Another process has failed: this one's stderr is its noise of stopping, but its error.
+        others_failed = lambda i=i: any(_failed(p.poll()) for j, p in enumerate(procs) if j != i)
+        for stream, out, quiet in ((proc.stdout, sys.stdout, lambda: False),
+                                   (proc.stderr, sys.stderr, others_failed)):
+            t = threading.Thread(target=_pump, args=(stream, out, f"[{i}] ", lock, quiet),
+                                 daemon=True)
             t.start()
             pumps.append(t)
 
@@ -83,12 +109,11 @@ def launch(nproc: int, command: list, *, port: int = 0, grace: float = 10.0) -> 
     try:
         while any(p.poll() is None for p in procs):
             first_bad = next(((i, p.returncode) for i, p in enumerate(procs)
-                              if p.returncode not in (None, 0)), None)
+                              if _failed(p.returncode)), None)
             if first_bad:
                 with lock:
-                    print(f"launch: process {first_bad[0]} exited with code {first_bad[1]}; "
-                          f"stopping the others (in {grace:g} s at most)", file=sys.stderr,
-                          flush=True)
+                    print(f"launch: process {first_bad[0]} {_how(first_bad[1])}; stopping the "
+                          f"others (in {grace:g} s at most)", file=sys.stderr, flush=True)
                 _stop(procs, grace)
                 break
             time.sleep(0.1)
@@ -100,8 +125,8 @@ def launch(nproc: int, command: list, *, port: int = 0, grace: float = 10.0) -> 
     if first_bad is None:  # all ended between two looks: the first failed one, if any
         first_bad = next(((i, p.returncode) for i, p in enumerate(procs) if p.returncode), None)
         if first_bad:
-            print(f"launch: process {first_bad[0]} exited with code {first_bad[1]}",
-                  file=sys.stderr, flush=True)
+            print(f"launch: process {first_bad[0]} {_how(first_bad[1])}", file=sys.stderr,
+                  flush=True)
     if first_bad is None:
         return 0
     code = first_bad[1]

@@ -19,7 +19,8 @@ buffers and the update's outputs, not the whole model's state.
 The files are scratch, not state of record: the engine writes them whole at construction and a
 run resumes from its last checkpoint, never from them. `tier.json` in the directory names the run,
 the model and the layout; a directory holding another run's tier, or other files, is refused
-(TierError, one line), never reused. A file deleted or truncated mid-run is a TierError naming it.
+(TierError, one line), never reused. A file deleted or truncated mid-run, or a read or write that
+fails (a disk filled by other files: ENOSPC), is a TierError naming it.
 """
 
 import collections
@@ -282,6 +283,10 @@ class DiskTier:
             raise TierError(f"disk tier file {self.files[u]} {what} mid-run; the run must resume "
                             f"from its last checkpoint (the tier files are rebuilt from it)")
 
+    def _io_error(self, u: int, doing: str, e: OSError) -> "TierError":
+        return TierError(f"offload.path {self.options.path}: {doing} {self.files[u]} failed "
+                         f"({e.strerror or e})")
+
     def _take(self, nbytes: int) -> np.ndarray:
         """An aligned buffer of nbytes from the pool (made the first time the pool is short)."""
         with self._lock:
@@ -303,7 +308,11 @@ class DiskTier:
         view, done = memoryview(buffer), 0
         t0 = time.perf_counter()
         while done < nbytes:  # a single call unless a signal or the kernel cuts it short
-            n = os.preadv(fd, [view[done:]], done)
+            try:
+                n = os.preadv(fd, [view[done:]], done)
+            except OSError as e:
+                self._give(buffer)
+                raise self._io_error(u, "reading", e) from None
             if n == 0:
                 self._give(buffer)
                 self._check(u, fd)
@@ -334,7 +343,10 @@ class DiskTier:
             view, done = memoryview(buffer), 0
             t0 = time.perf_counter()
             while done < len(view):
-                done += os.pwritev(fd, [view[done:]], done)
+                try:
+                    done += os.pwritev(fd, [view[done:]], done)
+                except OSError as e:  # a disk filled mid-run (other files took the space)
+                    raise self._io_error(u, "writing", e) from None
             with self._lock:
                 self.bytes_written += done
                 self.write_s += time.perf_counter() - t0
