@@ -12,13 +12,16 @@ SIGTERM) is passed on to every process.
 Once a process has failed, the others' stderr is passed on only in its `error: ...` lines: what
 else they print while they stop is JAX's own log of the lost connection (a C++ fatal error and its
 stack, when process 0, which serves the coordinator, is the one lost), not the cause, which the
-first failure's line and the launcher's name.
+first failure's line and the launcher's name. (A line of that log may come before the failed
+process is seen gone: such a line waits up to CPP_LOG_WAIT_S for it, and is printed if none has
+failed.)
 On several hosts, start one process per host with the same three keys yourself (or
 distributed.coordinator=auto under SLURM / Open MPI, where JAX reads them from the cluster).
 """
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -33,11 +36,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pump(stream, out, prefix: str, lock: threading.Lock, quiet=lambda: False):
+# A line of JAX's C++ log (glog: severity, date, time): when process 0 is lost, the others log
+# its loss before the launcher can see it gone, so such a line waits for that a moment first.
+CPP_LOG = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d")
+CPP_LOG_WAIT_S = 2.0
+
+
+def _pump(stream, out, prefix: str, lock: threading.Lock, quiet=None):
     """Copies stream's lines to out, prefixed; while quiet() only the `error: ...` lines."""
     for line in iter(stream.readline, ""):
-        if quiet() and not line.startswith("error:"):
-            continue
+        if quiet is not None:
+            if CPP_LOG.match(line):
+                deadline = time.time() + CPP_LOG_WAIT_S
+                while not quiet() and time.time() < deadline:
+                    time.sleep(0.02)
+            if quiet() and not line.startswith("error:"):
+                continue
         with lock:
             out.write(prefix + line)
             out.flush()
@@ -92,7 +106,7 @@ def launch(nproc: int, command: list, *, port: int = 0, grace: float = 10.0) -> 
         procs.append(proc)
         # Another process has failed: this one's stderr is its noise of stopping, but its error.
         others_failed = lambda i=i: any(_failed(p.poll()) for j, p in enumerate(procs) if j != i)
-        for stream, out, quiet in ((proc.stdout, sys.stdout, lambda: False),
+        for stream, out, quiet in ((proc.stdout, sys.stdout, None),
                                    (proc.stderr, sys.stderr, others_failed)):
             t = threading.Thread(target=_pump, args=(stream, out, f"[{i}] ", lock, quiet),
                                  daemon=True)

@@ -57,19 +57,24 @@ _spec = importlib.util.spec_from_file_location("launch", os.path.join(ROOT, "scr
 launch = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(launch)
 
-# Process 0 fails at once (an error line, or a SIGKILL); process 1 then dies as JAX's client
-# makes the others die when process 0 is gone: a C++ fatal log and SIGABRT.
+# Process 0 fails (an error line, or a SIGKILL); process 1 dies as JAX's client makes the others
+# die when process 0 is gone: a C++ fatal log and SIGABRT. Its log begins a little before process
+# 0 is seen gone, as it does for real (it sees the socket close while process 0 is still exiting).
 TWO_PROCESSES = """
 import os, signal, sys, time
 me = int(sys.argv[-1].split("=")[1])
 if me == 0:
+    time.sleep(1.0)
     if sys.argv[1] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     print("error: run_dir 'r' is in use by pid 1 on host h", file=sys.stderr)
     sys.exit(2)
-time.sleep(1.0)
+time.sleep(0.5)
+print("E1126 09:24:28.898566 6073 coordination_service_agent.cc:289] Polled an error from "
+      "coordination service", file=sys.stderr, flush=True)
 print("F1126 09:24:28.898570 6073 client.h:80] Terminating process because the JAX distributed "
       "service detected fatal errors.", file=sys.stderr, flush=True)
+time.sleep(1.0)
 print("*** Check failure stack trace: ***", file=sys.stderr, flush=True)
 os.abort()
 """
@@ -87,7 +92,17 @@ def test_launch_reports_the_first_failure_not_the_others_abort(tmp_path, capsys,
     assert line in err, err
     if how == "error":
         assert "[0] error: run_dir 'r' is in use" in err
-    assert "Terminating process" not in err and "stack trace" not in err, err
+    assert "Polled an error" not in err and "Terminating process" not in err, err
+    assert "stack trace" not in err, err
+
+
+def test_launch_passes_a_lone_cpp_log_line_on(tmp_path, capsys):
+    """A C++ log line is held only while another process may be failing: alone, it is printed."""
+    script = tmp_path / "warn.py"
+    script.write_text("import sys\nprint('W1126 09:24:28.1 1 x.cc:1] a warning', file=sys.stderr)\n")
+    assert launch.launch(2, [str(script)], grace=1) == 0
+    err = capsys.readouterr().err
+    assert err.count("] a warning") == 2, err
 
 
 def test_a_busy_run_dir_is_refused_before_the_processes_join(tmp_path, monkeypatch):
