@@ -27,10 +27,12 @@ def first_change(saved: list[dict], now: list[dict]) -> str | None:
     """How the files of `now` differ from `saved` (both files_identity's), in words, or None."""
     saved_by_file = {s["file"]: s for s in saved}
     now_by_file = {n["file"]: n for n in now}
-    for name in sorted(saved_by_file.keys() - now_by_file.keys()):
-        return f"{name} is no longer read"
-    for name in sorted(now_by_file.keys() - saved_by_file.keys()):
-        return f"{name} is new"
+    gone, new = (sorted(a.keys() - b.keys()) for a, b in ((saved_by_file, now_by_file),
+                                                          (now_by_file, saved_by_file)))
+    if gone:
+        return f"{gone[0]} is no longer read"
+    if new:
+        return f"{new[0]} is new"
     for name, was in saved_by_file.items():
         n = now_by_file[name]
         if n["bytes"] != was["bytes"]:
