@@ -4,8 +4,8 @@ A source (sources.files.Source) is tokenized into `<cache_dir>/tokens-<id>/`:
 
     manifest.json   what the cache holds: its identity (the source files' absolute paths, the
                     tokenizer, its EOS id, the field and settings) and the fingerprint they had
-                    when it was built (each file's size, mtime and a hash of its first MiB, a hash
-                    of the tokenizer file), the dtype and the tokens of each file
+                    when it was built (each file's size, mtime and a hash of its first 64 KiB,
+                    a hash of the tokenizer file), the dtype and the tokens of each file
     tokens.bin      every document's ids followed by EOS, file by file, as uint16 (a vocabulary
                     up to 65536) or uint32
 
@@ -31,7 +31,7 @@ from megatrain_jax.sources.tokenfile import TokenFile
 
 CACHE_FORMAT = "megatrain_jax token cache"
 VERSION = 1
-HEAD_BYTES = 1 << 20  # hashed of each source file, with its size and mtime
+HEAD_BYTES = 1 << 16  # hashed of each source file (64 KiB), with its size and mtime
 DOC_BATCH = 2048  # documents per encode_batch call
 COPY_CHUNK = 1 << 24  # tokens per chunk copied from a .bin/.npy shard
 
@@ -237,6 +237,24 @@ def _stale_reason(manifest: dict, directory: str, expected: dict) -> str | None:
     return None
 
 
+def _existing(directory: str, ident: dict, expected: dict, path: str):
+    """(manifest, why it is stale or None) of the cache in `directory`, or None if there is none.
+    Raises DataError if what is there is not a cache of this data (it is left as is)."""
+    if not os.path.exists(directory):
+        return None
+    manifest = _read_manifest(directory)
+    if manifest is None or manifest.get("identity") != ident:
+        raise DataError(f"{directory}: exists but is not a token cache of {path} (no "
+                        f"manifest.json of this data); it is left as is: move it away or set "
+                        f"data.cache_dir to another directory")
+    return manifest, _stale_reason(manifest, directory, expected)
+
+
+def _opened(manifest: dict, directory: str) -> tuple:
+    return np.memmap(os.path.join(directory, "tokens.bin"), dtype=manifest["dtype"],
+                     mode="r"), directory
+
+
 def open_cache(source, tokenizer, cache_dir: str, *, text_field: str = "text",
                token_dtype: str = "uint16", vocab_size: int | None = None, log=print) -> tuple:
     """(tokens, directory): the token ids of `source` (memory-mapped, read-only) from its cache
@@ -249,16 +267,11 @@ def open_cache(source, tokenizer, cache_dir: str, *, text_field: str = "text",
     name = "tokens-" + hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     directory = os.path.join(cache_dir, name)
     expected = fingerprint(source, tokenizer)
-    if os.path.exists(directory):
-        manifest = _read_manifest(directory)
-        if manifest is None or manifest.get("identity") != ident:
-            raise DataError(f"{directory}: exists but is not a token cache of {source.path} "
-                            f"(no manifest.json of this data); it is left as is: move it away "
-                            f"or set data.cache_dir to another directory")
-        reason = _stale_reason(manifest, directory, expected)
+    found = _existing(directory, ident, expected, source.path)
+    if found is not None:
+        manifest, reason = found
         if reason is None:
-            return np.memmap(os.path.join(directory, "tokens.bin"), dtype=manifest["dtype"],
-                             mode="r"), directory
+            return _opened(manifest, directory)
         log(f"token cache {directory} is stale ({reason}): rebuilding it")
     _check_writable(cache_dir)
     tmp = f"{directory}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -272,22 +285,24 @@ def open_cache(source, tokenizer, cache_dir: str, *, text_field: str = "text",
                                    token_dtype=token_dtype, vocab_size=vocab_size)
         seconds = time.perf_counter() - t0
         manifest = {"identity": ident, "fingerprint": expected, "dtype": dtype.name,
-                    "tokens": sum(counts), "file_tokens": counts,
-                    "seconds": round(seconds, 3)}
+                    "tokens": sum(counts), "file_tokens": counts, "seconds": round(seconds, 3)}
         with open(os.path.join(tmp, "manifest.json"), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1)
+        found = _existing(directory, ident, expected, source.path)
+        if found is not None and found[1] is None:  # another process built it meanwhile
+            return _opened(found[0], directory)
         _replace(tmp, directory)
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp)
     log(f"tokenized {sum(counts):,} tokens in {seconds:.1f} s "
         f"({sum(counts) / max(seconds, 1e-9):,.0f} tokens/s)")
-    return np.memmap(os.path.join(directory, "tokens.bin"), dtype=dtype, mode="r"), directory
+    return _opened(manifest, directory)
 
 
 def _replace(tmp: str, directory: str):
-    """Renames the built `tmp` to `directory`; a stale cache there (ours: its manifest matched)
-    is moved aside first and removed after."""
+    """Renames the built `tmp` to `directory`; a stale cache there (of this data: its manifest
+    said so) is moved aside first and removed after."""
     old = None
     if os.path.exists(directory):
         old = f"{directory}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
