@@ -256,6 +256,17 @@ def test_bad_input_is_one_line_exit_2_before_training(tmp_path, capsys, monkeypa
         assert os.listdir(tmp_path / "cache") == []
 
 
+def test_data_files_are_every_file_a_config_reads(tmp_path):
+    path = _shards(tmp_path, "parquet")
+    _jsonl(tmp_path / "eval.jsonl", [{"text": "x"}])
+    cfg = load_config(TINY, ["data.path=''", f"data.eval_path={tmp_path}/eval.jsonl",
+                             f"data.sources=[{{path: {path}}}, {{path: {tmp_path}/eval.jsonl}}]"])
+    shards = [f"{path}/part-{i}.parquet" for i in range(3)]
+    assert files.data_files(cfg.data) == [*shards, f"{tmp_path}/eval.jsonl", f"{tmp_path}/eval.jsonl"]
+    cfg = load_config(TINY, [f"data.path={path}"])
+    assert files.data_files(cfg.data) == shards
+
+
 def test_datasets_dict_names_its_splits(tmp_path):
     (tmp_path / "dd" / "train").mkdir(parents=True)
     (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train"]}')

@@ -156,7 +156,7 @@ def _packed(ids_list: list, eos_id: int, dtype) -> np.ndarray:
 # building and using a cache
 
 
-def _progress(total_bytes: int):
+def _progress():
     from rich.console import Console
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
                                TimeRemainingColumn, TransferSpeedColumn)
@@ -172,7 +172,7 @@ def _write_tokens(source, tokenizer, out, *, dtype, text_field: str, token_dtype
     """Writes every file's tokens to the open file `out`; returns the tokens of each file."""
     counts = []
     total = sum(os.path.getsize(f) for f in source.files)
-    with _progress(total) as progress:
+    with _progress() as progress:
         task = progress.add_task("tokenizing", total=total)
         before = 0
         for path in source.files:

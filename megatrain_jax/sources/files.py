@@ -122,7 +122,7 @@ def _pyarrow():
         import pyarrow.parquet  # noqa: F401
     except ImportError:
         raise DataError("reading Parquet and Arrow data needs pyarrow: pip install "
-                        "'megatrain_jax[data]'") from None
+                        "'megatrain-jax[data]' (pip install -e '.[data]' in a clone)") from None
     return pyarrow
 
 
