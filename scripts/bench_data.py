@@ -11,8 +11,8 @@ while training batches stream from it.
    `tokenizers` encode_batch in batches of the same size (ids discarded): the ratio ours /
    raw is the figure (target >= 0.8).
 2. Streaming: for each --stream-gb size, a corpus of that many GB of uint16 token ids on disk,
-   read as training does (train.load_data: memory-mapped, windows gathered per batch, prepared
-   ahead on a thread) for --batches batches in a child process: its RSS after (VmRSS) and peak
+   read as training does (train.load_data: each batch's windows read with pread, the next batch's
+   on a thread ahead) for --batches batches in a child process: its RSS after (VmRSS) and peak
    (VmHWM). Flat across sizes: host RAM does not grow with the corpus.
 
 Prints a table; --json writes every figure. The corpus files are written under --dir (default: a
@@ -180,7 +180,7 @@ def bench(args, work: str) -> dict:
               f"{size / 1e6 / r['seconds']:8.2f} {r['peak_rss_bytes'] / 1e9:12.3f}")
     print(f"  ours / raw tokens/s: {tok['ratio']:.2f}x (target >= 0.8)")
     streams = []
-    print(f"streaming {args.batches} batches of 4 x 8 x 1024 tokens (load_data, prefetched):")
+    print(f"streaming {args.batches} batches of 4 x 8 x 1024 tokens (load_data, read ahead):")
     print(f"  {'corpus GB':>9s} {'RSS before GB':>14s} {'RSS after GB':>13s} {'peak GB':>8s} "
           f"{'batches/s':>10s}")
     for gb in args.stream_gb:
