@@ -19,8 +19,9 @@ from datetime import datetime
 
 import numpy as np
 
-from megatrain_jax.data import DataError, WindowOrder, jsonl_objects, share_of_batch
+from megatrain_jax.data import DataError, WindowOrder, share_of_batch
 from megatrain_jax.loss import IGNORE_ID
+from megatrain_jax.sources.files import BadRows, records, resolve
 
 ROLES = ("system", "user", "assistant")
 OVERLONG = ("truncate", "skip")  # data.overlong
@@ -273,24 +274,20 @@ def encode_conversation(template: ChatTemplate, tokenizer, messages: list, where
     return ids, assistant
 
 
-def read_conversations(path: str):
-    """("path:line", messages) for every non-blank line of a chat JSONL file."""
-    for where, obj in read_records(path, "conversations"):
-        yield where, _conversation(obj, where)
+def read_conversations(path: str, bad: BadRows):
+    """("where", messages) for every conversation of data in any record format (sources.files:
+    a file, glob or directory of .jsonl, .parquet, .arrow); a bad one is counted in `bad`."""
+    for where, obj in read_records(path, "conversations", ("messages", "prompt", "completion")):
+        try:
+            yield where, _conversation(obj, where)
+        except DataError as e:
+            bad.add(e)
 
 
-def read_records(path: str, what: str):
-    """("path:line", JSON value) for every non-blank line of a JSONL file of `what`."""
-    if os.path.isdir(path):
-        raise DataError(f"{path} is a directory, not a JSONL file of {what}")
-    try:
-        f = open(path, "rb")  # bytes, so that invalid UTF-8 is reported with its line
-    except FileNotFoundError:
-        raise DataError(f"data file not found: {path}") from None
-    except OSError as e:
-        raise DataError(f"{path}: cannot read data file ({e.strerror})") from None
-    with f:
-        yield from jsonl_objects(f, path)
+def read_records(path: str, what: str, columns: tuple):
+    """("where", record) for every record of a file, glob or directory of `what` (JSONL lines, or
+    table rows with those of `columns` the table has); where names the file and line or row."""
+    yield from records(resolve(path), list(columns), what)
 
 
 # -----------------------------------------------------------------------------
@@ -331,9 +328,11 @@ def load_examples(path: str, tokenizer, template: ChatTemplate, *, seq_len: int,
     counted. Raises DataError naming file and line for a bad line, or if no example is left."""
     if overlong not in OVERLONG:
         raise DataError(f"data.overlong must be one of {', '.join(OVERLONG)}, got {overlong!r}")
-    out = Examples(path, [], [])
-    for where, messages in read_conversations(path):
+    out, bad = Examples(path, [], []), BadRows(path)
+    for where, messages in read_conversations(path, bad):
         out.conversations += 1
+        if bad.count:  # the load fails at the end, naming the first and counting them all
+            continue
         ids, assistant = encode_conversation(template, tokenizer, messages, where)
         if vocab_size is not None and len(ids) and ids.max() >= vocab_size:
             raise DataError(f"{where}: token id {int(ids.max())} >= model.vocab_size ({vocab_size})")
@@ -352,6 +351,7 @@ def load_examples(path: str, tokenizer, template: ChatTemplate, *, seq_len: int,
             continue
         out.ids.append(ids)
         out.labels.append(labels)
+    bad.check()
     if not out.ids:
         raise DataError(f"{path}: no usable example ({out.report(seq_len, overlong)})")
     return out

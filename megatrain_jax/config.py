@@ -54,7 +54,18 @@ class OptimizerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SourceConfig:
+    """One source of a data.sources mixture."""
+    path: str = ""  # a file, glob or directory of shards, as data.path
+    weight: float = 1.0  # the share of windows drawn from it: weight / the sum of the weights
+    text_field: str = ""  # "": data.text_field
+    token_dtype: str = ""  # "": data.token_dtype
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
+    # A file, a glob (data/*.parquet) or a directory of shards (a datasets.save_to_disk directory
+    # too): .jsonl, .parquet, .arrow, text, .bin or .npy; see megatrain_jax/sources/files.py.
     path: str = "megatrain_jax/texts/devils_dictionary.txt"
     tokenizer: str = "byte"  # "byte" or a tokenizer.json path
     eos_token: str = ""  # the document separator of a tokenizer.json; "": </s>, <|endoftext|>, ...
@@ -82,6 +93,12 @@ class DataConfig:
     # sft: a conversation over data.seq_len is truncated or skipped; preference: a pair with a
     # sequence over data.seq_len
     overlong: str = "truncate"
+    # Instead of data.path (format text): a weighted mixture, a list of {path, weight, text_field,
+    # token_dtype}; each window of a batch comes from one source drawn by weight.
+    sources: tuple[SourceConfig, ...] = ()
+    # Where token caches live (tokenized once, reused by every run on the same data and by
+    # resumes): "" is ~/.cache/megatrain_jax/tokens ($XDG_CACHE_HOME), shared by this user's runs.
+    cache_dir: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +255,11 @@ def _build(cls, data: dict, prefix: str):
         typ = hints[f.name]
         if dataclasses.is_dataclass(typ):
             kwargs[f.name] = _build(typ, value, f"{prefix}{name}.")
+        elif typing.get_origin(typ) is tuple and dataclasses.is_dataclass(typing.get_args(typ)[0]):
+            if not isinstance(value, (list, tuple)):  # a list of mappings, e.g. data.sources
+                raise ConfigError(f"{prefix}{name}: expected a list of mappings, got {value!r}")
+            kwargs[f.name] = tuple(_build(typing.get_args(typ)[0], item, f"{prefix}{name}.{i}.")
+                                   for i, item in enumerate(value))
         else:
             kwargs[f.name] = _coerce(prefix + name, value, typ)
     try:
@@ -349,6 +371,9 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
         _set_dotted(data, key, parsed)
     cfg = _build(Config, data, "")
     given_data = data.get("data") if isinstance(data.get("data"), dict) else {}
+    if cfg.data.sources and given_data.get("path"):
+        raise ConfigError(f"data.path ({cfg.data.path}) and data.sources are both set; give one "
+                          f"(data.sources: a mixture of paths with weights)")
     if cfg.data.format in ("sft", "preference") and "document_mask" not in given_data:
         # sft rows are packed; preference rows mark their padding
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, document_mask=True))
@@ -442,6 +467,18 @@ def _check(cfg: Config):
     if data.eval_fraction and not 0 < data.eval_fraction <= 0.5:
         raise ConfigError(f"data.eval_fraction must be 0 (none) or in (0, 0.5], "
                           f"got {data.eval_fraction}")
+    for i, source in enumerate(data.sources):
+        if not source.path:
+            raise ConfigError(f"data.sources.{i}.path is empty; give a file, glob or directory")
+        if not source.weight > 0:
+            raise ConfigError(f"data.sources.{i}.weight must be > 0, got {source.weight} "
+                              f"({source.path})")
+    if data.sources and data.format != "text":
+        raise ConfigError(f"data.sources (a mixture) is for data.format=text, got "
+                          f"data.format={data.format}; give data.path")
+    if data.sources and data.eval_fraction:
+        raise ConfigError("data.eval_fraction with data.sources: give the held-out data as "
+                          "data.eval_path")
     if data.format not in FORMATS:
         raise ConfigError(f"data.format must be one of {', '.join(FORMATS)}, got {data.format!r}"
                           f"{did_you_mean(data.format, FORMATS)}")
@@ -579,5 +616,7 @@ def to_dict(cfg) -> dict:
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
             value = to_dict(value)
-        out[_yaml_name(f)] = list(value) if isinstance(value, tuple) else value
+        if isinstance(value, tuple):
+            value = [to_dict(v) if dataclasses.is_dataclass(v) else v for v in value]
+        out[_yaml_name(f)] = value
     return out

@@ -5,6 +5,7 @@ into non-overlapping windows of seq_len + 1 tokens; inputs/targets are the windo
 """
 
 import json
+import mmap
 import os
 
 import numpy as np
@@ -26,6 +27,10 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def encode_batch(self, texts: list) -> list:
+        """The ids of each text, as encode's."""
+        return [self.encode(text) for text in texts]
 
     def decode(self, ids) -> str:
         ids = np.asarray(ids).reshape(-1)
@@ -62,6 +67,10 @@ class HFTokenizer:
         # no special tokens (e.g. BOS from a post-processor): documents are separated by EOS only
         return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
 
+    def encode_batch(self, texts: list) -> list:
+        """The ids of each text (lists of ints), as encode's; encoded in parallel across cores."""
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
     def decode(self, ids) -> str:
         ids = [int(i) for i in np.asarray(ids).reshape(-1) if i != self.eos_id]
         return self.tok.decode(ids, skip_special_tokens=False)
@@ -86,7 +95,7 @@ SCAN_CHUNK = 1 << 24  # tokens per chunk of the id scan: 32-128 MB, however larg
 SNIFF_PAIRS = 1 << 16  # uint16 pairs per sample of the uint32-read-as-uint16 check
 
 
-def _read_text(path: str) -> str:
+def read_text(path: str) -> str:
     with open(path, "rb") as f:
         raw = f.read()
     try:
@@ -132,6 +141,16 @@ def _jsonl_docs(path: str, tokenizer, text_field: str):
             yield tokenizer.encode(obj[text_field])
 
 
+def _read_chunk(tokens, start: int, stop: int) -> np.ndarray:
+    """tokens[start:stop]; from a whole np.memmap's file with a plain read, so that a scan of the
+    corpus leaves none of its pages mapped into this process (its RSS stays the same)."""
+    if isinstance(tokens, np.memmap) and isinstance(tokens.base, mmap.mmap):  # not a slice
+        stop = min(stop, len(tokens))
+        return np.fromfile(tokens.filename, dtype=tokens.dtype, count=max(stop - start, 0),
+                           offset=tokens.offset + start * tokens.dtype.itemsize)
+    return np.asarray(tokens[start:stop])
+
+
 def check_token_ids(tokens, vocab_size: int, path: str, vocab_key: str = "model.vocab_size"):
     """Raises DataError at the first id < 0 or >= vocab_size, naming its offset (token index).
 
@@ -146,7 +165,7 @@ def check_token_ids(tokens, vocab_size: int, path: str, vocab_key: str = "model.
     bound = vocab_size if dtype.kind == "u" else min(vocab_size, np.iinfo(dtype).max + 1)
     unsigned = np.dtype(f"u{dtype.itemsize}")
     for start in range(0, len(tokens), SCAN_CHUNK):
-        chunk = np.asarray(tokens[start:start + SCAN_CHUNK]).view(unsigned)
+        chunk = _read_chunk(tokens, start, start + SCAN_CHUNK).view(unsigned)
         if chunk.max() < bound:
             continue
         offset = start + int(np.argmax(chunk >= bound))
@@ -264,7 +283,7 @@ def load_tokens(path: str, tokenizer, *, vocab_size: int | None = None, text_fie
         if not tokens.size:
             raise DataError(f"{path}: no documents (every line is blank)")
     else:
-        tokens = _pack([tokenizer.encode(_read_text(path))], tokenizer.eos_id)
+        tokens = _pack([tokenizer.encode(read_text(path))], tokenizer.eos_id)
     if not tokens.size:
         raise DataError(f"{path}: no tokens (an empty array); data.path must name a corpus")
     if vocab_size is not None:
@@ -306,19 +325,38 @@ class WindowOrder:
 
     def __init__(self, num_windows: int, per_batch: int, seed: int, what: str = "windows"):
         self.num_windows, self.per_batch, self.seed, self.what = num_windows, per_batch, seed, what
+        self._perms = {}
         self.restore({"epoch": 0, "index": 0})
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if self._perms.get(epoch) is None:  # this epoch's and the next (peek) are kept
+            self._perms = {e: p for e, p in self._perms.items() if e in (epoch - 1, epoch)}
+            self._perms[epoch] = np.random.default_rng((self.seed, epoch)).permutation(
+                self.num_windows)
+        return self._perms[epoch]
 
     def _set_epoch(self, epoch: int):
         self.epoch, self.index = epoch, 0
-        self.perm = np.random.default_rng((self.seed, epoch)).permutation(self.num_windows)
+        self.perm = self._permutation(epoch)
+
+    def _next(self) -> tuple:
+        """(epoch, first index) of the next batch."""
+        if self.index + self.per_batch > self.num_windows:
+            return self.epoch + 1, 0
+        return self.epoch, self.index
 
     def take(self) -> np.ndarray:
         """The next batch's window indices, (per_batch,)."""
-        if self.index + self.per_batch > self.num_windows:
-            self._set_epoch(self.epoch + 1)
-        taken = self.perm[self.index:self.index + self.per_batch]
-        self.index += self.per_batch
-        return taken
+        epoch, index = self._next()
+        if epoch != self.epoch:
+            self._set_epoch(epoch)
+        self.index = index + self.per_batch
+        return self.perm[index:index + self.per_batch]
+
+    def peek(self) -> np.ndarray:
+        """The indices the next take() will return, without taking them."""
+        epoch, index = self._next()
+        return self._permutation(epoch)[index:index + self.per_batch]
 
     def state(self) -> dict:
         """Position as plain ints: epoch, and index = windows already taken in this epoch."""
@@ -347,6 +385,8 @@ class PackedDataset:
     """Shuffled non-overlapping windows of a token stream, deterministic and resumable (the
     windows' order and the position: WindowOrder)."""
 
+    summary = ""  # what the data is, for the run's log
+
     def __init__(self, tokens, *, seq_len: int, batch_size: int, seed: int, num_micro_batches: int = 1,
                  eos_id: int | None = None, document_mask: bool = False):
         if getattr(tokens, "ndim", None) != 1:
@@ -373,6 +413,7 @@ class PackedDataset:
         # (process, processes): which part of every micro-batch's rows next_batch reads; the order
         # and the position (state) stay those of the whole batch.
         self.share = (0, 1)
+        self.read_ahead = None  # sources.prefetch.ReadAhead: the next batch read on a thread
 
     @property
     def tokens_per_batch(self) -> int:
@@ -381,13 +422,21 @@ class PackedDataset:
     def next_batch(self):
         """(inputs, targets), int32, shape (num_micro_batches, batch_size, seq_len) (batch_size /
         share[1] rows: this process's share)."""
-        taken = share_of_batch(self.order.take(), self.num_micro_batches, self.share)
-        starts = taken * self.seq_len
-        # fancy indexing reads only these windows, so a memmapped corpus stays on disk
-        idx = starts[:, None] + np.arange(self.seq_len + 1)
-        windows = np.asarray(self.tokens[idx]).astype(np.int32)
+        mine = lambda taken: share_of_batch(taken, self.num_micro_batches, self.share)
+        taken = mine(self.order.take())
+        if self.read_ahead is None:
+            windows = self.read_windows(taken)
+        else:  # the batch after this one is read on a thread while this one trains
+            upcoming = mine(self.order.peek())
+            windows = self.read_ahead.get(taken.tobytes(), taken, upcoming.tobytes(), upcoming)
         windows = windows.reshape(self.num_micro_batches, -1, self.seq_len + 1)
         return np.ascontiguousarray(windows[..., :-1]), np.ascontiguousarray(windows[..., 1:])
+
+    def read_windows(self, taken) -> np.ndarray:
+        """The windows starting at taken * seq_len, (len(taken), seq_len + 1) int32. Fancy
+        indexing reads only these windows, so a memory-mapped corpus stays on disk."""
+        idx = (np.asarray(taken) * self.seq_len)[:, None] + np.arange(self.seq_len + 1)
+        return np.asarray(self.tokens[idx]).astype(np.int32)
 
     def next_batch_with_context(self):
         """(inputs, targets, context): next_batch's, and document_context(inputs) with

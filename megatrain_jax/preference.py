@@ -25,6 +25,7 @@ from megatrain_jax.chat import (ChatTemplate, PADDING_SEGMENT, ROLES, encode_con
                                 read_records)
 from megatrain_jax.data import DataError, WindowOrder
 from megatrain_jax.loss import IGNORE_ID
+from megatrain_jax.sources.files import BadRows
 
 FIELDS = ("prompt", "chosen", "rejected")
 
@@ -118,10 +119,15 @@ def load_pairs(path: str, tokenizer, template: ChatTemplate, *, seq_len: int,
     with a longer sequence is truncated (the completion's end cut) or skipped per `overlong`, and
     counted; a pair whose two sequences are then the same is skipped and counted. Raises DataError naming file and line for a bad pair, a prompt that leaves no
     completion token within seq_len, or if no pair is left."""
-    out = Pairs(path, [], [])
-    for where, obj in read_records(path, "preference pairs"):
+    out, bad = Pairs(path, [], []), BadRows(path)
+    for where, obj in read_records(path, "preference pairs", FIELDS):
         out.lines += 1
-        prompt, chosen, rejected = parse_pair(obj, where)
+        try:
+            prompt, chosen, rejected = parse_pair(obj, where)
+        except DataError as e:
+            bad.add(e)  # the load fails at the end, naming the first and counting them all
+        if bad.count:
+            continue
         sequences = []
         for completion in (chosen, rejected):
             ids, mask = encode_conversation(template, tokenizer, prompt + completion, where,
@@ -150,6 +156,7 @@ def load_pairs(path: str, tokenizer, template: ChatTemplate, *, seq_len: int,
         for ids, labels in sequences:
             out.ids.append(ids)
             out.labels.append(labels)
+    bad.check()
     if not out.ids:
         raise DataError(f"{path}: no usable pair ({out.report(seq_len, overlong)})")
     return out

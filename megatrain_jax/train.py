@@ -35,6 +35,9 @@ from megatrain_jax.engine import tier as tier_lib
 from megatrain_jax.engine.tier import DiskTierOptions
 from megatrain_jax.model import Execution, make_block, make_stages
 from megatrain_jax.runlock import RunLock
+from megatrain_jax.sources.cache import default_cache_dir, source_tokens
+from megatrain_jax.sources.mixture import MixtureDataset
+from megatrain_jax.sources.prefetch import ReadAhead
 
 
 class TrainingError(RuntimeError):
@@ -163,10 +166,13 @@ def load_dataset(cfg: Config) -> data_lib.PackedDataset:
     return load_data(cfg)[0]
 
 
-def load_data(cfg: Config) -> tuple:
-    """(the training PackedDataset, or chat.SFTDataset for data.format=sft, the held-out eval
-    batches: a list of (inputs, targets, context), or None when neither data.eval_path nor
-    data.eval_fraction is set)."""
+def load_data(cfg: Config, log=print) -> tuple:
+    """(the training dataset: data.PackedDataset, a sources.mixture.MixtureDataset for
+    data.sources, chat.SFTDataset for data.format=sft, preference.PreferenceDataset; the held-out
+    eval batches: a list of (inputs, targets, context), or None when neither data.eval_path nor
+    data.eval_fraction is set). Text data comes from its token cache in data.cache_dir (built
+    first if missing or stale: `log` says so); its batches are read ahead on a thread
+    (sources.prefetch)."""
     d = cfg.data
     tokenizer = data_lib.load_tokenizer(d.tokenizer, eos_token=d.eos_token or None)
     if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -178,22 +184,35 @@ def load_data(cfg: Config) -> tuple:
     if d.format == "preference":  # reference log-probs filled in by the reference pass
         return preference.load_preference(d, tokenizer, vocab_size=cfg.model.vocab_size,
                                           seed=cfg.train.seed), None
-    load = lambda path: data_lib.load_tokens(path, tokenizer, vocab_size=cfg.model.vocab_size,
-                                             text_field=d.text_field, token_dtype=d.token_dtype)
-    tokens = load(d.path)
+    cache_dir = d.cache_dir or default_cache_dir()
+    load = lambda path, key, field="", dtype="": source_tokens(
+        path, tokenizer, cache_dir, key=key, text_field=field or d.text_field,
+        token_dtype=dtype or d.token_dtype, vocab_size=cfg.model.vocab_size, log=log)[0]
+    shape = dict(seq_len=d.seq_len, batch_size=d.batch_size, seed=cfg.train.seed,
+                 num_micro_batches=d.micro_batches, eos_id=tokenizer.eos_id,
+                 document_mask=d.document_mask)
     held_out, what = None, None
-    if d.eval_fraction:  # split before the training windows are built: never trained on
-        tokens, held_out = data_lib.split_tail(tokens, d.eval_fraction)
-        what = f"data.eval_fraction={d.eval_fraction} ({len(held_out):,} tokens of {d.path})"
-    elif d.eval_path:
+    if d.sources:
+        streams = [load(s.path, f"data.sources.{i}.path", s.text_field, s.token_dtype)
+                   for i, s in enumerate(d.sources)]
+        dataset = MixtureDataset(streams, [s.weight for s in d.sources],
+                                 [s.path for s in d.sources], **shape)
+        dataset.summary = "text data: " + "; ".join(
+            f"{s.path}: {len(t):,} tokens, weight {s.weight:g}" for s, t in zip(d.sources, streams))
+    else:
+        tokens = load(d.path, "data.path")
+        if d.eval_fraction:  # split before the training windows are built: never trained on
+            tokens, held_out = data_lib.split_tail(tokens, d.eval_fraction)
+            what = f"data.eval_fraction={d.eval_fraction} ({len(held_out):,} tokens of {d.path})"
+        dataset = data_lib.PackedDataset(tokens, **shape)
+        dataset.summary = f"text data: {d.path}: {len(tokens):,} tokens"
+    dataset.read_ahead = ReadAhead(dataset.read_windows)
+    if d.eval_path:
         try:
-            held_out = load(d.eval_path)
+            held_out, what = load(d.eval_path, "data.eval_path"), f"data.eval_path={d.eval_path}"
         except data_lib.DataError as e:
-            raise data_lib.DataError(f"data.eval_path: {e}") from None
-        what = f"data.eval_path={d.eval_path}"
-    dataset = data_lib.PackedDataset(tokens, seq_len=d.seq_len, batch_size=d.batch_size,
-                                     seed=cfg.train.seed, num_micro_batches=d.micro_batches,
-                                     eos_id=tokenizer.eos_id, document_mask=d.document_mask)
+            raise data_lib.DataError(str(e) if "data.eval_path" in str(e)
+                                     else f"data.eval_path: {e}") from None
     if held_out is None:
         return dataset, None
     batches = data_lib.eval_batches(held_out, seq_len=d.seq_len, batch_size=d.batch_size,
@@ -348,7 +367,9 @@ def train(cfg: Config, *, log=print, console=None) -> list[dict]:
     if cfg.data.format == "preference" and len(devices) > 1:
         raise ConfigError(f"data.format=preference is not data parallel yet ({len(devices)} "
                           f"devices from distributed.local_devices/num_processes); run it on one")
-    dataset, eval_set = load_data(cfg)  # validate all inputs before anything is written
+    quiet = jax.process_index() != 0
+    # validate all inputs before anything is written (a token cache is built here, outside run_dir)
+    dataset, eval_set = load_data(cfg, log=(lambda *a, **k: None) if quiet else log)
     me, processes = jax.process_index(), jax.process_count()
     dataset.share = (me, processes)  # this process reads its rows of every batch, no more
     if eval_set:
@@ -474,8 +495,7 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
         tier = engine.disk_tier
         log(f"disk tier: {tier.total_bytes / 1e9:.2f} GB in {tier.path} ({tier.opened}), "
             f"read ahead {cfg.offload.read_ahead} layers, {tier.io_mode}")
-    if cfg.data.format in ("sft", "preference"):  # what was truncated, skipped, packed: said
-        log(dataset.summary)
+    log(dataset.summary)  # the data's tokens; for sft/preference, what was truncated, skipped
     if eval_set:
         when = (f"every {cfg.train.eval_every} steps and at the end" if cfg.train.eval_every
                 else "at the end")
@@ -600,6 +620,8 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
                     f"{_resume_hint(manager)}")
                 break
         checkpoint.wait(manager)  # inside: a second signal still exits at once
+    if cfg.data.sources:
+        log(dataset.report())  # the tokens each source of the mixture gave
     manager.close()
     engine.close()
     if start >= cfg.train.steps:

@@ -400,7 +400,7 @@ def test_bad_data_through_the_cli(tmp_path, capsys):
 
     (tmp_path / "garbage.jsonl").write_bytes(b"\x00\x9f\x92\x96" * 100)
     _uint32_file(tmp_path / "u32.bin", np.random.default_rng(0), 257)
-    cases = {tmp_path: "is a directory", tmp_path / "garbage.jsonl": "garbage.jsonl:1: not valid UTF-8",
+    cases = {tmp_path: "a bin shard among jsonl shards", tmp_path / "garbage.jsonl": "garbage.jsonl:1: not valid UTF-8",
              tmp_path / "u32.bin": "set data.token_dtype=uint32"}
     for path, message in cases.items():
         code = commands.train(["--config", os.path.join(ROOT, "configs", "tiny.yaml"),

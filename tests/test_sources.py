@@ -1,0 +1,426 @@
+"""Data sources (megatrain_jax/sources): every format, globs and directories of shards, the token
+cache (built once, rebuilt when stale, a foreign one refused), mixtures resumed exactly, batches
+prepared ahead, SFT and preference data from Parquet, and bad input as one line, exit 2."""
+
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from megatrain_jax import commands
+from megatrain_jax.chat import ChatTemplate, load_examples
+from megatrain_jax.config import ConfigError, load_config
+from megatrain_jax.data import DataError, PackedDataset, load_tokenizer
+from megatrain_jax.preference import load_pairs
+from megatrain_jax.sources import files
+from megatrain_jax.sources.cache import cache_key, open_cache, source_tokens
+from megatrain_jax.sources.files import resolve
+from megatrain_jax.sources.mixture import MixtureDataset
+from megatrain_jax.sources.prefetch import ReadAhead
+from megatrain_jax.sources.tokenfile import TokenFile
+from megatrain_jax.train import load_data
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+BUNDLED_TOKENIZER = os.path.join(ROOT, "megatrain_jax", "texts", "sft_tokenizer", "tokenizer.json")
+DOCS = [f"document {i}: " + "word " * (i % 7) + "é" * (i % 3) for i in range(40)]
+BYTE = load_tokenizer("byte")
+
+
+def _packed(docs) -> list:
+    out = []
+    for d in docs:
+        out += list(d.encode("utf-8")) + [BYTE.eos_id]
+    return out
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _arrow(path, table, stream: bool):
+    with pa.OSFile(str(path), "wb") as sink:
+        writer = (pa.ipc.new_stream if stream else pa.ipc.new_file)(sink, table.schema)
+        writer.write_table(table, max_chunksize=7)  # several record batches
+        writer.close()
+
+
+def _datasets_dir(path, tables):
+    """A directory as datasets.save_to_disk writes it: Arrow streams, state.json listing them,
+    dataset_info.json."""
+    path.mkdir()
+    names = [f"data-{i:05d}-of-{len(tables):05d}.arrow" for i in range(len(tables))]
+    for name, table in zip(names, tables):
+        _arrow(path / name, table, stream=True)
+    (path / "state.json").write_text(json.dumps({
+        "_data_files": [{"filename": n} for n in names], "_fingerprint": "0123456789abcdef",
+        "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
+        "_output_all_columns": False, "_split": "train"}))
+    (path / "dataset_info.json").write_text(json.dumps({
+        "features": {"text": {"dtype": "string", "_type": "Value"}}}))
+
+
+def _shards(tmp_path, fmt) -> str:
+    """DOCS written in format `fmt`, in 2-3 shards; the data path to give."""
+    parts = [DOCS[:15], DOCS[15:31], DOCS[31:]]
+    table = lambda docs: pa.table({"text": docs, "id": list(range(len(docs)))})
+    d = tmp_path / fmt
+    if fmt == "datasets":
+        _datasets_dir(d, [table(p) for p in parts])
+        return str(d)
+    d.mkdir()
+    for i, part in enumerate(parts):
+        if fmt == "jsonl":
+            _jsonl(d / f"part-{i}.jsonl", [{"text": t, "id": 1} for t in part])
+        elif fmt == "parquet":
+            pq.write_table(table(part), d / f"part-{i}.parquet", row_group_size=4)
+        elif fmt in ("arrow-file", "arrow-stream"):
+            _arrow(d / f"part-{i}.arrow", table(part), stream=fmt == "arrow-stream")
+        elif fmt == "bin":
+            np.asarray(_packed(part), np.uint16).tofile(d / f"part-{i}.bin")
+        elif fmt == "npy":
+            np.save(d / f"part-{i}.npy", np.asarray(_packed(part), np.int32))
+    return str(d / "part-*") if fmt in ("jsonl", "bin") else str(d)  # a glob, or the directory
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "arrow-file", "arrow-stream", "datasets",
+                                 "bin", "npy"])
+def test_every_format_gives_the_documents_tokens_in_order(tmp_path, fmt):
+    tokens, sources = source_tokens(_shards(tmp_path, fmt), BYTE, str(tmp_path / "cache"),
+                                    vocab_size=257, log=lambda *a: None)
+    assert len(sources) == 3 and isinstance(tokens, TokenFile)
+    assert np.asarray(tokens).tolist() == _packed(DOCS)
+
+
+def test_text_files_are_one_document_each(tmp_path):
+    for i, doc in enumerate(DOCS[:3]):
+        (tmp_path / f"{i}.txt").write_text(doc)
+    tokens, _ = source_tokens(str(tmp_path / "*.txt"), BYTE, str(tmp_path / "cache"),
+                              log=lambda *a: None)
+    assert np.asarray(tokens).tolist() == _packed(DOCS[:3])
+
+
+def test_hf_tokenizer_cache_equals_encoding_each_document(tmp_path):
+    tok = load_tokenizer(BUNDLED_TOKENIZER)
+    path = _shards(tmp_path, "parquet")
+    tokens, _ = source_tokens(path, tok, str(tmp_path / "cache"), log=lambda *a: None)
+    want = np.concatenate([np.append(tok.encode(d), tok.eos_id) for d in DOCS])
+    np.testing.assert_array_equal(np.asarray(tokens), want)
+
+
+# -- the cache ----------------------------------------------------------------
+
+
+def test_cache_is_reused_never_retokenized(tmp_path, monkeypatch):
+    path, cache = _shards(tmp_path, "jsonl"), str(tmp_path / "cache")
+    lines = []
+    first, _ = source_tokens(path, BYTE, cache, log=lines.append)
+    assert any("tokenizing" in line for line in lines)
+
+    def refuse(texts):
+        raise AssertionError("tokenized again")
+    monkeypatch.setattr(BYTE, "encode_batch", refuse)
+    lines.clear()
+    again, _ = source_tokens(path, BYTE, cache, log=lines.append)
+    assert lines == [] and np.asarray(again).tolist() == np.asarray(first).tolist()
+    # a resume goes through load_data: the same cache, nothing tokenized either
+    cfg = load_config(TINY, [f"data.path={path}", f"data.cache_dir={cache}",
+                             f"run_dir={tmp_path}/run", "data.seq_len=16", "data.batch_size=2"])
+    dataset, _ = load_data(cfg, log=lines.append)
+    assert lines == [] and dataset.next_batch()[0].shape == (1, 2, 16)
+
+
+def test_stale_cache_is_rebuilt(tmp_path):
+    path = tmp_path / "a.jsonl"
+    _jsonl(path, [{"text": d} for d in DOCS[:5]])
+    source, cache = resolve(str(path)), str(tmp_path / "cache")
+    before = cache_key(source, BYTE)
+    tokens, directory = open_cache(source, BYTE, cache, log=lambda *a: None)
+    assert np.asarray(tokens).tolist() == _packed(DOCS[:5])
+    _jsonl(path, [{"text": d} for d in DOCS[:6]])  # the source changed
+    os.utime(path, ns=(1, 1))
+    assert cache_key(source, BYTE) != before
+    lines = []
+    tokens, again = open_cache(source, BYTE, cache, log=lines.append)
+    assert again == directory and "stale" in lines[0] and str(path) in lines[0]
+    assert np.asarray(tokens).tolist() == _packed(DOCS[:6])
+    # a damaged tokens.bin (cut short) is rebuilt too
+    with open(os.path.join(directory, "tokens.bin"), "r+b") as f:
+        f.truncate(10)
+    lines.clear()
+    tokens, _ = open_cache(source, BYTE, cache, log=lines.append)
+    assert "stale" in lines[0] and np.asarray(tokens).tolist() == _packed(DOCS[:6])
+    assert os.listdir(cache) == [os.path.basename(directory)]  # no temporary left behind
+
+
+def test_foreign_cache_is_refused_and_left_alone(tmp_path):
+    path = tmp_path / "a.jsonl"
+    _jsonl(path, [{"text": d} for d in DOCS[:5]])
+    source, cache = resolve(str(path)), str(tmp_path / "cache")
+    _, directory = open_cache(source, BYTE, cache, log=lambda *a: None)
+    manifest_path = os.path.join(directory, "manifest.json")
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    manifest["identity"]["files"] = ["/some/other/corpus.jsonl"]
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(DataError, match="is not a token cache of .*left as is"):
+        open_cache(source, BYTE, cache, log=lambda *a: None)
+    with open(manifest_path) as f:
+        assert json.load(f) == manifest  # untouched
+    os.remove(manifest_path)  # a directory of that name without a manifest: refused too
+    with pytest.raises(DataError, match="is not a token cache"):
+        open_cache(source, BYTE, cache, log=lambda *a: None)
+    assert os.path.exists(os.path.join(directory, "tokens.bin"))
+
+
+def test_tokenizer_change_makes_the_cache_stale(tmp_path):
+    tok_path = tmp_path / "tokenizer.json"
+    tok_path.write_bytes(open(BUNDLED_TOKENIZER, "rb").read())
+    source = resolve(_shards(tmp_path, "jsonl"))
+    open_cache(source, load_tokenizer(str(tok_path)), str(tmp_path / "c"), log=lambda *a: None)
+    data = json.loads(tok_path.read_text())
+    data["added_tokens"].append({"id": load_tokenizer(str(tok_path)).vocab_size,
+                                 "content": "document", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": True})
+    tok_path.write_text(json.dumps(data))
+    lines = []
+    tokens, _ = open_cache(source, load_tokenizer(str(tok_path)), str(tmp_path / "c"),
+                           log=lines.append)
+    assert "tokenizer file changed" in lines[0]
+    assert int(tokens[0]) == data["added_tokens"][-1]["id"]  # "document" is one token now
+    assert load_tokenizer(BUNDLED_TOKENIZER).tok.token_to_id("document") is None
+
+
+# -- bad input ----------------------------------------------------------------
+
+
+def _bad_rows_parquet(tmp_path):
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"text": ["fine", None, "fine", None]}), path)
+    return path
+
+
+@pytest.mark.parametrize("case", ["glob", "mixed", "missing", "missing column", "not a string",
+                                  "unreadable", "cache not writable", "weight"])
+def test_bad_input_is_one_line_exit_2_before_training(tmp_path, capsys, monkeypatch, case):
+    (tmp_path / "d").mkdir()
+    _jsonl(tmp_path / "d" / "a.jsonl", [{"text": "hello"}])
+    np.arange(10, dtype=np.uint16).tofile(tmp_path / "d" / "b.bin")
+    _jsonl(tmp_path / "good.jsonl", [{"text": d} for d in DOCS])
+    args = [f"data.path={tmp_path}/good.jsonl", f"data.cache_dir={tmp_path}/cache"]
+    if case == "glob":
+        args[0], want = f"data.path={tmp_path}/nothing/*.parquet", \
+            f"data.path={tmp_path}/nothing/*.parquet: the glob matches no file"
+    elif case == "mixed":
+        args[0], want = f"data.path={tmp_path}/d", f"{tmp_path}/d/b.bin: a bin shard among jsonl"
+    elif case == "missing":
+        _jsonl(tmp_path / "m.jsonl", [{"text": "a"}, {"body": "b"}, {"text": "c"}, {"body": 1}])
+        args[0] = f"data.path={tmp_path}/m.jsonl"
+        want = (f"{tmp_path}/m.jsonl:2: missing field 'text' (data.text_field) (and 1 more bad "
+                f"rows in {tmp_path}/m.jsonl; fix or remove them)")
+    elif case == "missing column":
+        args[0] = f"data.path={_bad_rows_parquet(tmp_path)}"
+        want = f"{tmp_path}/bad.parquet[row 1]: missing field 'text' (data.text_field) (and 1 more"
+    elif case == "not a string":
+        _jsonl(tmp_path / "n.jsonl", [{"text": "a"}, {"text": 7}])
+        args[0] = f"data.path={tmp_path}/n.jsonl"
+        want = f"{tmp_path}/n.jsonl:2: field 'text' is a int, not a string (data.text_field)"
+    elif case == "unreadable":
+        real_open = open
+
+        def refuse(path, *a, **k):  # root reads anything: fail as a user's read would
+            if str(path).endswith("good.jsonl"):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_open(path, *a, **k)
+        monkeypatch.setattr(files, "open", refuse, raising=False)
+        want = f"{tmp_path}/good.jsonl: cannot read data file (Permission denied)"
+    elif case == "cache not writable":
+        (tmp_path / "a_file").write_text("x")
+        args[1] = f"data.cache_dir={tmp_path}/a_file/cache"
+        want = f"data.cache_dir '{tmp_path}/a_file/cache' is not writable"
+    else:
+        args[0] = f"data.sources=[{{path: {tmp_path}/good.jsonl, weight: 0}}]"
+        args.append("data.path=''")
+        want = f"data.sources.0.weight must be > 0, got 0.0 ({tmp_path}/good.jsonl)"
+    code = commands.train(["--config", TINY, *args, f"run_dir={tmp_path}/run"])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("error: ") and want in lines[0], lines[0]
+    assert not (tmp_path / "run").exists()
+    if os.path.isdir(tmp_path / "cache"):  # a failed build leaves no partial cache
+        assert os.listdir(tmp_path / "cache") == []
+
+
+def test_data_files_are_every_file_a_config_reads(tmp_path):
+    path = _shards(tmp_path, "parquet")
+    _jsonl(tmp_path / "eval.jsonl", [{"text": "x"}])
+    cfg = load_config(TINY, ["data.path=''", f"data.eval_path={tmp_path}/eval.jsonl",
+                             f"data.sources=[{{path: {path}}}, {{path: {tmp_path}/eval.jsonl}}]"])
+    shards = [f"{path}/part-{i}.parquet" for i in range(3)]
+    assert files.data_files(cfg.data) == [*shards, f"{tmp_path}/eval.jsonl", f"{tmp_path}/eval.jsonl"]
+    cfg = load_config(TINY, [f"data.path={path}"])
+    assert files.data_files(cfg.data) == shards
+
+
+def test_datasets_dict_names_its_splits(tmp_path):
+    (tmp_path / "dd" / "train").mkdir(parents=True)
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train"]}')
+    with pytest.raises(DataError, match="DatasetDict .splits: train.; point data.path at one"):
+        resolve(str(tmp_path / "dd"))
+
+
+# -- mixtures -----------------------------------------------------------------
+
+
+def _mixture(streams, seed=3, **kw):
+    return MixtureDataset(streams, [3.0, 1.0], ["a", "b"], seq_len=8, batch_size=4, seed=seed,
+                          num_micro_batches=2, **kw)
+
+
+def test_mixture_resumed_mid_epoch_gives_the_uninterrupted_batches():
+    a = np.arange(1000, dtype=np.uint16)  # 124 windows of source a
+    b = np.arange(5000, 5090, dtype=np.uint16)  # 11 windows: b wraps into later epochs
+    whole = _mixture([a, b])
+    batches = [whole.next_batch() for _ in range(12)]
+    first = _mixture([a, b])
+    for _ in range(8):
+        first.next_batch()
+    state = json.loads(json.dumps(first.state()))  # as a checkpoint stores it
+    resumed = _mixture([a, b])
+    resumed.restore(state)
+    for want in batches[8:]:
+        got = resumed.next_batch()
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+    assert resumed.state() == whole.state()
+    assert state["epochs"][1] >= 1  # the small source went round before the resume, mid-epoch
+    x, y = batches[0]
+    np.testing.assert_array_equal(x[..., 1:], y[..., :-1])
+    from_a = np.sum(np.concatenate([x.reshape(-1, 8) for x, _ in batches])[:, 0] < 5000)
+    assert 0.6 < from_a / (12 * 8) < 0.9  # weight 3:1 -> 75% of the windows
+    assert sum(whole.state()["tokens"]) == 12 * 8 * 8
+    assert whole.report().startswith("data mixture: a: ")
+
+
+def test_mixture_data_parallel_shares_are_the_batch():
+    a, b = np.arange(1000, dtype=np.uint16), np.arange(5000, 5090, dtype=np.uint16)
+    whole, halves = _mixture([a, b]), [_mixture([a, b]), _mixture([a, b])]
+    for i, h in enumerate(halves):
+        h.share = (i, 2)
+    for _ in range(3):
+        want = whole.next_batch()[0]
+        got = np.concatenate([h.next_batch()[0] for h in halves], axis=1)
+        np.testing.assert_array_equal(np.sort(got, axis=1), np.sort(want, axis=1))
+        assert halves[0].state() == halves[1].state() == whole.state()
+
+
+def test_mixture_through_the_config(tmp_path):
+    _jsonl(tmp_path / "a.jsonl", [{"text": d} for d in DOCS])
+    pq.write_table(pa.table({"body": DOCS[::-1]}), tmp_path / "b.parquet")
+    cfg = load_config(TINY, [
+        f"data.sources=[{{path: {tmp_path}/a.jsonl, weight: 2}}, "
+        f"{{path: {tmp_path}/b.parquet, weight: 1, text_field: body}}]",
+        f"data.cache_dir={tmp_path}/cache", "data.seq_len=16", "data.batch_size=2",
+        f"run_dir={tmp_path}/run", "data.path=''"])
+    dataset, _ = load_data(cfg, log=lambda *a: None)
+    assert "a.jsonl" in dataset.summary and "weight 2" in dataset.summary
+    dataset.next_batch()
+    assert dataset.state()["batch"] == 1
+    with pytest.raises(ConfigError, match="data.path .* and data.sources are both set"):
+        load_config(TINY, [f"data.path={tmp_path}/a.jsonl",
+                           f"data.sources=[{{path: {tmp_path}/a.jsonl}}]"])
+
+
+# -- reading ahead -------------------------------------------------------------
+
+
+def test_read_ahead_gives_the_same_batches_and_state(tmp_path):
+    np.save(tmp_path / "s.npy", (np.arange(3001) * 7 % 257).astype(np.uint16))
+    stream = TokenFile.of(np.load(tmp_path / "s.npy", mmap_mode="r"))
+    make = lambda: PackedDataset(stream, seq_len=16, batch_size=2, seed=5, num_micro_batches=2)
+    plain, ahead = make(), make()
+    ahead.read_ahead = ReadAhead(ahead.read_windows)
+    reads = []
+    read = ahead.read_windows
+    ahead.read_ahead.read = lambda taken: reads.append(1) or read(taken)
+    for _ in range(300):  # several epochs: the peek crosses their boundaries
+        np.testing.assert_array_equal(ahead.next_batch()[0], plain.next_batch()[0])
+        assert ahead.state() == plain.state()  # the batches taken, not the one read ahead
+    ahead.read_ahead.pending[1].result()  # the read of batch 301, under way
+    assert len(reads) == 301  # each batch read once (the first at once, the rest ahead)
+    ahead.restore({"epoch": 0, "index": 8})  # the read ahead is not of this batch: read now
+    plain.restore({"epoch": 0, "index": 8})
+    np.testing.assert_array_equal(ahead.next_batch()[0], plain.next_batch()[0])
+    ahead.share = plain.share = (1, 2)
+    np.testing.assert_array_equal(ahead.next_batch()[0], plain.next_batch()[0])
+
+
+def test_mixture_read_ahead_gives_the_same_batches():
+    a, b = np.arange(1000, dtype=np.uint16), np.arange(5000, 5090, dtype=np.uint16)
+    plain, ahead = _mixture([a, b]), _mixture([a, b])
+    ahead.read_ahead = ReadAhead(ahead.read_windows)
+    for _ in range(40):
+        np.testing.assert_array_equal(ahead.next_batch()[0], plain.next_batch()[0])
+        assert ahead.state() == plain.state()
+
+
+# -- SFT and preference data through the same sources -------------------------
+
+
+CONVERSATIONS = [[{"role": "user", "content": f"question {i}"},
+                  {"role": "assistant", "content": f"answer {i} " * (1 + i % 3)}] for i in range(9)]
+
+
+def test_sft_from_parquet_and_a_datasets_dir_equals_jsonl(tmp_path):
+    tok = load_tokenizer(BUNDLED_TOKENIZER)
+    template = ChatTemplate.for_tokenizer(BUNDLED_TOKENIZER)
+    _jsonl(tmp_path / "c.jsonl", [{"messages": m} for m in CONVERSATIONS])
+    pq.write_table(pa.table({"messages": CONVERSATIONS[:4]}), tmp_path / "c-0.parquet")
+    pq.write_table(pa.table({"messages": CONVERSATIONS[4:]}), tmp_path / "c-1.parquet")
+    _datasets_dir(tmp_path / "ds", [pa.table({"messages": CONVERSATIONS})])
+    load = lambda p: load_examples(str(p), tok, template, seq_len=64)
+    want = load(tmp_path / "c.jsonl")
+    for path in (tmp_path / "c-*.parquet", tmp_path / "ds"):
+        got = load(path)
+        assert len(got.ids) == len(want.ids) == 9
+        for g, w in zip(got.ids + got.labels, want.ids + want.labels):
+            np.testing.assert_array_equal(g, w)
+
+
+def test_preference_from_parquet_equals_jsonl_and_bad_rows_are_counted(tmp_path):
+    tok = load_tokenizer(BUNDLED_TOKENIZER)
+    template = ChatTemplate.for_tokenizer(BUNDLED_TOKENIZER)
+    pairs = [{"prompt": f"q{i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(5)]
+    _jsonl(tmp_path / "p.jsonl", pairs)
+    pq.write_table(pa.Table.from_pylist(pairs), tmp_path / "p.parquet")
+    want = load_pairs(str(tmp_path / "p.jsonl"), tok, template, seq_len=64)
+    got = load_pairs(str(tmp_path / "p.parquet"), tok, template, seq_len=64)
+    for g, w in zip(got.ids + got.labels, want.ids + want.labels):
+        np.testing.assert_array_equal(g, w)
+    pq.write_table(pa.table({"prompt": ["q", "q", "q"], "chosen": ["a", None, None],
+                             "rejected": ["b", "c", "d"]}), tmp_path / "bad.parquet")
+    with pytest.raises(DataError, match=r"bad.parquet\[row 1\]: \"chosen\" must be a string .*"
+                                        r"\(and 1 more bad rows in .*bad.parquet"):
+        load_pairs(str(tmp_path / "bad.parquet"), tok, template, seq_len=64)
+
+
+def test_token_file_reads_what_a_memmap_would(tmp_path):
+    ids = (np.arange(1000) * 37 % 50257).astype(np.uint32)
+    np.save(tmp_path / "t.npy", ids)
+    mapped = np.load(tmp_path / "t.npy", mmap_mode="r")
+    tokens = TokenFile.of(mapped)
+    assert len(tokens) == 1000 and tokens.dtype == np.uint32 and tokens.ndim == 1
+    windows = np.array([3, 500, 983])[:, None] + np.arange(17)
+    np.testing.assert_array_equal(tokens[windows], ids[windows])
+    tail = tokens[900:]
+    assert len(tail) == 100 and int(tail[0]) == int(ids[900]) and int(tail[-1]) == int(ids[-1])
+    np.testing.assert_array_equal(tail[np.array([[5, 6, 7]])], ids[900:][[[5, 6, 7]]])
+    np.testing.assert_array_equal(tokens[np.array([9, 2, 400])], ids[[9, 2, 400]])
+    np.testing.assert_array_equal(np.asarray(tokens[10:20]), ids[10:20])
+    with pytest.raises(IndexError):
+        tokens[np.array([[995, 996, 997, 998, 999, 1000]])]
