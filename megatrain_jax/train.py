@@ -35,6 +35,7 @@ from megatrain_jax.engine import tier as tier_lib
 from megatrain_jax.engine.tier import DiskTierOptions
 from megatrain_jax.model import Execution, make_block, make_stages
 from megatrain_jax.runlock import RunLock
+from megatrain_jax.sources import files as source_files
 from megatrain_jax.sources.cache import default_cache_dir, source_tokens
 from megatrain_jax.sources.mixture import MixtureDataset
 from megatrain_jax.sources.prefetch import ReadAhead
@@ -321,9 +322,9 @@ def resume_point(cfg: Config, log=print) -> int | None:
                 f"{new!r} now; to resume with the new value, add checkpoint.allow_changes=[{key}]")
         log(f"resuming with a changed {key}: {old!r} in {where}, {new!r} now "
             f"(checkpoint.allow_changes)")
+    now = fingerprint.files_identity(source_files.data_files(cfg.data))
     change = ("data_files" in meta and  # older checkpoints did not record their data
-              fingerprint.first_change(meta["data_files"],
-                                       fingerprint.files_identity(data_files(cfg))))
+              fingerprint.first_change(meta["data_files"], now))
     if change:
         if not {"data.path", "data"} & set(cfg.checkpoint.allow_changes):
             raise checkpoint.CheckpointError(
@@ -331,19 +332,6 @@ def resume_point(cfg: Config, log=print) -> int | None:
                 f"now, add checkpoint.allow_changes=[data.path]")
         log(f"resuming with changed data: {change} (checkpoint.allow_changes)")
     return step
-
-
-def data_files(cfg: Config) -> list[str]:
-    """The files the run reads its data from (data.path, data.eval_path; a directory's files,
-    sorted), whose identity each checkpoint records."""
-    files = []
-    for path in (cfg.data.path, cfg.data.eval_path):
-        if os.path.isdir(path):
-            files += sorted(os.path.join(root, name) for root, _, names in os.walk(path)
-                            for name in names)
-        elif path:
-            files.append(path)
-    return files
 
 
 def train(cfg: Config, *, log=print, console=None) -> list[dict]:
@@ -478,7 +466,7 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
         meta = checkpoint.restore(manager, engine, resume_step)
         dataset.restore(meta["data_state"])
         start, saved_progress = meta["step"], meta.get("progress", {})
-    identity = fingerprint.files_identity(data_files(cfg))
+    identity = fingerprint.files_identity(source_files.data_files(cfg.data))
 
     log(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
     peak_flops, peak_source = _peak_flops(cfg, engine.compute_device)
