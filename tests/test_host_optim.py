@@ -2,6 +2,7 @@
 optax after the scale and the global-norm clip, a no-op for a non-finite norm; the bf16 gradient
 store (`grad_dtype`)."""
 
+import resource
 import warnings
 
 import jax
@@ -255,3 +256,43 @@ def test_grad_dtype_config_key():
         engine = build_engine(load_config(None, small + given))
         assert engine.host.grad_dtype == expected
         engine.close()
+
+
+# ----------------------------------------------------------------------------- page faults
+class Wide(nnx.Module):
+    """One 5.2M-parameter matrix: an update's temporaries would pass glibc's largest mmap
+    threshold (32 MiB), so each would be mapped and page-faulted in anew."""
+    def __init__(self, rngs):
+        self.w = nnx.Param(jnp.full((D, 160 * 1024), 0.01))
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.w[...][:, :D])
+
+
+@pytest.mark.parametrize("devices", DEVICES)
+def test_update_takes_no_fresh_memory(devices):
+    """A warm update page-faults in (almost) no memory: it writes params, optax state and the bus
+    copy into their own buffers. test_update_reuses_buffers did not catch the regression this
+    guards against (at 710187a): the outputs did alias the donated inputs, but XLA first copied
+    the donated optax state into a temporary inside the update (the non-finite guard selected
+    between old and new state there), 8 B/param of fresh memory each update, page-faulted in at a
+    fraction of memory speed. RUSAGE_SELF counts the faults whichever XLA thread touches a page."""
+    compute, host = DEVICES[devices]()
+    engine = StreamedEngine(first=Embed(V, D, nnx.Rngs(0)), last=Head(D, V, nnx.Rngs(1)),
+                            make_block=lambda i: Wide(nnx.Rngs(i)), num_layers=1,
+                            optimizer=build_optimizer(OptimizerConfig(), 10), max_grad_norm=1.0,
+                            compute_dtype=jnp.bfloat16, compute_device=compute, host_device=host)
+    grads = random_grads(engine.host.units[1].params, np.random.default_rng(5))
+    faults = []
+    for _ in range(3):  # the first compiles
+        args = jax.block_until_ready(jax.device_put(  # copies: the update takes them over
+            (grads, jnp.float32(0.5), jnp.float32(1.0)), host, may_alias=False))
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        engine.host.release_bus(1)  # as the step does
+        engine.host.submit(1, *args)
+        engine.wait()
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    state_pages = 3 * 4 * 160 * 1024 * D // 4096  # params, mu, nu
+    engine.close()
+    assert max(faults[1:]) < state_pages // 100, (faults, state_pages)
+
