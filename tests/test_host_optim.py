@@ -296,3 +296,36 @@ def test_update_takes_no_fresh_memory(devices):
     engine.close()
     assert max(faults[1:]) < state_pages // 100, (faults, state_pages)
 
+
+# ----------------------------------------------------------------------------- a failed update
+def adam_failing_on(call):
+    """optax.adam whose update raises, when it runs, on its `call`-th run (of any unit)."""
+    inner, calls = optax.adam(1e-2), []
+
+    def check(count):
+        calls.append(count)
+        if len(calls) == call:
+            raise RuntimeError(f"update {call} fails")
+        return count
+
+    def update(grads, state, params=None):
+        updates, (adam, *rest) = inner.update(grads, state, params)
+        count = jax.pure_callback(check, jax.ShapeDtypeStruct((), jnp.int32), adam.count)
+        return updates, (adam._replace(count=count), *rest)
+    return optax.GradientTransformation(inner.init, update)
+
+
+def test_a_failed_last_update_leaves_the_engine_unusable():
+    """The last update of a step (layer L-1's, the last unit the next forward waits for) fails:
+    the next step raises it, and every later use of the engine refuses, instead of rebuilding the
+    layer's bus copy from weights one update behind and training on."""
+    engine = make_engine(adam_failing_on(1 + L), DEVICES["in_place"]())
+    tokens = np.random.default_rng(6).integers(0, V, size=(3, 1, 2, 9))
+    engine.train_step(tokens[0, ..., :-1], tokens[0, ..., 1:])
+    with pytest.raises(Exception, match=f"update {1 + L} fails"):
+        engine.train_step(tokens[1, ..., :-1], tokens[1, ..., 1:])
+    for use in (lambda: engine.train_step(tokens[2, ..., :-1], tokens[2, ..., 1:]),
+                engine.params, engine.wait):
+        with pytest.raises(RuntimeError, match=f"unusable.*layer {L - 1}'s host update failed"):
+            use()
+    engine.close()

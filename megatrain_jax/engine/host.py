@@ -64,6 +64,7 @@ class HostState:
         self.bus_sharding = (self.host if self.bus_in_place else jax.sharding.SingleDeviceSharding(
             compute_device, memory_kind="pinned_host"))
         self.staging = {}
+        self.failed = None  # why the state is unknown: a host update failed (see ready)
 
         # Donating params, optax state and the old bus copy makes the update write in place: on
         # the CPU backend a fresh output buffer is page-faulted in at a fraction of memory speed.
@@ -233,11 +234,20 @@ class HostState:
         unit.pending = self._thread.submit(self._apply, u, grads, grad_norm, scale, min(u, 1))
 
     def ready(self, u: int) -> Unit:
+        """Unit u once its pending update has finished. An update that failed (re-raised here)
+        leaves that unit's state unknown: every later call refuses."""
+        if self.failed:
+            raise RuntimeError(f"the engine is unusable: {self.failed}")
         unit = self.units[u]
         if unit.pending is not None:
             t0 = time.perf_counter()
             future, unit.pending = unit.pending, None
-            future.result()  # re-raises anything the host thread raised
+            try:
+                future.result()  # re-raises anything the host thread raised
+            except BaseException as e:
+                name = "the stages'" if u == 0 else f"layer {u - 1}'s"
+                self.failed = f"{name} host update failed ({type(e).__name__}: {e})"
+                raise
             self.counters.host_wait_s += time.perf_counter() - t0
         return unit
 
@@ -260,7 +270,8 @@ class HostState:
 
     def close(self):
         try:
-            self.wait()
+            if not self.failed:  # (what failed was raised already)
+                self.wait()
         finally:
             self._thread.shutdown()
             if self.tier is not None:
