@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from megatrain_jax.engine import fused_adamw
 from megatrain_jax.engine import tier as tier_lib
 
 
@@ -78,7 +79,11 @@ class HostState:
         # Adam moments read, and XLA:CPU gives it a fresh temporary (~3 B/param, page-faulted each
         # step). An fp32 gradient is therefore prepared first, in place, by its own pass; a bf16
         # one is upcast, so it has no fp32 buffer to work in and is prepared inside the update.
-        self._prepare_first = self.grad_dtype == jnp.float32
+        # AdamW made by fused_adamw.adamw (train.build_optimizer's) runs as one pass per leaf
+        # that also scales and clips the gradient (fused_adamw.py); any other optimizer, optax.
+        self.fused = optimizer.hyper if isinstance(optimizer, fused_adamw.AdamW) else None
+        self._native = self.fused is not None and fused_adamw.native()
+        self._prepare_first = self.grad_dtype == jnp.float32 and self.fused is None
         self._prepare_in_place = jax.jit(self._prepare, donate_argnums=(0,))
         # out_shardings: optax state that does not depend on the params (counts, zeros) would
         # otherwise land uncommitted on the default device, the accelerator.
@@ -174,6 +179,10 @@ class HostState:
             lambda g: jnp.where(clip, (g / grad_norm.astype(g.dtype)) * self.max_grad_norm, g), grads)
 
     def _host_update(self, params, opt_state, grads, old_bus, grad_norm, scale, prepared):
+        bus_dtype = None if self.bus_is_params else self.compute_dtype
+        if self.fused is not None:
+            return fused_adamw.update(self.fused, params, opt_state, grads, old_bus, grad_norm,
+                                      scale, self.max_grad_norm, bus_dtype, self._native)
         del old_bus  # donated: the new bus copy is written into its buffer
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)  # no-op in fp32
         if not prepared:
