@@ -41,6 +41,10 @@ parser.add_argument("--accelerator-path", action="store_true",
                          "GPU: the update writes a reused staging buffer, copied to pinned host memory")
 parser.add_argument("--grad-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="the engine's gradient store (train.grad_dtype)")
+parser.add_argument("--optax", action="store_true",
+                    help="the engine runs plain optax.adamw (XLA's loops) instead of the fused update "
+                         "(train.build_optimizer's); CXX=/nonexistent runs the fused update's JAX "
+                         "fallback instead of its kernel")
 parser.add_argument("--no-one-core", action="store_true", help="skip the one-core child run")
 parser.add_argument("--child-json", default="", help=argparse.SUPPRESS)  # the one-core child
 parser.add_argument("--json", default="", help="also write the results here")
@@ -57,6 +61,7 @@ import jax.numpy as jnp  # noqa: E402
 if args.accelerator_path:
     jax.config.update("jax_num_cpu_devices", 2)
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 
 from megatrain_jax.config import OptimizerConfig  # noqa: E402
 from megatrain_jax.engine import StreamedEngine, fused_adamw  # noqa: E402
@@ -109,9 +114,14 @@ def measure() -> dict:
     cfg = model_config(args.params, args.hidden)
     compute, host = jax.devices("cpu")[:2] if args.accelerator_path else [jax.devices("cpu")[0]] * 2
     opt_cfg = OptimizerConfig()
+    optimizer = build_optimizer(opt_cfg, 1000)
+    if args.optax:
+        optimizer = optax.adamw(optimizer.hyper.learning_rate, b1=opt_cfg.b1, b2=opt_cfg.b2,
+                                eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay,
+                                mask=optimizer.hyper.mask)
     first, last = make_stages(cfg, 0)
     engine = StreamedEngine(first=first, last=last, make_block=lambda i: make_block(cfg, 0, i),
-                            num_layers=cfg.num_layers, optimizer=build_optimizer(opt_cfg, 1000),
+                            num_layers=cfg.num_layers, optimizer=optimizer,
                             max_grad_norm=1.0 if args.clip else None, compute_dtype=jnp.bfloat16,
                             compute_device=compute, host_device=host,
                             grad_dtype=jnp.dtype(args.grad_dtype))
@@ -161,7 +171,7 @@ def measure() -> dict:
     engine.close()
     return {"params": sum(leaf_sizes), "units": len(units), "layer_params": sum(
         x.size for x in jax.tree.leaves(units[1].params)), "runs": out,
-        "native_kernel": host_state.fused is not None and fused_adamw.native()}
+        "native_kernel": not args.optax and fused_adamw.native()}
 
 
 def one_core() -> dict:
@@ -170,7 +180,8 @@ def one_core() -> dict:
         out = os.path.join(tmp, "one.json")
         argv = [f"--params={args.params}", f"--hidden={args.hidden}", f"--reps={args.reps}",
                 f"--grad-dtype={args.grad_dtype}", *(["--clip"] if args.clip else []),
-                *(["--accelerator-path"] if args.accelerator_path else [])]
+                *(["--accelerator-path"] if args.accelerator_path else []),
+                *(["--optax"] if args.optax else [])]
         cmd = ["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable,
                os.path.abspath(__file__), *argv, "--child-json", out]
         subprocess.run(cmd, check=True)
@@ -193,8 +204,9 @@ def main():
                        "copy": 8}
     names = {"update": "engine host update", "torch_fused": "torch AdamW fused",
              "torch_foreach": "torch AdamW foreach", "copy": "numpy copy"}
+    path = "optax" if args.optax else "fused, " + ("kernel" if r["native_kernel"] else "JAX")
     print(f"model: {n / 1e6:.1f}M params, {r['units'] - 1} layers of {r['layer_params'] / 1e6:.1f}M | "
-          f"AdamW ({'fused kernel' if r['native_kernel'] else 'JAX'}), bf16 bus copy, "
+          f"AdamW ({path}), bf16 bus copy, "
           f"{args.grad_dtype} gradients, clipping {'on' if args.clip else 'off'}, "
           f"{'accelerator path (staging + pinned copy)' if args.accelerator_path else 'bus in place'}"
           f" | median of {args.reps}, interleaved")
@@ -218,7 +230,7 @@ def main():
                        "threads": THREADS, "table": table, "results": results,
                        "update_gb_s": bytes_per_param["update"] * n / ms[("update", THREADS)] * 1e3
                        / 1e9, "bytes_per_param_touched": bytes_per_param["update"],
-                       "native_kernel": r["native_kernel"], "clip": args.clip,
+                       "native_kernel": r["native_kernel"], "optax": args.optax, "clip": args.clip,
                        "accelerator_path": args.accelerator_path, "grad_dtype": args.grad_dtype,
                        "update_vs_torch_fused": ratio, "jax": jax.__version__,
                        "torch": torch.__version__ if torch else None}, f, indent=1)
