@@ -161,10 +161,12 @@ def test_update_reuses_buffers(devices):
 
 
 @pytest.mark.parametrize("devices", DEVICES)
-def test_nonfinite_norm_changes_nothing(devices):
+@pytest.mark.parametrize("fused", [False, True], ids=["optax", "fused_adamw"])
+def test_nonfinite_norm_changes_nothing(devices, fused):
     """A non-finite global norm: params and optax state stay as they were, bit for bit, and the
-    bus copy is rebuilt from them (the step released it)."""
-    engine = make_engine(optax.adam(1e-2), DEVICES[devices]())
+    bus copy is rebuilt from them (the step released it); through optax and the fused AdamW."""
+    tx = fused_adamw.adamw(1e-2) if fused else optax.adam(1e-2)
+    engine = make_engine(tx, DEVICES[devices]())
     engine.wait()
     kept = jax.tree.map(np.asarray, engine.state())
     grads = random_grads(kept["layers"][0]["params"], np.random.default_rng(4))
