@@ -47,12 +47,13 @@ RESOURCES = ("dispatch", "h2d", "d2h", "device", "host update")
 #   8192^3 bf16 matmul measured 769-798 TFLOP/s on the device tool's H100 (its KINDS.md).
 # - bus: ~55 GB/s each way, a typical measured pinned-memory copy on PCIe Gen5 x16 (63 GB/s on
 #   paper); the same figure as plan.MACHINES["h100"].
-# - host update: 25.9 GB/s, the engine's in-place AdamW update on the 2-core CPU box
-#   (docs/benchmarks.md, "Host optimizer", "in place, no clipping"); a 16-core host should do
-#   better: the GPU checklist measures it (scripts/bench_optimizer.py --cores 16).
+# - host update: 13.2 GB/s (30 B/param), the engine's fused AdamW update at all (2) cores of the
+#   2-core AMD EPYC VM, heavily loaded, 2026-11-26 (docs/benchmarks.md, "Host optimizer", the
+#   default row); a 16-core host should do better: the GPU checklist measures it
+#   (scripts/bench_optimizer.py).
 # - dispatch: 20 us per jitted call or device_put, an assumption (no figure measured yet): the
 #   checklist measures a tiny jitted op to completion (transfer.json, small_d2h.tiny_op_ms).
-DEFAULTS = {"h2d_gbps": 55.0, "d2h_gbps": 55.0, "device_tflops": 989.0, "host_update_gbps": 25.9,
+DEFAULTS = {"h2d_gbps": 55.0, "d2h_gbps": 55.0, "device_tflops": 989.0, "host_update_gbps": 13.2,
             "dispatch_us": 20.0}
 
 

@@ -31,6 +31,7 @@ from megatrain_jax import plan as plan_lib
 from megatrain_jax import progress
 from megatrain_jax.config import Config, ConfigError, resume_changes, to_dict
 from megatrain_jax.engine import StreamedEngine
+from megatrain_jax.engine import fused_adamw
 from megatrain_jax.engine import tier as tier_lib
 from megatrain_jax.engine.tier import DiskTierOptions
 from megatrain_jax.model import Execution, make_block, make_stages
@@ -104,12 +105,12 @@ def build_schedule(cfg, total_steps: int) -> optax.Schedule:
     return optax.join_schedules([fn for _, fn in parts], [start for start, _ in parts[1:]])
 
 
-def build_optimizer(cfg, total_steps: int) -> optax.GradientTransformation:
+def build_optimizer(cfg, total_steps: int) -> fused_adamw.AdamW:
     """AdamW with the learning-rate schedule of build_schedule. Clipping is the engine's
     (`max_grad_norm`)."""
     schedule = build_schedule(cfg, total_steps)
-    return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                       weight_decay=cfg.weight_decay, mask=decay_mask)
+    return fused_adamw.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, mask=decay_mask)
 
 
 def build_engine(cfg: Config, *, offload_activations: bool | None = None,

@@ -1,23 +1,31 @@
-"""Host optimizer step vs the machine's copy bandwidth.
+"""The engine's host update against torch's CPU AdamW, at all cores and at one.
 
     python scripts/bench_optimizer.py                      # ~300M params, AdamW, 5 repetitions
-    python scripts/bench_optimizer.py --params 100 --cores 1 --json out.json
+    python scripts/bench_optimizer.py --params 150 --reps 3 --json out.json
 
 Builds a StreamedEngine holding a Llama-shaped model of about --params million parameters (state on
 the CPU, compute on the same CPU device, so the bus copy is a plain host buffer), then times the
 engine's own host update path (`engine.host.submit` for every unit with the global norm and the
 scale 1/sum(weight), then `wait`) with gradients already on the host and the bus copies released, as
-a step leaves them. Effective bandwidth counts the bytes one update must touch: read param, m, v,
-write param, m, v (24 B), read the gradient (4 B, 2 with --grad-dtype bfloat16) plus the
-compute-dtype bus copy written in the same call. The copy bandwidth is numpy `copyto` between
-existing buffers of the same sizes (read + write), single-threaded and split over all cores (once
-when that is one core); the ratio uses the fastest. Last line: `optimizer_vs_copy_bandwidth: R`.
+a step leaves them. In the same process, interleaved with it: `torch.optim.AdamW` (`fused=True`
+and `foreach=True`) on fp32 tensors of the same sizes as the engine's leaves, with the project's
+AdamW settings, and a numpy copy between existing buffers of the same total size.
+
+Run at all the cores this process may use (`--cores N`: the first N), then again in a child
+process under `taskset -c` one core (XLA:CPU and the fused kernel size their threads from the
+affinity mask; torch gets `set_num_threads`). Bytes an update touches: the engine 24 B/param (read
+param, m, v; write them) + the gradient (4 B, 2 with --grad-dtype bfloat16) + the bf16 bus copy
+it writes (2 B); torch 28 B/param (fp32 gradient, no bus copy). Page faults: minor faults of the
+process per update. Last line: `update_vs_torch_fused: R`, the engine's update time over torch
+fused's at all cores (<= 1: the engine is as fast).
 """
 
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -33,6 +41,12 @@ parser.add_argument("--accelerator-path", action="store_true",
                          "GPU: the update writes a reused staging buffer, copied to pinned host memory")
 parser.add_argument("--grad-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="the engine's gradient store (train.grad_dtype)")
+parser.add_argument("--optax", action="store_true",
+                    help="the engine runs plain optax.adamw (XLA's loops) instead of the fused update "
+                         "(train.build_optimizer's); CXX=/nonexistent runs the fused update's JAX "
+                         "fallback instead of its kernel")
+parser.add_argument("--no-one-core", action="store_true", help="skip the one-core child run")
+parser.add_argument("--child-json", default="", help=argparse.SUPPRESS)  # the one-core child
 parser.add_argument("--json", default="", help="also write the results here")
 args = parser.parse_args()
 if args.cores:  # before jax starts: XLA:CPU sizes its thread pool from the affinity mask
@@ -47,11 +61,17 @@ import jax.numpy as jnp  # noqa: E402
 if args.accelerator_path:
     jax.config.update("jax_num_cpu_devices", 2)
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 
 from megatrain_jax.config import OptimizerConfig  # noqa: E402
-from megatrain_jax.engine import StreamedEngine  # noqa: E402
+from megatrain_jax.engine import StreamedEngine, fused_adamw  # noqa: E402
 from megatrain_jax.model import ModelConfig, make_block, make_stages  # noqa: E402
 from megatrain_jax.train import build_optimizer  # noqa: E402
+
+try:
+    import torch
+except ImportError:  # a test dependency: without it, the engine's rows only
+    torch = None
 
 THREADS = len(os.sched_getaffinity(0))  # XLA:CPU's intra-op pool follows the affinity mask
 
@@ -63,17 +83,23 @@ def model_config(params_m: float, hidden: int) -> ModelConfig:
     return ModelConfig(**{**one.__dict__, "num_layers": layers})
 
 
-def make_copy(sizes, threads, pool):
-    """numpy copyto between existing fp32 buffers of `sizes` elements, split over `threads`."""
-    # One buffer pair per distinct size (the layers share one), written now: no page faults later.
-    buffers = {n: (np.full(n, 1.0, np.float32), np.full(n, 0.0, np.float32)) for n in set(sizes)}
+def make_copy(n, pool):
+    """numpy copyto between two existing fp32 buffers of n elements, split over THREADS."""
+    s, d = np.full(n, 1.0, np.float32), np.full(n, 0.0, np.float32)  # written now: no faults later
+    bounds = np.linspace(0, n, THREADS + 1).astype(int)
+    parts = [(d[a:b], s[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    return lambda: list(pool.map(lambda part: np.copyto(*part), parts))  # releases the GIL
 
-    def copy_all():
-        for s, d in (buffers[n] for n in sizes):
-            bounds = np.linspace(0, len(s), threads + 1).astype(int)
-            parts = [(d[a:b], s[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
-            list(pool.map(lambda part: np.copyto(*part), parts))  # copyto releases the GIL
-    return copy_all
+
+def make_torch(sizes, opt_cfg, mode):
+    """torch.optim.AdamW(mode=True) over fp32 tensors of `sizes` elements, gradients set."""
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.AdamW(params, lr=opt_cfg.learning_rate, betas=(opt_cfg.b1, opt_cfg.b2),
+                            eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay, **{mode: True})
+    opt.step()  # its state, made now
+    return opt.step
 
 
 def timed(fn):
@@ -83,20 +109,26 @@ def timed(fn):
     return time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
 
-def main():
+def measure() -> dict:
+    """Every measurement at this process's cores: {name: {"seconds": [...], "faults": [...]}}."""
     cfg = model_config(args.params, args.hidden)
     compute, host = jax.devices("cpu")[:2] if args.accelerator_path else [jax.devices("cpu")[0]] * 2
+    opt_cfg = OptimizerConfig()
+    optimizer = build_optimizer(opt_cfg, 1000)
+    if args.optax:
+        optimizer = optax.adamw(optimizer.hyper.learning_rate, b1=opt_cfg.b1, b2=opt_cfg.b2,
+                                eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay,
+                                mask=optimizer.hyper.mask)
     first, last = make_stages(cfg, 0)
     engine = StreamedEngine(first=first, last=last, make_block=lambda i: make_block(cfg, 0, i),
-                            num_layers=cfg.num_layers, optimizer=build_optimizer(OptimizerConfig(), 1000),
+                            num_layers=cfg.num_layers, optimizer=optimizer,
                             max_grad_norm=1.0 if args.clip else None, compute_dtype=jnp.bfloat16,
                             compute_device=compute, host_device=host,
                             grad_dtype=jnp.dtype(args.grad_dtype))
     del first, last
     host_state = engine.host
     units = host_state.units
-    sizes = [sum(x.size for x in jax.tree.leaves(u.params)) for u in units]
-    n_params = sum(sizes)
+    leaf_sizes = [x.size for u in units for x in jax.tree.leaves(u.params)]
     grad_dtype = host_state.grad_dtype
     fill = jax.jit(lambda p: jax.tree.map(lambda x: jnp.full(x.shape, 1e-3, grad_dtype), p))
     on_host = lambda x: jax.device_put(x, engine.host_sharding)
@@ -119,53 +151,90 @@ def main():
         engine.wait()
 
     pool = concurrent.futures.ThreadPoolExecutor(THREADS)
-    copies = {k: make_copy(sizes, k, pool) for k in sorted({1, THREADS})}  # one with --cores 1
+    runs = {"copy": make_copy(sum(leaf_sizes), pool)}
+    if torch is not None:
+        torch.set_num_threads(THREADS)
+        runs.update({f"torch_{m}": make_torch(leaf_sizes, opt_cfg, m) for m in ("fused", "foreach")})
     send_grads()
     update()  # compile
-    for c in copies.values():
-        c()
+    for fn in runs.values():
+        fn()
     # Interleaved, so a neighbour's load on this shared machine hits every run alike.
-    runs = {"update": [], **{f"copy_{k}": [] for k in copies}}
-    faults = []
+    out = {k: {"seconds": [], "faults": []} for k in ["update", *runs]}
     for _ in range(args.reps):
         send_grads()
-        t, f = timed(update)
-        runs["update"].append(t)
-        faults.append(f)
-        for k, copy in copies.items():
-            runs[f"copy_{k}"].append(timed(copy)[0])
+        for k, fn in [("update", update), *runs.items()]:
+            t, f = timed(fn)
+            out[k]["seconds"].append(t)
+            out[k]["faults"].append(f)
     pool.shutdown()
     engine.close()
+    return {"params": sum(leaf_sizes), "units": len(units), "layer_params": sum(
+        x.size for x in jax.tree.leaves(units[1].params)), "runs": out,
+        "native_kernel": not args.optax and fused_adamw.native()}
 
-    med = {k: float(np.median(v)) for k, v in runs.items()}
-    # read param, grad, m, v and write param, m, v: 24 B of fp32 + the gradient + the bus copy
-    bytes_per_param = 24 + grad_dtype.itemsize + host_state.compute_dtype.itemsize
-    update_gb_s = bytes_per_param * n_params / med["update"] / 1e9
-    copy_gb_s = {k: 8 * n_params / med[k] / 1e9 for k in runs if k.startswith("copy")}
-    ratio = update_gb_s / max(copy_gb_s.values())
-    print(f"model: {n_params / 1e6:.1f}M params, {len(units) - 1} layers of {sizes[1] / 1e6:.1f}M | "
-          f"AdamW (optax), bf16 bus copy, {args.grad_dtype} gradients, "
-          f"clipping {'on' if args.clip else 'off'}, "
-          f"{'accelerator path (staging + pinned copy)' if args.accelerator_path else 'bus in place'} | "
-          f"{THREADS} threads (XLA:CPU intra-op pool; 1 dispatch thread) | median of {args.reps}")
-    print(f"{'measurement':40s} {'time ms':>9s} {'GB/s':>7s} {'Mparams/s':>10s} {'page faults':>12s}")
-    print(f"{'host update (' + str(bytes_per_param) + ' B/param touched)':40s} "
-          f"{med['update'] * 1e3:9.1f} {update_gb_s:7.2f} {n_params / med['update'] / 1e6:10.0f} "
-          f"{int(np.median(faults)):12d}")
-    for k, bw in copy_gb_s.items():
-        name = f"numpy copy, {k.split('_')[1]} thread(s) (8 B/param)"
-        print(f"{name:40s} {med[k] * 1e3:9.1f} {bw:7.2f}")
+
+def one_core() -> dict:
+    """The same measurements in a child process pinned to this process's first core."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "one.json")
+        argv = [f"--params={args.params}", f"--hidden={args.hidden}", f"--reps={args.reps}",
+                f"--grad-dtype={args.grad_dtype}", *(["--clip"] if args.clip else []),
+                *(["--accelerator-path"] if args.accelerator_path else []),
+                *(["--optax"] if args.optax else [])]
+        cmd = ["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable,
+               os.path.abspath(__file__), *argv, "--child-json", out]
+        subprocess.run(cmd, check=True)
+        with open(out) as f:
+            return json.load(f)
+
+
+def main():
+    results = {THREADS: measure()}
+    if args.child_json:
+        with open(args.child_json, "w") as f:
+            json.dump(results[THREADS], f)
+        return
+    if THREADS > 1 and not args.no_one_core:
+        results[1] = one_core()
+    r = results[THREADS]
+    n = r["params"]
+    grad_bytes = jnp.dtype(args.grad_dtype).itemsize
+    bytes_per_param = {"update": 24 + grad_bytes + 2, "torch_fused": 28, "torch_foreach": 28,
+                       "copy": 8}
+    names = {"update": "engine host update", "torch_fused": "torch AdamW fused",
+             "torch_foreach": "torch AdamW foreach", "copy": "numpy copy"}
+    path = "optax" if args.optax else "fused, " + ("kernel" if r["native_kernel"] else "JAX")
+    print(f"model: {n / 1e6:.1f}M params, {r['units'] - 1} layers of {r['layer_params'] / 1e6:.1f}M | "
+          f"AdamW ({path}), bf16 bus copy, "
+          f"{args.grad_dtype} gradients, clipping {'on' if args.clip else 'off'}, "
+          f"{'accelerator path (staging + pinned copy)' if args.accelerator_path else 'bus in place'}"
+          f" | median of {args.reps}, interleaved")
+    print(f"{'measurement':26s} {'threads':>7s} {'B/param':>7s} {'time ms':>9s} {'GB/s':>7s} "
+          f"{'Mparams/s':>10s} {'page faults':>12s}")
+    table = []
+    for threads, res in sorted(results.items(), reverse=True):
+        for k, run in res["runs"].items():
+            sec = float(np.median(run["seconds"]))
+            row = {"measurement": k, "threads": threads, "bytes_per_param": bytes_per_param[k],
+                   "ms": sec * 1e3, "gb_s": bytes_per_param[k] * n / sec / 1e9,
+                   "mparams_per_s": n / sec / 1e6, "page_faults": int(np.median(run["faults"]))}
+            table.append(row)
+            print(f"{names[k]:26s} {threads:7d} {row['bytes_per_param']:7d} {row['ms']:9.1f} "
+                  f"{row['gb_s']:7.2f} {row['mparams_per_s']:10.0f} {row['page_faults']:12d}")
+    ms = {(row["measurement"], row["threads"]): row["ms"] for row in table}
+    ratio = ms[("update", THREADS)] / ms.get(("torch_fused", THREADS), float("nan"))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"params": n_params, "units": len(units), "layer_params": sizes[1],
-                       "bytes_per_param_touched": bytes_per_param, "seconds": runs,
-                       "update_gb_s": update_gb_s, "mparams_per_s": n_params / med["update"] / 1e6,
-                       "copy_gb_s": copy_gb_s, "update_page_faults": faults, "threads": THREADS,
-                       "clip": args.clip, "accelerator_path": args.accelerator_path,
-                       "grad_dtype": args.grad_dtype,
-                       "optimizer_vs_copy_bandwidth": ratio,
-                       "jax": jax.__version__}, f, indent=1)
-    print(f"optimizer_vs_copy_bandwidth: {ratio:.3f}")
+            json.dump({"params": n, "units": r["units"], "layer_params": r["layer_params"],
+                       "threads": THREADS, "table": table, "results": results,
+                       "update_gb_s": bytes_per_param["update"] * n / ms[("update", THREADS)] * 1e3
+                       / 1e9, "bytes_per_param_touched": bytes_per_param["update"],
+                       "native_kernel": r["native_kernel"], "optax": args.optax, "clip": args.clip,
+                       "accelerator_path": args.accelerator_path, "grad_dtype": args.grad_dtype,
+                       "update_vs_torch_fused": ratio, "jax": jax.__version__,
+                       "torch": torch.__version__ if torch else None}, f, indent=1)
+    print(f"update_vs_torch_fused: {ratio:.3f}")
 
 
 if __name__ == "__main__":

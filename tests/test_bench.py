@@ -114,11 +114,23 @@ def test_bench_transfer_tiny_buffer(tmp_path):
     assert "| pinned_host -> device | " in rendered and "0.004 GB buffer" in rendered
 
 
-def test_bench_optimizer_tiny():
-    proc = run("bench_optimizer.py", "--params", "1", "--hidden", "256", "--reps", "1")
+def test_bench_optimizer_tiny(tmp_path):
+    """The engine's update, torch fused and foreach and a copy, at all cores and (a child under
+    taskset) at one, each with its time, GB/s and page faults."""
+    out = tmp_path / "opt.json"
+    proc = run("bench_optimizer.py", "--params", "1", "--hidden", "256", "--reps", "1", "--json",
+               str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     key, value = proc.stdout.strip().splitlines()[-1].split(": ")
-    assert key == "optimizer_vs_copy_bandwidth" and positive(float(value))
+    assert key == "update_vs_torch_fused" and positive(float(value))
+    r = json.loads(out.read_text())
+    threads = {r["threads"], 1}
+    rows = {(row["measurement"], row["threads"]): row for row in r["table"]}
+    assert set(rows) == {(m, t) for m in ("update", "torch_fused", "torch_foreach", "copy")
+                         for t in threads}
+    assert all(positive(row["ms"]) and positive(row["gb_s"]) and row["page_faults"] >= 0
+               for row in rows.values())
+    assert positive(r["update_gb_s"]) and r["bytes_per_param_touched"] == 30
 
 
 def test_bench_long_context_tiny(tmp_path):

@@ -2,6 +2,7 @@
 optax after the scale and the global-norm clip, a no-op for a non-finite norm; the bf16 gradient
 store (`grad_dtype`)."""
 
+import resource
 import warnings
 
 import jax
@@ -13,6 +14,7 @@ from flax import nnx
 from toy_model import Embed, Head, capture_grads
 
 from megatrain_jax import StreamedEngine
+from megatrain_jax.engine import fused_adamw
 from megatrain_jax.config import ConfigError, OptimizerConfig, load_config
 from megatrain_jax.model import ModelConfig, make_block, make_stages
 from megatrain_jax.train import build_engine, build_optimizer
@@ -159,10 +161,12 @@ def test_update_reuses_buffers(devices):
 
 
 @pytest.mark.parametrize("devices", DEVICES)
-def test_nonfinite_norm_changes_nothing(devices):
+@pytest.mark.parametrize("fused", [False, True], ids=["optax", "fused_adamw"])
+def test_nonfinite_norm_changes_nothing(devices, fused):
     """A non-finite global norm: params and optax state stay as they were, bit for bit, and the
-    bus copy is rebuilt from them (the step released it)."""
-    engine = make_engine(optax.adam(1e-2), DEVICES[devices]())
+    bus copy is rebuilt from them (the step released it); through optax and the fused AdamW."""
+    tx = fused_adamw.adamw(1e-2) if fused else optax.adam(1e-2)
+    engine = make_engine(tx, DEVICES[devices]())
     engine.wait()
     kept = jax.tree.map(np.asarray, engine.state())
     grads = random_grads(kept["layers"][0]["params"], np.random.default_rng(4))
@@ -255,3 +259,144 @@ def test_grad_dtype_config_key():
         engine = build_engine(load_config(None, small + given))
         assert engine.host.grad_dtype == expected
         engine.close()
+
+
+# ----------------------------------------------------------------------------- page faults
+class Wide(nnx.Module):
+    """One 5.2M-parameter matrix: an update's temporaries would pass glibc's largest mmap
+    threshold (32 MiB), so each would be mapped and page-faulted in anew."""
+    def __init__(self, rngs):
+        self.w = nnx.Param(jnp.full((D, 160 * 1024), 0.01))
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.w[...][:, :D])
+
+
+@pytest.mark.parametrize("devices", DEVICES)
+def test_update_takes_no_fresh_memory(devices):
+    """A warm update page-faults in (almost) no memory: it writes params, optax state and the bus
+    copy into their own buffers. test_update_reuses_buffers did not catch the regression this
+    guards against (at 710187a): the outputs did alias the donated inputs, but XLA first copied
+    the donated optax state into a temporary inside the update (the non-finite guard selected
+    between old and new state there), 8 B/param of fresh memory each update, page-faulted in at a
+    fraction of memory speed. RUSAGE_SELF counts the faults whichever XLA thread touches a page."""
+    compute, host = DEVICES[devices]()
+    engine = StreamedEngine(first=Embed(V, D, nnx.Rngs(0)), last=Head(D, V, nnx.Rngs(1)),
+                            make_block=lambda i: Wide(nnx.Rngs(i)), num_layers=1,
+                            optimizer=build_optimizer(OptimizerConfig(), 10), max_grad_norm=1.0,
+                            compute_dtype=jnp.bfloat16, compute_device=compute, host_device=host)
+    grads = random_grads(engine.host.units[1].params, np.random.default_rng(5))
+    faults = []
+    for _ in range(3):  # the first compiles
+        args = jax.block_until_ready(jax.device_put(  # copies: the update takes them over
+            (grads, jnp.float32(0.5), jnp.float32(1.0)), host, may_alias=False))
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        engine.host.release_bus(1)  # as the step does
+        engine.host.submit(1, *args)
+        engine.wait()
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    state_pages = 3 * 4 * 160 * 1024 * D // 4096  # params, mu, nu
+    engine.close()
+    assert max(faults[1:]) < state_pages // 100, (faults, state_pages)
+
+
+# ----------------------------------------------------------------------------- a failed update
+def adam_failing_on(call):
+    """optax.adam whose update raises, when it runs, on its `call`-th run (of any unit)."""
+    inner, calls = optax.adam(1e-2), []
+
+    def check(count):
+        calls.append(count)
+        if len(calls) == call:
+            raise RuntimeError(f"update {call} fails")
+        return count
+
+    def update(grads, state, params=None):
+        updates, (adam, *rest) = inner.update(grads, state, params)
+        count = jax.pure_callback(check, jax.ShapeDtypeStruct((), jnp.int32), adam.count)
+        return updates, (adam._replace(count=count), *rest)
+    return optax.GradientTransformation(inner.init, update)
+
+
+def test_a_failed_last_update_leaves_the_engine_unusable():
+    """The last update of a step (layer L-1's, the last unit the next forward waits for) fails:
+    the next step raises it, and every later use of the engine refuses, instead of rebuilding the
+    layer's bus copy from weights one update behind and training on."""
+    engine = make_engine(adam_failing_on(1 + L), DEVICES["in_place"]())
+    tokens = np.random.default_rng(6).integers(0, V, size=(3, 1, 2, 9))
+    engine.train_step(tokens[0, ..., :-1], tokens[0, ..., 1:])
+    with pytest.raises(Exception, match=f"update {1 + L} fails"):
+        engine.train_step(tokens[1, ..., :-1], tokens[1, ..., 1:])
+    for use in (lambda: engine.train_step(tokens[2, ..., :-1], tokens[2, ..., 1:]),
+                engine.params, engine.wait):
+        with pytest.raises(RuntimeError, match=f"unusable.*layer {L - 1}'s host update failed"):
+            use()
+    engine.close()
+
+
+# ----------------------------------------------------------------------------- fused AdamW
+def adamw_f64(hyper, p, m, v, g, count, lr, decay):
+    """One optax.adamw step in float64 from the same float32 inputs: (p, m, v) and the size of
+    each result's terms, for a rounding bound."""
+    p, m, v, g = (np.asarray(x, np.float64) for x in (p, m, v, g))
+    m_size = (1 - hyper.b1) * np.abs(g) + hyper.b1 * np.abs(m)  # m's terms may cancel
+    m = (1 - hyper.b1) * g + hyper.b1 * m
+    v = (1 - hyper.b2) * g * g + hyper.b2 * v
+    denominator = np.sqrt(v / (1 - hyper.b2 ** count)) + hyper.eps
+    u = (m / (1 - hyper.b1 ** count)) / denominator
+    u_size = (m_size / (1 - hyper.b1 ** count)) / denominator
+    if decay:
+        u_size = u_size + hyper.weight_decay * np.abs(p)
+        u = u + hyper.weight_decay * p
+    return (p - lr * u, m, v), (np.abs(p) + lr * u_size, m_size, np.abs(v))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["kernel", "jax"])
+@pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0], ids=["noclip", "clip"])
+def test_fused_adamw_is_optax_adamw_to_rounding(native, grad_dtype, max_grad_norm):
+    """fused_adamw.update (the native kernel and its JAX fallback) against optax.adamw's math in
+    float64 from the same float32 state, step by step (4 steps of a schedule, masked weight decay,
+    the gradient scaled and clipped as optax.clip_by_global_norm): every element within 16 float32
+    roundings of its terms' size (each result is a few operations deep; bf16 gradients are exact
+    in float32), as optax's own float32 update is; the state has optax's structure, and the bus
+    copy is the bf16 cast of the new weights."""
+    if native and not fused_adamw.native():
+        pytest.skip("no C++ compiler: the kernel is not built")
+    schedule = optax.linear_schedule(1e-2, 1e-3, 4)
+    tx = fused_adamw.adamw(schedule, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
+                           mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
+    rng = np.random.default_rng(7)
+    params = {"w": jnp.asarray(rng.normal(size=(300, 1000)), jnp.float32),  # two kernel threads
+              "b": jnp.asarray(rng.normal(size=(1000,)), jnp.float32)}
+    state = tx.init(params)
+    update = jax.jit(lambda p, s, g, n, k: fused_adamw.update(
+        tx.hyper, p, s, g, None, n, k, max_grad_norm, jnp.bfloat16, native))
+    ref = jax.jit(lambda p, s, g: optax.apply_updates(p, tx.update(g, s, p)[0]))
+    eps32, clipped = np.finfo(np.float32).eps, False
+    for step in range(4):
+        grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 2, grad_dtype), params)
+        scale = 0.5
+        norm = float(optax.tree.norm(grads)) * scale
+        g = jax.tree.map(lambda x: np.asarray(x, np.float32) * np.float32(scale), grads)
+        if max_grad_norm is not None and norm >= max_grad_norm:
+            clipped = True
+            g = jax.tree.map(lambda x: (x / np.float32(norm)) * np.float32(max_grad_norm), g)
+        new_p, new_s, bus = update(params, state, grads, jnp.float32(norm), jnp.float32(scale))
+        assert jax.tree.structure(new_s) == jax.tree.structure(state)
+        optax_p = ref(params, state, jax.tree.map(jnp.asarray, g))
+        adam = state[0]
+        for k in params:
+            (p64, m64, v64), sizes = adamw_f64(tx.hyper, params[k], adam.mu[k], adam.nu[k], g[k],
+                                               step + 1, float(schedule(step)), k == "w")
+            got = (new_p[k], new_s[0].mu[k], new_s[0].nu[k])
+            for name, x, x64, size in zip(("param", "mu", "nu"), got, (p64, m64, v64), sizes):
+                err = np.max(np.abs(np.asarray(x, np.float64) - x64) / (eps32 * size + 1e-300))
+                assert err <= 16, (step, k, name, err)
+            optax_err = np.abs(np.asarray(optax_p[k], np.float64) - p64) / (eps32 * sizes[0])
+            assert np.max(optax_err) <= 16  # the bound holds for optax too
+            np.testing.assert_array_equal(np.asarray(bus[k]), np.asarray(
+                new_p[k].astype(jnp.bfloat16)))
+        assert int(new_s[0].count) == step + 1 and int(new_s[2].count) == step + 1
+        params, state = new_p, new_s
+    assert clipped or max_grad_norm is None

@@ -8,8 +8,10 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from megatrain_jax.engine import fused_adamw
 from megatrain_jax.engine import tier as tier_lib
 
 
@@ -19,7 +21,9 @@ class Unit:
     params: Any  # fp32 master weights (pure dict) on the host device
     opt_state: Any  # optax state on the host device
     bus: Any = None  # compute-dtype copy, ready to cross to the device; None between its last
-    # use in a step and the update that recreates it (its memory makes room for the gradients)
+    # use in a step and the update that recreates it
+    spare: Any = None  # the released bus copy when it is a host buffer: kept for the update to
+    # write the new one into (freed and allocated again, it would be page-faulted in each step)
     pending: Optional[concurrent.futures.Future] = None  # the host update still running
 
 
@@ -61,6 +65,7 @@ class HostState:
         self.bus_sharding = (self.host if self.bus_in_place else jax.sharding.SingleDeviceSharding(
             compute_device, memory_kind="pinned_host"))
         self.staging = {}
+        self.failed = None  # why the state is unknown: a host update failed (see ready)
 
         # Donating params, optax state and the old bus copy makes the update write in place: on
         # the CPU backend a fresh output buffer is page-faulted in at a fraction of memory speed.
@@ -74,7 +79,11 @@ class HostState:
         # Adam moments read, and XLA:CPU gives it a fresh temporary (~3 B/param, page-faulted each
         # step). An fp32 gradient is therefore prepared first, in place, by its own pass; a bf16
         # one is upcast, so it has no fp32 buffer to work in and is prepared inside the update.
-        self._prepare_first = self.grad_dtype == jnp.float32
+        # AdamW made by fused_adamw.adamw (train.build_optimizer's) runs as one pass per leaf
+        # that also scales and clips the gradient (fused_adamw.py); any other optimizer, optax.
+        self.fused = optimizer.hyper if isinstance(optimizer, fused_adamw.AdamW) else None
+        self._native = self.fused is not None and fused_adamw.native()
+        self._prepare_first = self.grad_dtype == jnp.float32 and self.fused is None
         self._prepare_in_place = jax.jit(self._prepare, donate_argnums=(0,))
         # out_shardings: optax state that does not depend on the params (counts, zeros) would
         # otherwise land uncommitted on the default device, the accelerator.
@@ -144,14 +153,20 @@ class HostState:
     def bus(self, u: int):
         """Unit u's bus copy, once its pending update has finished."""
         unit = self.ready(u)
-        if unit.bus is None:  # released by a step that then failed: rebuilt from the weights
+        if unit.bus is None:  # released by a step that then failed: still the weights' copy
+            unit.bus, unit.spare = unit.spare, None
+        if unit.bus is None:  # (given back to the pinned pool): rebuilt from the weights
             unit.bus = self.make_bus(self.unit_state(u)[0])
         return unit.bus
 
     def release_bus(self, u: int):
-        """After a unit's last use in a step: frees its bus copy, making room for the gradients
-        that wait on the host for the global norm (or giving it back to the pinned pool)."""
-        self.units[u].bus = None
+        """After a unit's last use in a step. A host bus copy is kept for the update to write in
+        place (the plan counts bus copies and gradients together); a pinned one goes back to the
+        accelerator's pinned pool, while the update writes a reused staging buffer."""
+        unit = self.units[u]
+        if self.bus_in_place and not self.bus_is_params and unit.bus is not None:
+            unit.spare = unit.bus
+        unit.bus = None
 
     # ----------------------------------------------------------------- the update
     def _prepare(self, grads, grad_norm, scale):
@@ -164,15 +179,16 @@ class HostState:
             lambda g: jnp.where(clip, (g / grad_norm.astype(g.dtype)) * self.max_grad_norm, g), grads)
 
     def _host_update(self, params, opt_state, grads, old_bus, grad_norm, scale, prepared):
+        bus_dtype = None if self.bus_is_params else self.compute_dtype
+        if self.fused is not None:
+            return fused_adamw.update(self.fused, params, opt_state, grads, old_bus, grad_norm,
+                                      scale, self.max_grad_norm, bus_dtype, self._native)
         del old_bus  # donated: the new bus copy is written into its buffer
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)  # no-op in fp32
         if not prepared:
             grads = self._prepare(grads, grad_norm, scale)
-        updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        finite = jnp.isfinite(grad_norm)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-        params, opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
         return params, opt_state, None if self.bus_is_params else jax.tree.map(
             lambda p: p.astype(self.compute_dtype), params)
 
@@ -184,24 +200,39 @@ class HostState:
         if self.tier is not None:  # --- disk tier: the state from its file (read ahead)
             unit.params, unit.opt_state = self.tier.load(u, self.host)
         if self.bus_in_place:
-            old_bus = None if self.bus_is_params else unit.bus
+            old_bus = None if self.bus_is_params else (
+                unit.bus if unit.bus is not None else unit.spare)
         else:
             old_bus = self.staging.pop(staging_key, None)
-        unit.bus = None
-        if self._prepare_first:
-            grads = self._prepare_in_place(grads, grad_norm, scale)
-        unit.params, unit.opt_state, bus = self._update(unit.params, unit.opt_state, grads, old_bus,
-                                                        grad_norm, scale, self._prepare_first)
-        if self.bus_in_place:
-            unit.bus = unit.params if self.bus_is_params else bus
+        unit.bus = unit.spare = None
+        # A non-finite global norm skips the update (as optax.apply_if_finite), decided here. A
+        # select between the new and the old state inside the update made XLA copy the donated
+        # optax state first (8 B/param of fresh memory, page-faulted in every update: 3x slower).
+        if not np.isfinite(grad_norm):
+            if self.bus_in_place and old_bus is not None:
+                unit.bus = old_bus  # still the weights' copy
+            else:
+                unit.bus = self.make_bus(unit.params)
+                if not self.bus_in_place:
+                    self.staging[staging_key] = old_bus
         else:
-            unit.bus = jax.device_put(bus, self.bus_sharding)
-            self.staging[staging_key] = bus  # reused by the next unit: this copy is waited for
+            if self._prepare_first:
+                grads = self._prepare_in_place(grads, grad_norm, scale)
+            unit.params, unit.opt_state, bus = self._update(
+                unit.params, unit.opt_state, grads, old_bus, grad_norm, scale, self._prepare_first)
+            unit.bus = self._bus_after_update(unit, bus, staging_key)
         if self.tier is not None:  # --- disk tier: written back behind, out of RAM
             self.tier.store(u, unit.params, unit.opt_state)
             unit.params = unit.opt_state = None
         jax.block_until_ready(unit.bus)  # the future completes when the weights are usable
         self.counters.host_update_s += time.perf_counter() - t0
+
+    def _bus_after_update(self, unit, bus, staging_key):
+        """The unit's new bus copy, from the update's compute-dtype output."""
+        if self.bus_in_place:
+            return unit.params if self.bus_is_params else bus
+        self.staging[staging_key] = bus  # reused by the next unit: this copy is waited for
+        return jax.device_put(bus, self.bus_sharding)
 
     def submit(self, u: int, grads, grad_norm, scale):
         """Queues unit u's update with its host-resident gradient, the global norm of the scaled
@@ -212,11 +243,20 @@ class HostState:
         unit.pending = self._thread.submit(self._apply, u, grads, grad_norm, scale, min(u, 1))
 
     def ready(self, u: int) -> Unit:
+        """Unit u once its pending update has finished. An update that failed (re-raised here)
+        leaves that unit's state unknown: every later call refuses."""
+        if self.failed:
+            raise RuntimeError(f"the engine is unusable: {self.failed}")
         unit = self.units[u]
         if unit.pending is not None:
             t0 = time.perf_counter()
             future, unit.pending = unit.pending, None
-            future.result()  # re-raises anything the host thread raised
+            try:
+                future.result()  # re-raises anything the host thread raised
+            except BaseException as e:
+                name = "the stages'" if u == 0 else f"layer {u - 1}'s"
+                self.failed = f"{name} host update failed ({type(e).__name__}: {e})"
+                raise
             self.counters.host_wait_s += time.perf_counter() - t0
         return unit
 
@@ -239,7 +279,8 @@ class HostState:
 
     def close(self):
         try:
-            self.wait()
+            if not self.failed:  # (what failed was raised already)
+                self.wait()
         finally:
             self._thread.shutdown()
             if self.tier is not None:

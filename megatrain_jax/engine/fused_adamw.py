@@ -1,0 +1,180 @@
+"""AdamW as the host update runs it: one pass over each leaf, in place.
+
+`adamw(...)` is `optax.adamw(...)` (same init, update and state), marked so that the engine's
+host update (engine/host.py) runs it here instead: the gradient's scale and global-norm clip, both
+moments, the weight and its bf16 bus copy in one loop that reads and writes each once (30 B/param
+with a bf16 bus copy), where XLA runs optax as several loops over the same arrays.
+
+The loop is a small C++ kernel (fused_adamw.cc) called through `jax.ffi`, built with the system's
+C++ compiler on first use and cached; without a compiler (or when the build fails) the same
+arithmetic runs in JAX, operation for operation, and the log says so once. Any other optimizer
+runs through optax as before.
+"""
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from optax._src import numerics
+
+log = logging.getLogger(__name__)
+SOURCE = pathlib.Path(__file__).with_name("fused_adamw.cc")
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC",
+         "-pthread"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Hyper:
+    learning_rate: Any  # a float or an optax schedule
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    mask: Any  # None, a tree of bools or a callable on the params, as optax.adamw takes
+
+
+class AdamW(optax.GradientTransformation):
+    """optax.adamw, carrying its hyperparameters (`hyper`) for the fused host update."""
+
+
+def adamw(learning_rate, *, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, mask=None) -> AdamW:
+    tx = AdamW(*optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                            mask=mask))
+    tx.hyper = Hyper(learning_rate, b1, b2, eps, weight_decay, mask)
+    return tx
+
+
+# ----------------------------------------------------------------------------- the native kernel
+def _cache_dir() -> pathlib.Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(root) / "megatrain_jax"
+
+
+def _cpu_key() -> str:
+    """-march=native code runs only where it was built: the cache key names the CPU's features."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+@functools.cache
+def native() -> bool:
+    """Builds (once, cached) and registers the kernel; False, logged once, when it cannot."""
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        log.info("fused AdamW: no C++ compiler; the host update runs its JAX fallback")
+        return False
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, jax.__version__, _cpu_key(),
+                                    *FLAGS]).encode()).hexdigest()[:16]
+    lib = _cache_dir() / f"fused_adamw-{key}.so"
+    try:
+        if not lib.exists():
+            lib.parent.mkdir(parents=True, exist_ok=True)
+            tmp = lib.with_suffix(f".{os.getpid()}.tmp")  # then renamed: safe for concurrent builds
+            subprocess.run([compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o",
+                            str(tmp)], capture_output=True, text=True, check=True)
+            os.replace(tmp, lib)
+        dll = ctypes.cdll.LoadLibrary(str(lib))
+    except (OSError, subprocess.CalledProcessError) as e:
+        why = (e.stderr or "").strip().splitlines()[-1:] if hasattr(e, "stderr") else e
+        log.warning("fused AdamW: the kernel is not available (%s); the host update runs its JAX "
+                    "fallback", why)
+        return False
+    for name in ("FusedAdamw", "FusedAdamwBus"):
+        jax.ffi.register_ffi_target(f"megatrain_{name}", jax.ffi.pycapsule(getattr(dll, name)),
+                                    platform="cpu")
+    return True
+
+
+# ----------------------------------------------------------------------------- the update
+SCALARS = ("scale", "clip", "norm", "max_norm", "step", "bc1", "bc2", "decay", "wd", "b1", "c1",
+           "b2", "c2", "eps")  # fused_adamw.cc's order
+
+
+def _leaf_jax(s: dict, p, m, v, g):
+    """The kernel's arithmetic in JAX (fused_adamw.cc `Run`), operation for operation."""
+    g = g.astype(jnp.float32) * s["scale"]
+    g = jnp.where(s["clip"] != 0, (g / s["norm"]) * s["max_norm"], g)
+    m = s["c1"] * g + s["b1"] * m
+    v = s["c2"] * (g * g) + s["b2"] * v
+    # The bias corrections as products with their reciprocals, as XLA compiles optax's divisions
+    u = (m * (1 / s["bc1"])) / (jnp.sqrt(v * (1 / s["bc2"])) + s["eps"])
+    u = jnp.where(s["decay"] != 0, u + s["wd"] * p, u)
+    return p + s["step"] * u, m, v
+
+
+def _leaf_native(s: dict, p, m, v, g, bus):
+    """One leaf through the kernel; its outputs are its inputs' buffers (donated by the caller)."""
+    scalars = jnp.stack([s[k] for k in SCALARS])
+    f32 = jax.ShapeDtypeStruct(p.shape, jnp.float32)
+    if bus is None:
+        call = jax.ffi.ffi_call("megatrain_FusedAdamw", (f32, f32, f32),
+                                input_output_aliases={0: 0, 1: 1, 2: 2})
+        return (*call(p, m, v, g, scalars), None)
+    bf16 = jax.ShapeDtypeStruct(p.shape, jnp.bfloat16)
+    call = jax.ffi.ffi_call("megatrain_FusedAdamwBus", (f32, f32, f32, bf16),
+                            input_output_aliases={0: 0, 1: 1, 2: 2, 5: 3})
+    return call(p, m, v, g, scalars, bus)
+
+
+def update(hyper: Hyper, params, opt_state, grads, old_bus, grad_norm, scale, max_grad_norm,
+           bus_dtype, use_native: bool) -> tuple:
+    """(params, opt_state, bus) after one AdamW step, as optax.adamw's update + apply_updates of
+    the gradient `grads * scale` clipped to `max_grad_norm` (None: not clipped) by `grad_norm`,
+    exactly as optax.clip_by_global_norm. `bus` is the new weights in `bus_dtype` (None: none
+    wanted), written into `old_bus` when given. To be traced inside a jit."""
+    adam, decay_state, lr_state = opt_state
+    count = numerics.safe_increment(adam.count)
+    # The scalars as optax computes them (bias corrections, the schedule at the step's count).
+    if callable(hyper.learning_rate):
+        step = -1 * hyper.learning_rate(lr_state.count)
+        lr_state = lr_state._replace(count=numerics.safe_increment(lr_state.count))
+    else:
+        step = -1 * hyper.learning_rate
+    f32 = lambda x: jnp.asarray(x).astype(jnp.float32)
+    clip = jnp.bool_(False) if max_grad_norm is None else grad_norm >= max_grad_norm
+    s = {"scale": f32(scale), "clip": f32(clip), "norm": f32(grad_norm),
+         "max_norm": f32(max_grad_norm or 1.0), "step": f32(step),
+         "bc1": f32(1 - hyper.b1 ** count), "bc2": f32(1 - hyper.b2 ** count),
+         "wd": f32(hyper.weight_decay), "b1": f32(hyper.b1), "c1": f32(1 - hyper.b1),
+         "b2": f32(hyper.b2), "c2": f32(1 - hyper.b2), "eps": f32(hyper.eps)}
+    mask = hyper.mask(params) if callable(hyper.mask) else hyper.mask
+    decays = (jax.tree.map(lambda _: True, params) if mask is None else mask)
+    leaves, treedef = jax.tree.flatten(params)
+    fused_bus = use_native and jnp.dtype(bus_dtype or jnp.float32) == jnp.bfloat16
+    buses = (jax.tree.leaves(old_bus) if old_bus is not None and fused_bus
+             else [None] * len(leaves))
+    out = []
+    for p, m, v, g, d, b in zip(leaves, jax.tree.leaves(adam.mu), jax.tree.leaves(adam.nu),
+                                jax.tree.leaves(grads), jax.tree.leaves(decays), buses,
+                                strict=True):
+        s_leaf = {**s, "decay": jnp.float32(bool(d))}
+        if not use_native:
+            out.append((*_leaf_jax(s_leaf, p, m, v, g), None))
+            continue
+        if fused_bus and b is None:  # (no old copy to write into)
+            b = jnp.empty(p.shape, jnp.bfloat16)
+        out.append(_leaf_native(s_leaf, p, m, v, g, b if fused_bus else None))
+    new = [jax.tree.unflatten(treedef, [o[i] for o in out]) for i in range(4)]
+    params = new[0]
+    if bus_dtype is None:
+        bus = None
+    elif fused_bus:
+        bus = new[3]
+    else:
+        bus = jax.tree.map(lambda x: x.astype(bus_dtype), params)
+    opt_state = (adam._replace(count=count, mu=new[1], nu=new[2]), decay_state, lr_state)
+    return params, opt_state, bus
