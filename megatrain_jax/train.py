@@ -33,13 +33,9 @@ from megatrain_jax.config import Config, ConfigError, resume_changes, to_dict
 from megatrain_jax.engine import StreamedEngine
 from megatrain_jax.engine import tier as tier_lib
 from megatrain_jax.engine.tier import DiskTierOptions
+from megatrain_jax.errors import TrainingError
 from megatrain_jax.model import Execution, make_block, make_stages
 from megatrain_jax.runlock import RunLock
-
-
-class TrainingError(RuntimeError):
-    """The run cannot go on (e.g. too many consecutive non-finite steps); its checkpoints are
-    intact and hold no non-finite state."""
 
 
 def execution_for(cfg: Config, platform: str | None = None) -> tuple[Execution, str]:
