@@ -35,7 +35,6 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 ALIGN = 4096  # page and sector size: O_DIRECT needs addresses, offsets and lengths aligned to it
