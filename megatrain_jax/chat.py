@@ -181,7 +181,7 @@ class ChatTemplate:
 # conversations -> token ids and assistant masks
 
 
-def _conversation(obj, where: str) -> list:
+def record_messages(obj, where: str) -> list:
     """The messages of one JSONL record, checked."""
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object with \"messages\" or \"prompt\" and "
@@ -276,7 +276,7 @@ def encode_conversation(template: ChatTemplate, tokenizer, messages: list, where
 def read_conversations(path: str):
     """("path:line", messages) for every non-blank line of a chat JSONL file."""
     for where, obj in read_records(path, "conversations"):
-        yield where, _conversation(obj, where)
+        yield where, record_messages(obj, where)
 
 
 def read_records(path: str, what: str):

@@ -20,7 +20,7 @@ from megatrain_jax.errors import (CheckpointError, ConfigError, DataError, HFErr
                                   SaveError, TrainingError)
 
 USER_ERRORS = (ConfigError, DataError, HFError, CheckpointError, LockedError)  # exit code 2
-RUN_FAULTS = (SaveError, OSError, TrainingError)  # exit code 1: e.g. a disk filled up; and TierError
+RUN_FAULTS = (SaveError, OSError, TrainingError)  # exit code 1 (e.g. a disk filled up), + TierError
 TIER_MODULE = "megatrain_jax.engine.tier"  # TierError's: engine/ imports nothing outside itself
 NOISY_LOGGERS = ("absl", "asyncio")  # Orbax's background threads log through these
 

@@ -49,12 +49,12 @@ def train(argv=None, prog=None) -> int:
         from megatrain_jax.config import load_config
         from megatrain_jax.train import train as train_run
         cfg = load_config(args.config, args.overrides)
-        train_run(cfg, console=_terminal_console())
+        train_run(cfg, console=terminal_console())
 
     return _run(lambda: parser.parse_args(argv), go)
 
 
-def _terminal_console():
+def terminal_console():
     """A rich Console on stdout when stdout is a terminal and rich is installed (the live
     progress bar), else None (plain lines only: CI, nohup, a pipe)."""
     if not sys.stdout.isatty():
@@ -163,7 +163,7 @@ def plan(argv=None, prog=None) -> int:
             cfg = load_config(args.config, args.overrides)
             p = make_plan(cfg, machine)
             print(p.report())
-            lines = _advice(cfg, machine, p, args)
+            lines = plan_advice(cfg, machine, p, args)
             print("\n".join(lines))
             out = {**p.to_dict(), "advice": lines}
         if args.json:
@@ -205,7 +205,7 @@ def _rates(machine, args, shape=None) -> tuple:
     return step_time.Rates(**rates), sources, bench
 
 
-def _advice(cfg, machine, run_plan, args) -> list:
+def plan_advice(cfg, machine, run_plan, args) -> list:
     """The advice a run prints after its first steps (megatrain_jax.advice), from predicted
     quantities: the step-time model's step at run_plan's activation offload, its device peak."""
     from megatrain_jax import advice, step_time
