@@ -18,6 +18,9 @@ import json
 import os
 import sys
 
+# step_time imports only the standard library: `megatrain --help` stays quick
+from megatrain_jax.step_time import DEFAULTS as STEP_TIME_DEFAULTS
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit 2, like every other bad input
@@ -77,10 +80,10 @@ minute for an 8B model (it compiles the step's functions to read their workspace
 
 --step-time predicts the step time instead (megatrain_jax.step_time): a timeline of the engine's
 schedule from component rates, which default to the --device preset's bus and bf16 peak (host
-update 25.9 GB/s, dispatch 20 us), are read from measured results with --rates (a folder the GPU
-checklist wrote, or a step-time JSON) and overridden one by one by --h2d-gbps, --d2h-gbps,
---tflops, --host-update-gbps, --dispatch-us. With --rates, a bench.py result there of the same
-step is compared with the prediction."""
+update {host_update_gbps:g} GB/s, dispatch {dispatch_us:g} us), are read from measured results
+with --rates (a folder the GPU checklist wrote, or a step-time JSON) and overridden one by one by
+--h2d-gbps, --d2h-gbps, --tflops, --host-update-gbps, --dispatch-us. With --rates, a bench.py
+result there of the same step is compared with the prediction.""".format(**STEP_TIME_DEFAULTS)
 
 RATE_FLAGS = {"h2d_gbps": "--h2d-gbps", "d2h_gbps": "--d2h-gbps", "device_tflops": "--tflops",
               "host_update_gbps": "--host-update-gbps", "dispatch_us": "--dispatch-us"}
