@@ -273,7 +273,7 @@ def cached_attention(q, k_cache, v_cache, position, *, window=0, scale: float | 
         return out.reshape(B, T, N, H).astype(q.dtype)
 
 
-def _local_window_size(window: int):
+def local_window_size_of(window: int):
     """HF window W -> `jax.nn.dot_product_attention`'s (left, right) window, or None for none.
 
     JAX lets query i see keys i - left .. i + right (cuDNN gets sliding_window_length = left + 1,
@@ -293,7 +293,8 @@ def cudnn_attention(q, k, v, *, segment_ids=None, window: int = 0, scale: float 
     _check_shapes(q, k, v, segment_ids, window)
     with jax.named_scope("cudnn_attention"):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn",
-                                            scale=scale, local_window_size=_local_window_size(window))
+                                            scale=scale,
+                                            local_window_size=local_window_size_of(window))
 
 
 # -----------------------------------------------------------------------------

@@ -182,7 +182,7 @@ class ChatTemplate:
 # conversations -> token ids and assistant masks
 
 
-def _conversation(obj, where: str) -> list:
+def record_messages(obj, where: str) -> list:
     """The messages of one JSONL record, checked."""
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object with \"messages\" or \"prompt\" and "
@@ -279,7 +279,7 @@ def read_conversations(path: str, bad: BadRows):
     a file, glob or directory of .jsonl, .parquet, .arrow); a bad one is counted in `bad`."""
     for where, obj in read_records(path, "conversations", ("messages", "prompt", "completion")):
         try:
-            yield where, _conversation(obj, where)
+            yield where, record_messages(obj, where)
         except DataError as e:
             bad.add(e)
 

@@ -45,15 +45,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: missing, unreadable, or of another model."""
-
-
-class SaveError(RuntimeError):
-    """A checkpoint that could not be written (an I/O failure, or a state that is not finite).
-    The checkpoints already committed are untouched."""
-
+from megatrain_jax.errors import CheckpointError, SaveError
 
 _in_flight = weakref.WeakKeyDictionary()  # manager -> step of its last asynchronous save
 

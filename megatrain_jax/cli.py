@@ -16,16 +16,12 @@ import logging
 import os
 import sys
 
-from megatrain_jax.checkpoint import CheckpointError, SaveError
-from megatrain_jax.config import ConfigError
-from megatrain_jax.data import DataError
-from megatrain_jax.engine.tier import TierError
-from megatrain_jax.hf import HFError
-from megatrain_jax.runlock import LockedError
-from megatrain_jax.train import TrainingError
+from megatrain_jax.errors import (CheckpointError, ConfigError, DataError, HFError, LockedError,
+                                  SaveError, TrainingError)
 
 USER_ERRORS = (ConfigError, DataError, HFError, CheckpointError, LockedError)  # exit code 2
-RUN_FAULTS = (SaveError, OSError, TrainingError, TierError)  # exit code 1: e.g. a disk filled up
+RUN_FAULTS = (SaveError, OSError, TrainingError)  # exit code 1 (e.g. a disk filled up), + TierError
+TIER_MODULE = "megatrain_jax.engine.tier"  # TierError's: engine/ imports nothing outside itself
 NOISY_LOGGERS = ("absl", "asyncio")  # Orbax's background threads log through these
 
 _as_script = False
@@ -61,6 +57,13 @@ class _HeldRecords(logging.Filter):
                 sys.unraisablehook(unraisable)
 
 
+def _run_faults() -> tuple:
+    """RUN_FAULTS and, once the disk tier is imported (it cannot raise before), its TierError:
+    read from sys.modules, so that importing the CLI does not import the engine and JAX."""
+    tier = sys.modules.get(TIER_MODULE)
+    return RUN_FAULTS + ((tier.TierError,) if tier is not None else ())
+
+
 def run_cli(fn) -> int:
     """Runs fn(); a user error prints `error: ...` and returns 2, a failed save returns 1."""
     held = _HeldRecords()
@@ -69,7 +72,7 @@ def run_cli(fn) -> int:
         fn()
     except USER_ERRORS as e:
         code, message = 2, str(e)
-    except RUN_FAULTS as e:
+    except _run_faults() as e:
         code, message = 1, str(e)
     except BaseException:  # a bug or KeyboardInterrupt: everything, with its traceback
         held.remove(replay=True)

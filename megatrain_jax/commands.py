@@ -18,6 +18,9 @@ import json
 import os
 import sys
 
+# step_time imports only the standard library: `megatrain --help` stays quick
+from megatrain_jax.step_time import DEFAULTS as STEP_TIME_DEFAULTS
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit 2, like every other bad input
@@ -49,12 +52,12 @@ def train(argv=None, prog=None) -> int:
         from megatrain_jax.config import load_config
         from megatrain_jax.train import train as train_run
         cfg = load_config(args.config, args.overrides)
-        train_run(cfg, console=_terminal_console())
+        train_run(cfg, console=terminal_console())
 
     return _run(lambda: parser.parse_args(argv), go)
 
 
-def _terminal_console():
+def terminal_console():
     """A rich Console on stdout when stdout is a terminal and rich is installed (the live
     progress bar), else None (plain lines only: CI, nohup, a pipe)."""
     if not sys.stdout.isatty():
@@ -77,10 +80,10 @@ minute for an 8B model (it compiles the step's functions to read their workspace
 
 --step-time predicts the step time instead (megatrain_jax.step_time): a timeline of the engine's
 schedule from component rates, which default to the --device preset's bus and bf16 peak (host
-update 25.9 GB/s, dispatch 20 us), are read from measured results with --rates (a folder the GPU
-checklist wrote, or a step-time JSON) and overridden one by one by --h2d-gbps, --d2h-gbps,
---tflops, --host-update-gbps, --dispatch-us. With --rates, a bench.py result there of the same
-step is compared with the prediction."""
+update {host_update_gbps:g} GB/s, dispatch {dispatch_us:g} us), are read from measured results
+with --rates (a folder the GPU checklist wrote, or a step-time JSON) and overridden one by one by
+--h2d-gbps, --d2h-gbps, --tflops, --host-update-gbps, --dispatch-us. With --rates, a bench.py
+result there of the same step is compared with the prediction.""".format(**STEP_TIME_DEFAULTS)
 
 RATE_FLAGS = {"h2d_gbps": "--h2d-gbps", "d2h_gbps": "--d2h-gbps", "device_tflops": "--tflops",
               "host_update_gbps": "--host-update-gbps", "dispatch_us": "--dispatch-us"}
@@ -163,7 +166,7 @@ def plan(argv=None, prog=None) -> int:
             cfg = load_config(args.config, args.overrides)
             p = make_plan(cfg, machine)
             print(p.report())
-            lines = _advice(cfg, machine, p, args)
+            lines = plan_advice(cfg, machine, p, args)
             print("\n".join(lines))
             out = {**p.to_dict(), "advice": lines}
         if args.json:
@@ -205,7 +208,7 @@ def _rates(machine, args, shape=None) -> tuple:
     return step_time.Rates(**rates), sources, bench
 
 
-def _advice(cfg, machine, run_plan, args) -> list:
+def plan_advice(cfg, machine, run_plan, args) -> list:
     """The advice a run prints after its first steps (megatrain_jax.advice), from predicted
     quantities: the step-time model's step at run_plan's activation offload, its device peak."""
     from megatrain_jax import advice, step_time

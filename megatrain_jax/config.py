@@ -18,11 +18,8 @@ import yaml
 
 from megatrain_jax.attention import IMPLEMENTATIONS
 from megatrain_jax.chat import OVERLONG  # data.overlong (sft)
+from megatrain_jax.errors import ConfigError
 from megatrain_jax.model import ModelConfig
-
-
-class ConfigError(ValueError):
-    pass
 
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")  # optimizer.schedule

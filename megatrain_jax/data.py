@@ -10,9 +10,7 @@ import os
 
 import numpy as np
 
-
-class DataError(ValueError):
-    """Bad input to the data pipeline (missing file, malformed record, bad setting)."""
+from megatrain_jax.errors import DataError
 
 
 # -----------------------------------------------------------------------------

@@ -20,10 +20,6 @@ import numpy as np
 from megatrain_jax.config import ConfigError, DistributedConfig
 
 
-class DistributedError(RuntimeError):
-    """A process of the run was lost (a fault during the run: exit 1)."""
-
-
 def is_multiprocess(d: DistributedConfig) -> bool:
     return d.coordinator == "auto" or d.num_processes > 1
 

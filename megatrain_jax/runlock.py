@@ -15,11 +15,9 @@ import fcntl
 import os
 import socket
 
+from megatrain_jax.errors import LockedError
+
 LOCK_FILE = "train.lock"
-
-
-class LockedError(ValueError):
-    """The run directory is in use by another training process."""
 
 
 def _pid_alive(pid: int) -> bool:

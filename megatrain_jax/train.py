@@ -34,17 +34,13 @@ from megatrain_jax.engine import StreamedEngine
 from megatrain_jax.engine import fused_adamw
 from megatrain_jax.engine import tier as tier_lib
 from megatrain_jax.engine.tier import DiskTierOptions
+from megatrain_jax.errors import TrainingError
 from megatrain_jax.model import Execution, make_block, make_stages
 from megatrain_jax.runlock import RunLock
 from megatrain_jax.sources import files as source_files
 from megatrain_jax.sources.cache import default_cache_dir, source_tokens
 from megatrain_jax.sources.mixture import MixtureDataset
 from megatrain_jax.sources.prefetch import ReadAhead
-
-
-class TrainingError(RuntimeError):
-    """The run cannot go on (e.g. too many consecutive non-finite steps); its checkpoints are
-    intact and hold no non-finite state."""
 
 
 def execution_for(cfg: Config, platform: str | None = None) -> tuple[Execution, str]:

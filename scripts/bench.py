@@ -30,9 +30,6 @@ import sys
 import time
 
 GB = 1e9
-# bf16 dense tensor-core peak (no sparsity) from the datasheets, by device_kind substring.
-DATASHEET_BF16_TFLOPS = [("H200", 989.4), ("H100 PCIe", 756.0), ("H100 NVL", 835.0),
-                         ("H100", 989.4), ("A100", 312.0)]  # first match wins: GH200 is "H200"
 
 
 def parse_args(argv):
@@ -177,10 +174,12 @@ def best(fn, reps) -> float:
 def measure_matmul(jax, dev, dtype, n, iters=10) -> dict:
     """The device's dense matmul rate in the compute dtype, measured now (the MFU denominator)."""
     import jax.numpy as jnp
+
+    from megatrain_jax.plan import peak_bf16_tflops  # the one table of datasheet peaks
     a = jax.device_put(jnp.full((n, n), 1e-3, dtype), dev)
     chain = jax.jit(lambda a: jax.lax.fori_loop(0, iters, lambda i, c: c @ a, a))
     seconds = best(lambda: chain(a), 5)
-    sheet = next((v for k, v in DATASHEET_BF16_TFLOPS if k in dev.device_kind), None)
+    sheet = peak_bf16_tflops(dev.device_kind)
     return {"n": n, "dtype": str(dtype), "tflops": 2 * n ** 3 * iters / seconds / 1e12,
             "datasheet_bf16_tflops": sheet}
 

@@ -19,7 +19,6 @@ save costs is its extra minus the "training only" extra (a step has its own tran
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile

@@ -39,7 +39,7 @@ def write_model(path, layers, hidden, vocab, shard_bytes):
                       intermediate_size=int(hidden * 2.75) // 64 * 64, num_layers=layers,
                       num_heads=hidden // 64, num_kv_heads=max(hidden // 256, 1), head_dim=64)
     tensors = hf.all_tensors(cfg)
-    shards = hf._plan_shards(tensors, 2, shard_bytes)  # bf16: 2 bytes a value
+    shards = hf.plan_shards(tensors, 2, shard_bytes)  # bf16: 2 bytes a value
     rng = np.random.default_rng(0)
     weight_map = {}
     for k, shard in enumerate(shards):

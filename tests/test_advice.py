@@ -160,6 +160,6 @@ def test_plan_without_a_step_time_model_says_the_run_advises(tiny_plan):
 
     from megatrain_jax import commands
     flags = argparse.Namespace(device_tflops=None, rates=None)
-    assert commands._advice(tiny_plan[0], CPU, None, flags) == [
+    assert commands.plan_advice(tiny_plan[0], CPU, None, flags) == [
         "advice: none before the run: local CPU has no known peak for the step-time model "
         "(--tflops, --rates); the run advises after its first steps"]

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from megatrain_jax.attention import (
-    _local_window_size,
     attention,
     blockwise_attention,
     choose_implementation,
     cudnn_attention,
     key_block_range,
+    local_window_size_of,
     query_block_range,
     reference_attention,
 )
@@ -174,10 +174,10 @@ def test_cudnn_window_mapping_means_hf_window(window):
     # cuDNN cannot run here; XLA's implementation reads the same (left, right) window.
     q, k, v, _ = _qkvr(1, 24, 4, 2, 8)
     xla = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True,
-                                    local_window_size=_local_window_size(window), implementation="xla"))
+                                    local_window_size=local_window_size_of(window), implementation="xla"))
     reference = jax.jit(functools.partial(reference_attention, window=window))
     _assert_close(xla(q, k, v), reference(q, k, v), 1e-5)
-    assert _local_window_size(0) is None
+    assert local_window_size_of(0) is None
 
 
 def test_cudnn_attention_refuses_segments():

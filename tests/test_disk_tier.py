@@ -58,7 +58,7 @@ def refuses_direct_io(path) -> str:
 
 def opened_direct(tier) -> bool:
     import fcntl
-    return all(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT for fd in tier._fds)
+    return all(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT for fd in tier.fds)
 
 
 @pytest.mark.parametrize("num_micro,max_grad_norm,read_ahead,direct_io",

@@ -3,7 +3,7 @@
 import json
 
 from megatrain_jax import commands
-from megatrain_jax.plot import plot_runs, read_metrics
+from megatrain_jax.plot import read_metrics
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

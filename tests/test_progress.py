@@ -263,14 +263,14 @@ def test_wandb_offline_has_the_config_and_every_step(run):
 
 def test_the_command_line_shows_the_bar_only_on_a_terminal(monkeypatch):
     monkeypatch.setattr("sys.stdout", io.StringIO())  # a pipe, CI, nohup
-    assert commands._terminal_console() is None
+    assert commands.terminal_console() is None
 
     class Terminal(io.StringIO):
         def isatty(self):
             return True
 
     monkeypatch.setattr("sys.stdout", Terminal())
-    assert isinstance(commands._terminal_console(), Console)
+    assert isinstance(commands.terminal_console(), Console)
 
 
 def test_bad_peak_is_one_line():

@@ -35,7 +35,7 @@ CONVERSATIONS = {
         {"role": "assistant", "content": "  A blackguard whose faulty vision sees things as they are.\n"},
         {"role": "user", "content": "And a bore?"},
         {"role": "assistant", "content": "A person who talks when you wish him to listen."}],
-    "prompt_completion": chat._conversation({"prompt": "naïve café — 日本?",
+    "prompt_completion": chat.record_messages({"prompt": "naïve café — 日本?",
                                              "completion": "Ünïcödé, ok 🙂"}, "test"),
     "ends_with_user": [
         {"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4."},
@@ -167,7 +167,7 @@ def _examples(bundled, seq_len=128, lines=12):
     head = [json.loads(line) for line in open(BUNDLED, encoding="utf-8").readlines()[:lines]]
     ids, labels = [], []
     for k, obj in enumerate(head):
-        i, a = encode_conversation(template, tok, chat._conversation(obj, str(k)), str(k))
+        i, a = encode_conversation(template, tok, chat.record_messages(obj, str(k)), str(k))
         ids.append(i)
         labels.append(np.where(a, i, IGNORE_ID).astype(np.int32))
     return Examples("bundled", ids, labels)

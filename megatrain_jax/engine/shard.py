@@ -33,10 +33,6 @@ class Shards:
         """The whole leaf, zero-padded: N c rows."""
         return (self.piece_rows(shape[0]) * self.size,) + tuple(shape[1:])
 
-    def local_shape(self, shape) -> tuple:
-        """This process's part of a leaf shaped `shape` (its logical shape): D c rows."""
-        return (self.piece_rows(shape[0]) * self.local,) + tuple(shape[1:])
-
     def cut(self, tree):
         """This process's rows of every leaf of `tree` (whole, logical leaves; jax arrays),
         zero-padded. A 0-d leaf has no rows to split: ValueError."""

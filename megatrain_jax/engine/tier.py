@@ -35,7 +35,6 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 ALIGN = 4096  # page and sector size: O_DIRECT needs addresses, offsets and lengths aligned to it
@@ -165,7 +164,7 @@ class DiskTier:
         self.direct_io = options.direct_io != "false"  # until the filesystem refuses it (auto)
         self.io_mode = "buffered (offload.direct_io=false)"  # for the log
         self.opened = self._claim_directory()
-        self._fds = [self._create(u) for u in range(len(layouts))]
+        self.fds = [self._create(u) for u in range(len(layouts))]  # one open file per unit
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max(2, options.read_ahead + 1), thread_name_prefix="disk-tier")
         self._lock = threading.Lock()
@@ -302,7 +301,7 @@ class DiskTier:
 
     def _read(self, u: int) -> np.ndarray:
         """Runs on the I/O pool: unit u's file into a buffer from the pool, in one preadv."""
-        fd, nbytes = self._fds[u], self.layouts[u].nbytes
+        fd, nbytes = self.fds[u], self.layouts[u].nbytes
         self._check(u, fd)
         buffer = self._take(nbytes)
         view, done = memoryview(buffer), 0
@@ -338,7 +337,7 @@ class DiskTier:
         """Runs on the I/O pool: a filled buffer into unit u's file in one pwritev; the buffer
         goes back to the pool (also when the write fails)."""
         try:
-            fd = self._fds[u]
+            fd = self.fds[u]
             self._check(u, fd)
             view, done = memoryview(buffer), 0
             t0 = time.perf_counter()
@@ -425,7 +424,7 @@ class DiskTier:
         """(params, opt_state) of unit u as read-only numpy arrays mapped from its file (no copy:
         file-backed pages the kernel can drop); valid until the unit's next update."""
         self.flush()
-        self._check(u, self._fds[u])
+        self._check(u, self.fds[u])
         mapped = np.memmap(self.files[u], np.uint8, mode="r", shape=(self.layouts[u].nbytes,))
         return self.layouts[u].views(mapped)
 
@@ -434,6 +433,6 @@ class DiskTier:
             self.flush()
         finally:
             self._pool.shutdown()
-            for fd in self._fds:
+            for fd in self.fds:
                 os.close(fd)
-            self._fds = []
+            self.fds = []

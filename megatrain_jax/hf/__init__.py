@@ -23,8 +23,8 @@ public API; the submodules are how it is organised.
 from megatrain_jax.hf.config import (ARCHITECTURES, GEMMA3_ONLY, GEMMA3_OPTIONS, LAYERED_WINDOWS,
                                      MOE_ARCHITECTURES, MOE_MIXTRAL, MOE_QWEN3, TEXT_PARTS,
                                      WINDOWED, hf_config, model_config, text_config)
-from megatrain_jax.hf.export import (EXPORT_DTYPES, EXPORT_OLDER, _plan_shards,  # noqa: F401
-                                     export_checkpoint, parse_size)
+from megatrain_jax.hf.export import (EXPORT_DTYPES, EXPORT_OLDER, export_checkpoint, parse_size,
+                                     plan_shards)
 from megatrain_jax.hf.files import (CONFIG_FILE, FLOAT_DTYPES, INDEX_FILE, SINGLE_FILE,
                                     TOKENIZER_FILES, HFError, read_hf_config)
 from megatrain_jax.hf.load import (IGNORED_TENSOR, HFSource, load_block, load_stages,
@@ -39,7 +39,7 @@ __all__ = [
     "ARCHITECTURES", "GEMMA3_ONLY", "GEMMA3_OPTIONS", "LAYERED_WINDOWS", "MOE_ARCHITECTURES",
     "MOE_MIXTRAL", "MOE_QWEN3", "TEXT_PARTS", "WINDOWED", "hf_config", "model_config",
     "text_config",
-    "EXPORT_DTYPES", "EXPORT_OLDER", "export_checkpoint", "parse_size",
+    "EXPORT_DTYPES", "EXPORT_OLDER", "export_checkpoint", "parse_size", "plan_shards",
     "CONFIG_FILE", "FLOAT_DTYPES", "INDEX_FILE", "SINGLE_FILE", "TOKENIZER_FILES", "HFError",
     "read_hf_config",
     "IGNORED_TENSOR", "HFSource", "load_block", "load_stages", "model_config_from_hf",

@@ -37,7 +37,7 @@ def parse_size(text: str) -> int:
     return size
 
 
-def _plan_shards(tensors, itemsize: int, shard_size: int) -> list:
+def plan_shards(tensors, itemsize: int, shard_size: int) -> list:
     """Greedy in file order: a new shard when the next tensor would overflow the current one."""
     shards, size = [[]], 0
     for t in tensors:
@@ -199,7 +199,7 @@ def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None,
         config = hf_config(cfg, dtype=dtype, max_position_embeddings=max_positions, base=base)
         tensors = all_tensors(cfg, config["architectures"][0])  # Phi-3: fused
         np_dtype = EXPORT_DTYPES[dtype]
-        shards = _plan_shards(tensors, np.dtype(np_dtype).itemsize, shard_bytes)
+        shards = plan_shards(tensors, np.dtype(np_dtype).itemsize, shard_bytes)
         names = ([SINGLE_FILE] if len(shards) == 1 else
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                   for i in range(len(shards))])

@@ -12,9 +12,7 @@ import shutil
 import ml_dtypes
 import numpy as np
 
-
-class HFError(ValueError):
-    """A Hugging Face model directory, or an export request, that cannot be used."""
+from megatrain_jax.errors import HFError
 
 
 CONFIG_FILE, INDEX_FILE, SINGLE_FILE = "config.json", "model.safetensors.index.json", "model.safetensors"
