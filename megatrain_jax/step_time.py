@@ -367,8 +367,8 @@ def measured_rates(path: str, shape: StepShape = None) -> tuple:
     file with a "rates" object (a step-time prediction written with --json). A rate no result
     gives keeps its default (said so in its source).
 
-    h2d / d2h: bench_transfer.py's `pinned_host -> device` and `device -> cpu backend` rows, the
-    engine's own paths. device: the FLOPs the engine's device functions execute in a step / their
+    h2d / d2h: bench_transfer.py's `pinned_host -> device` and `device -> pinned_host` rows, the
+    engine's own paths (engine/transfer.py). device: the FLOPs the engine's device functions execute in a step / their
     time run back to back with no transfers (bench.py's resident_compute_s_per_step), else
     bench.py's measured matmul. host update: bench_optimizer.py's update_gb_s, else bench.py's
     host-update seconds per step. dispatch: bench_transfer.py's tiny jitted op to completion."""
@@ -384,7 +384,7 @@ def measured_rates(path: str, shape: StepShape = None) -> tuple:
                             and r.get("kind") == kind]
     for f, r in by_kind("transfer")[:1]:
         paths = {p["path"]: p for p in r.get("paths", [])}
-        for key, row in (("h2d_gbps", "pinned_host -> device"), ("d2h_gbps", "device -> cpu backend")):
+        for key, row in (("h2d_gbps", "pinned_host -> device"), ("d2h_gbps", "device -> pinned_host")):
             if paths.get(row, {}).get("gb_per_s"):
                 values[key], sources[key] = paths[row]["gb_per_s"], f"{f}: {row}"
         tiny = (r.get("small_d2h") or {}).get("tiny_op_ms")

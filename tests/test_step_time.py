@@ -155,7 +155,8 @@ def results(tmp_path, s: StepShape):
     files = {
         "transfer.json": {"kind": "transfer", "paths": [
             {"path": "pinned_host -> device", "gb_per_s": 40.0},
-            {"path": "device -> cpu backend", "gb_per_s": 3.0},
+            {"path": "device -> pinned_host", "gb_per_s": 3.0},
+            {"path": "device -> cpu backend", "gb_per_s": 2.0},
             {"path": "numpy -> device", "gb_per_s": 9.0}],
             "small_d2h": {"tiny_op_ms": 0.05}},
         "bench_1b.json": {"kind": "train", "tokens_per_step": s.tokens_per_step,

@@ -24,10 +24,6 @@ class Unit:
     pending: Optional[concurrent.futures.Future] = None  # the host update still running
 
 
-def nbytes(tree) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
 class HostState:
     """The units' state and their updates. Unit 0 is the stages, unit 1 + i layer i.
 

@@ -21,13 +21,14 @@
 
 The order of a pass's fetches, dispatches and waits is engine/schedule.py's (LayerStream); every
 copy is engine/transfer.py's.
+
 Each block weight crosses the bus twice per step whatever the number of micro-batches M is.
 Data parallel over several devices (parallel.py): every fetch goes to each device, each
 micro-batch's rows are split over them, and each gradient (dW_i, the stages' parts) is summed over
 the devices on the devices (f.reduce) before it crosses to the host, once per process. With the
 sharded host layout (engine/shard.py) each device is sent only its rows of a unit and the devices
 all-gather them; f.reduce reduce-scatters each gradient instead, and only this process's rows
-cross to the host; the stages' sum of squares is then summed over the processes.
+cross to the host; every sum of squares is taken on the devices over the whole gradient.
 """
 
 import functools
