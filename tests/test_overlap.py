@@ -168,3 +168,25 @@ def test_a_compute_device_without_pinned_memory_takes_the_logged_fallback(monkey
     assert t.out_kind is None and "has no pinned_host memory" in caplog.text
     parcel = t.grads_out(jax.device_put(jnp.ones(4), cpu[COMPUTE]))
     assert {x.sharding.device_set == {cpu[HOST]} for x in parcel.token()} == {True}
+
+
+def test_each_gradient_goes_out_before_the_next_layer_and_is_never_waited_for():
+    """The engine's own events (on_event) of a step's backward: layer i's gradient is enqueued
+    out with its work (a "dispatch" event ends a layer's dispatching), before layer i - 1 is
+    dispatched, and the wait that retires layer i comes after that dispatch."""
+    from test_streaming import engine_for
+    engine = engine_for(CFG, compute_dtype=jnp.bfloat16)
+    float(engine.train_step(*batch(CFG))["loss"])
+    events = []
+    engine.on_event = lambda kind, what, layer: events.append((kind, what, layer))
+    float(engine.train_step(*batch(CFG))["loss"])
+    engine.close()
+    at = {e: k for k, e in enumerate(events) if e[0] != "transfer"}
+    outs = [k for k, e in enumerate(events) if e == ("transfer", "gradient out", None)]
+    assert len(outs) == CFG.num_layers + 1  # every layer's, then the stages'
+    for i in range(CFG.num_layers - 1, 0, -1):
+        out = outs[CFG.num_layers - 1 - i]
+        assert out < at[("dispatch", "backward", i)] < at[("dispatch", "backward", i - 1)] < at[
+            ("wait", "backward", i)]
+        if i < CFG.num_layers - 1:
+            assert at[("dispatch", "backward", i + 1)] < out

@@ -116,8 +116,10 @@ class StreamedEngine:
         # Called as on_phase(phase, layer=None) after each unit's work is dispatched (phases:
         # embed, forward, loss, backward, embed backward): for tests and instrumentation.
         self.on_phase = None
-        # Called as on_event(kind, phase, layer) by each pass's LayerStream as it dispatches a
-        # layer's work ("dispatch") and before it waits for one ("wait"): for tests.
+        # Called as on_event(kind, what, layer) by each pass's LayerStream as it dispatches a
+        # layer's work ("dispatch", the pass) and before it waits for one ("wait", the pass), and
+        # by the transfers as each copy is enqueued ("transfer", e.g. "gradient out", None):
+        # for tests and instrumentation.
         self.on_event = None
 
         def units():  # one at a time: the disk tier never holds the whole model in RAM
@@ -200,6 +202,8 @@ class StreamedEngine:
         updates still queued (one failed on the host thread) leaves the engine unusable."""
         if self._broken:
             raise RuntimeError(f"the engine is unusable: {self._broken}")
+        self.transfers.on_event = self.on_event and (lambda kind, what: self.on_event(kind, what,
+                                                                                      None))
         inputs, targets, contexts = self._put_batch(inputs, targets, context)
         self.device_functions(inputs[0], targets[0])
         try:
