@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from megatrain_jax.config import Config
+from megatrain_jax.engine import schedule
 from megatrain_jax.engine.functions import DeviceFunctions, stage_parts
 from megatrain_jax.model import Execution, ModelConfig, make_block, make_stages
 
@@ -180,13 +181,6 @@ def _compile_device(platform: str):
 # bytes at each moment of a step
 
 
-def _in_flight(pos: int, num_layers: int, prefetch: int) -> int:
-    """Layers whose weights (and, offloaded, saved inputs) are on the device while LayerStream
-    computes its pos-th layer: before it, the stream retires layer pos - 1 and fetches up to
-    pos + prefetch."""
-    return min(pos + prefetch, num_layers - 1) - pos + 1
-
-
 @dataclasses.dataclass(frozen=True)
 class _Counts:
     """What the plan needs of a config, independent of the micro-batch shape."""
@@ -261,20 +255,24 @@ class _Counts:
             kinds = {"inputs": inputs, **kinds, "workspace": workspace[phase] if phase else 0}
             return {k: int(kinds.get(k, 0)) for k in DEVICE_KINDS}
 
-        # The head's fp32 accumulator (and its cast for the host) stays on the device from the
-        # loss until the first layer of the backward retires.
-        head = 4 * self.last + (self.last * self.grad if self.grad != 4 else 0)
+        # The head's fp32 gradient stays on the device from the loss until the stages' gradient
+        # is merged after the embedding's backward. Layers resident: engine/schedule.py's.
+        head = 4 * self.last
+        out = 4 * self.layer + (self.layer * self.grad if self.grad != 4 else 0)  # a layer's
         forward, backward = [], []
+        resident, overlapped = schedule.resident(L, p), schedule.overlapped(L, p)
         for pos in range(L):
-            n = _in_flight(pos, L, p)
+            n = resident[pos]
             # saved: every earlier layer's input and this one's, plus its outputs; offloaded:
-            # only this layer's inputs and outputs
+            # this layer's inputs and outputs, and the one before's inputs until it retires
             forward.append(moment("forward", weights=n * weights(self.layer),
-                                  activations=(2 if offload else pos + 2) * act))
+                                  activations=(2 + overlapped[pos] if offload else pos + 2) * act))
             # saved: this layer's inputs and every earlier one's; offloaded: those fetched back
             backward.append(moment("backward", weights=n * weights(self.layer),
-                                   gradients=4 * self.layer + (head if pos == 0 else 0),
-                                   activations=(n if offload else L - pos) * act, cotangents=act))
+                                   # the layer's, and the one before's (with its cast for the
+                                   # host) while it goes out
+                                   gradients=4 * self.layer + overlapped[pos] * out + head,
+                                   activations=(n if offload else L - pos + overlapped[pos]) * act, cotangents=act))
         return {
             "embed": moment("embed", weights=weights(self.first), activations=act),
             "forward": max(forward, key=lambda m: sum(m.values())),
@@ -282,7 +280,7 @@ class _Counts:
                            activations=(1 if offload else L + 1) * act, cotangents=act),
             "backward": max(backward, key=lambda m: sum(m.values())),
             "embed backward": moment("embed backward", weights=weights(self.first),
-                                     gradients=4 * self.first, cotangents=act),
+                                     gradients=4 * (self.first + self.last), cotangents=act),
         }
 
 

@@ -4,25 +4,27 @@
     p = simulate(shape, Rates(h2d_gbps=55, d2h_gbps=55, device_tflops=989, host_update_gbps=26))
     print(p.report())      # step time, tokens/s, MFU, which resource bounds the step
 
-The simulation replays the engine's schedule (engine/step.py, stream.py, host.py) on five
-resources, each doing one thing at a time in the order it was given work:
+The simulation replays the engine's schedule (engine/schedule.py's passes, engine/step.py around
+them, host.py's updates) on five resources, each doing one thing at a time in the order it was
+given work:
 
   dispatch     the Python thread: every jitted call or device_put costs `dispatch_us`, and it
                blocks where the engine blocks: a fetch waits for the unit's host update
-               (`HostState.bus`); LayerStream waits, before fetching layer pos + prefetch and
-               dispatching layer pos, until layer pos - 1's outputs are done (in the backward
-               that includes its gradient's arrival on the host, and the head's); the bench
-               reads each step's loss (the device queue drains).
+               (`HostState.bus`); a pass's retire of layer pos - 1 waits, after layer pos has
+               been dispatched, until layer pos - 1's work is done on the device (never for a
+               gradient's or an activation's copy out); the bench reads each step's loss.
   h2d, d2h     the bus, each way: weights and offloaded activations in; gradients (in
                train.grad_dtype) and offloaded activations out.
-  device       block forward (2 FLOPs / parameter / token + causal attention), block backward
-               (the block's recompute and its gradients: 6 / parameter / token + 3.5x the
-               forward's attention), the loss head (6 * vocab * hidden / token).
+  device       block forward (2 FLOPs / parameter / token + causal attention over the keys each
+               query sees: windows and layer types counted), block backward (the block's
+               recompute and its gradients: 6 / parameter / token + 3.5x the forward's
+               attention), the loss head (6 * vocab * hidden / token), the global norm.
   host update  the optimizer thread: one unit after another in the order the next forward needs
-               them (stages, layer 0, 1, ...), each after the global gradient norm, which needs
-               every unit's gradient on the host: the engine always waits for it (exact clipping,
-               and a non-finite norm must change nothing). The next step's fetch of a unit waits
-               for that unit's update.
+               them (stages, layer 0, 1, ...), each once its gradient and the global norm are on
+               the host (the norm needs every unit's sum of squares: exact clipping, and a
+               non-finite norm must change nothing), its bytes including the gradient's hop from
+               the compute device's pinned memory to the CPU client. The next step's fetch of a
+               unit waits for that unit's update.
 
 Several steps are simulated and the last one's period is the prediction (the steady state: the
 updates of one step overlap the next one's forward). "What bounds the step" is the critical path
@@ -36,7 +38,6 @@ state, read the gradient, write the bus copy).
 import dataclasses
 import glob
 import json
-import math
 import os
 
 GB = 1e9
@@ -82,8 +83,8 @@ class StepShape:
     first_bytes: int  # the first stage's weights (embedding), in the compute dtype
     last_bytes: int  # the last stage's weights (final norm, head)
     layer_bytes: int  # one block's weights
-    first_grad_bytes: int  # gradients to the host, in train.grad_dtype
-    last_grad_bytes: int
+    stages_grad_bytes: int  # gradients to the host, in train.grad_dtype: the stages' (both
+    # parts merged on the device, sent once after the embedding's backward) and one block's
     layer_grad_bytes: int
     act_bytes: int  # one layer's saved inputs, all micro-batches, when offloaded (else 0)
     layer_fwd_flops: float
@@ -91,7 +92,8 @@ class StepShape:
     head_flops: float  # the loss head's forward and backward
     stages_update_bytes: int  # bytes the host update of the stages unit touches
     layer_update_bytes: int  # of one layer's
-    model_flops: float  # useful FLOPs per step (for MFU): scripts/bench.py's count
+    model_flops: float  # useful FLOPs per step (for MFU): plan.flops_per_token's (causal
+    # attention, windows), never more than the device executes
     updates_wait_for_norm: bool = True  # the engine's schedule. False: each unit's update is
     # submitted as soon as its gradient is on the host, during the backward (no exact clipping,
     # no non-finite check: not the engine's; a what-if for hiding the update)
@@ -106,8 +108,7 @@ class StepShape:
     @property
     def d2h_bytes(self) -> int:
         """Bytes out of the device per step: every unit's gradient, offloaded activations."""
-        return (self.layers * (self.layer_grad_bytes + self.act_bytes) + self.first_grad_bytes
-                + self.last_grad_bytes)
+        return self.layers * (self.layer_grad_bytes + self.act_bytes) + self.stages_grad_bytes
 
 
 @dataclasses.dataclass
@@ -203,17 +204,17 @@ class _Timeline:
 
 
 def _stream(t: _Timeline, order, fetch, body, prefetch):
-    """LayerStream: fetches `prefetch` layers ahead; before fetching layer pos + prefetch and
-    running layer pos it waits until layer pos - 1's outputs are done."""
-    order = list(order)
-    in_flight = [fetch(i) for i in order[:prefetch]]
-    finished = None
-    for pos, layer in enumerate(order):
-        if finished is not None:
-            t.call(f"wait layer {order[pos - 1]}", after=finished)  # block_until_ready, then on
-        if pos + prefetch < len(order):
-            in_flight.append(fetch(order[pos + prefetch]))
-        finished = body(layer, in_flight.pop(0))
+    """A pass as LayerStream runs it (schedule.layer_ops): `body(layer, fetched)` dispatches a
+    layer's work and returns what its retire waits for."""
+    from megatrain_jax.engine.schedule import DISPATCH, FETCH, RETIRE, layer_ops
+    order, fetched, finished = list(order), {}, {}
+    for op, pos in layer_ops(len(order), prefetch):
+        if op == FETCH:
+            fetched[pos] = fetch(order[pos])
+        elif op == DISPATCH:
+            finished[pos] = body(order[pos], fetched.pop(pos))
+        elif op == RETIRE:  # block_until_ready, then on
+            t.call(f"wait layer {order[pos]}", after=finished.pop(pos))
 
 
 def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
@@ -231,22 +232,23 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
     for _ in range(M):
         t.compute("embed", 0, [w])
 
-    # forward
+    # forward: each layer retires on its outputs; the activations' copy out is not waited for
     def forward(i, w):
         ys = [t.compute(f"forward {i}", s.layer_fwd_flops, [w]) for _ in range(M)]
-        saves = ([t.d2h(f"save activations {i}", s.act_bytes / M, [y]) for y in ys]
-                 if s.act_bytes else [])
-        return ys + saves
+        for y in ys if s.act_bytes else []:
+            t.d2h(f"save activations {i}", s.act_bytes / M, [y])
+        return ys
 
     _stream(t, range(s.layers), lambda i: fetch(1 + i, s.layer_bytes), forward, s.prefetch)
 
-    # loss
+    # loss: the head's gradient stays on the device until the embedding's backward
     w = fetch(0, s.last_bytes)
-    heads = [t.compute("loss head", s.head_flops, [w]) for _ in range(M)]
-    last_grads = t.d2h("head gradient", s.last_grad_bytes, [heads[-1]])
+    for _ in range(M):
+        t.compute("loss head", s.head_flops, [w])
 
-    # backward
-    grads = {}
+    # backward: each layer retires on its sum of squares; its gradient's copy out overlaps the
+    # next layer
+    grads, squares = {}, []
 
     def fetch_back(i):
         w = fetch(1 + i, s.layer_bytes)
@@ -256,33 +258,29 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
 
     def backward(i, inputs):
         dxs = [t.compute(f"backward {i}", s.layer_bwd_flops, inputs) for _ in range(M)]
-        t.compute(f"sum squares {i}", 0)
+        squares.append(t.compute(f"sum squares {i}", 0))
         grads[1 + i] = t.d2h(f"gradient {i}", s.layer_grad_bytes, [dxs[-1]])
         if not s.updates_wait_for_norm:  # submitted as soon as its gradient is on the host
             updates[1 + i] = t.update(f"update unit {1 + i}", s.layer_update_bytes,
                                       [grads[1 + i]])
-        return [dxs[-1], grads[1 + i], last_grads]
+        return [squares[-1]]
 
     _stream(t, reversed(range(s.layers)), fetch_back, backward, s.prefetch)
 
-    # embed backward
+    # embed backward; the stages' gradient merged and its sum of squares, the global norm, on the
+    # device; the stages' gradient and the norm go out
     w = fetch(0, s.first_bytes)
     embed_bwd = [t.compute("embed backward", 0, [w]) for _ in range(M)]
-    grads[0] = t.d2h("embed gradient", s.first_grad_bytes, [embed_bwd[-1]])
-
-    # update, on the host thread. The norm (dispatched, computed on the host CPU device) needs
-    # every gradient on the host; it reads the stages' (the layers' sums of squares come from the
-    # device). Each update waits for it (the engine's schedule), or only for its own gradient.
-    norm = t.op("host update", "global norm",
-                (s.first_grad_bytes + s.last_grad_bytes) / (t.rates.host_update_gbps * GB),
-                [t.call("global norm"), last_grads, *grads.values()])
+    merged = t.compute("stages' gradient", 0, [embed_bwd[-1]])
+    norm = t.d2h("global norm", 0, [t.compute("global norm", 0, [merged, *squares])])
+    grads[0] = t.d2h("stages' gradient", s.stages_grad_bytes, [merged])
     loss = t.compute("loss total", 0)
-    if s.updates_wait_for_norm:  # in the order the next forward needs them
-        for u in range(s.layers + 1):
-            nbytes = s.stages_update_bytes if u == 0 else s.layer_update_bytes
-            updates[u] = t.update(f"update unit {u}", nbytes, [norm])
-    else:
-        updates[0] = t.update("update unit 0", s.stages_update_bytes, [grads[0]])
+
+    # update, on the host thread, in the order the next forward needs them
+    for u in range(s.layers + 1) if s.updates_wait_for_norm else [0]:
+        nbytes = s.stages_update_bytes if u == 0 else s.layer_update_bytes
+        after = [grads[u], norm] if s.updates_wait_for_norm else [grads[u]]
+        updates[u] = t.update(f"update unit {u}", nbytes, after)
     return t.call("read loss", after=[loss])  # the bench's float(loss): the step's sync point
 
 
@@ -310,39 +308,34 @@ def simulate(shape: StepShape, rates: Rates, steps: int = 4) -> Prediction:
 # the shape of a configured step
 
 
-def attention_flops_per_token(model, seq: int) -> float:
-    """Causal attention's forward FLOPs per token: QK^T and PV over the visible keys."""
-    window = min(model.sliding_window or seq, seq)
-    visible = (window * (window + 1) / 2 + (seq - window) * window) / seq
-    return 4 * model.num_heads * model.head_size * visible
-
-
 def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True) -> StepShape:
     """The shape of one step of `cfg` on an accelerator (`offload`: activations offloaded)."""
-    from megatrain_jax.plan import MACHINES, _counts  # lazy: plan imports the model
-    from megatrain_jax.train import execution_for
+    from megatrain_jax.plan import MACHINES, _counts, flops_per_token  # lazy: plan imports
+    from megatrain_jax.train import execution_for  # the model
     execution, _ = execution_for(cfg, "gpu")
     c = _counts(cfg, execution, MACHINES["h100"])
     model, (M, B, T) = cfg.model, (cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len)
     tokens = B * T  # per micro-batch
-    attention = attention_flops_per_token(model, T)
-    params = c.stages + c.layers * c.layer
-    opt_per_param = c.optimizer / params  # bytes of optax state per parameter (AdamW: 8)
-    touched = lambda n: n * (8 + 2 * opt_per_param + c.grad + c.compute)
     head = model.hidden_size * model.vocab_size
     matmul_params = model.num_active_params(include_embeddings=False) + head  # MoE: routed
-    full_attention = 12 * model.num_layers * model.num_heads * model.head_size * T
+    useful = flops_per_token(model, T)  # causal attention over the keys each query sees
+    attention = (useful - 6 * matmul_params) / 3 / model.num_layers  # one layer's forward
+    params = c.stages + c.layers * c.layer
+    opt_per_param = c.optimizer / params  # bytes of optax state per parameter (AdamW: 8)
+    # params read and written, optax state read and written, the gradient's hop to the CPU
+    # client (read, written) and its read by the update, the bus copy written
+    touched = lambda n: n * (8 + 2 * opt_per_param + 3 * c.grad + c.compute)
     return StepShape(
         layers=c.layers, micro_batches=M, prefetch=c.prefetch, tokens_per_step=M * tokens,
         first_bytes=c.first * c.compute, last_bytes=c.last * c.compute,
-        layer_bytes=c.layer * c.compute, first_grad_bytes=c.first * c.grad,
-        last_grad_bytes=c.last * c.grad, layer_grad_bytes=c.layer * c.grad,
+        layer_bytes=c.layer * c.compute, stages_grad_bytes=c.stages * c.grad,
+        layer_grad_bytes=c.layer * c.grad,
         act_bytes=M * tokens * c.hidden * c.compute if offload else 0,
         layer_fwd_flops=tokens * (2 * c.layer + attention),
         layer_bwd_flops=tokens * (6 * c.layer + 3.5 * attention),
         head_flops=tokens * 6 * head,
         stages_update_bytes=int(touched(c.stages)), layer_update_bytes=int(touched(c.layer)),
-        model_flops=float((6 * matmul_params + full_attention) * M * tokens),
+        model_flops=float(useful * M * tokens),
         updates_wait_for_norm=updates_wait_for_norm)
 
 
@@ -375,8 +368,8 @@ def measured_rates(path: str, shape: StepShape = None) -> tuple:
     file with a "rates" object (a step-time prediction written with --json). A rate no result
     gives keeps its default (said so in its source).
 
-    h2d / d2h: bench_transfer.py's `pinned_host -> device` and `device -> cpu backend` rows, the
-    engine's own paths. device: the FLOPs the engine's device functions execute in a step / their
+    h2d / d2h: bench_transfer.py's `pinned_host -> device` and `device -> pinned_host` rows, the
+    engine's own paths (engine/transfer.py). device: the FLOPs the engine's device functions execute in a step / their
     time run back to back with no transfers (bench.py's resident_compute_s_per_step), else
     bench.py's measured matmul. host update: bench_optimizer.py's update_gb_s, else bench.py's
     host-update seconds per step. dispatch: bench_transfer.py's tiny jitted op to completion."""
@@ -392,17 +385,16 @@ def measured_rates(path: str, shape: StepShape = None) -> tuple:
                             and r.get("kind") == kind]
     for f, r in by_kind("transfer")[:1]:
         paths = {p["path"]: p for p in r.get("paths", [])}
-        for key, row in (("h2d_gbps", "pinned_host -> device"), ("d2h_gbps", "device -> cpu backend")):
+        for key, row in (("h2d_gbps", "pinned_host -> device"), ("d2h_gbps", "device -> pinned_host")):
             if paths.get(row, {}).get("gb_per_s"):
                 values[key], sources[key] = paths[row]["gb_per_s"], f"{f}: {row}"
         tiny = (r.get("small_d2h") or {}).get("tiny_op_ms")
         if tiny:
             values["dispatch_us"], sources["dispatch_us"] = tiny * 1e3, f"{f}: tiny jitted op"
     benches = by_kind("train")
-    if shape is not None:  # the bench of the same step, if there is one
-        bench = next(((f, r) for f, r in benches if r.get("tokens_per_step") == shape.tokens_per_step
-                      and math.isclose(r.get("flops", {}).get("per_step", 0), shape.model_flops)),
-                     None)
+    if shape is not None:  # the bench of the same step (its tokens), if there is one
+        bench = next(((f, r) for f, r in benches
+                      if r.get("tokens_per_step") == shape.tokens_per_step), None)
     f, r = bench or (benches[0] if benches else (None, None))
     if r is not None:
         s = r["streamed"]

@@ -199,6 +199,7 @@ def run_streamed(cfg, batches, warmup, dev, keep_init):
     engine.wait()
     counters = lambda: dataclasses.astuple(engine.counters)  # bytes_h2d, bytes_d2h, host s
     before = counters()
+    in_use_before = dev.memory_stats()  # None on a CPU
     step_times, t0 = [], time.perf_counter()
     for inputs, targets in batches[warmup:]:
         ts = time.perf_counter()
@@ -214,8 +215,20 @@ def run_streamed(cfg, batches, warmup, dev, keep_init):
                 "host_update_s_per_step": upd / n, "host_exposed_s_per_step": wait / n,
                 "host_hidden_s_per_step": (upd - wait) / n})
     out.update(device_memory(dev))
+    out.update(device_left_by_steps(in_use_before, dev.memory_stats()))
     out.update(host_rss_gb())
     return out, engine, init
+
+
+def device_left_by_steps(before, after) -> dict:
+    """Device bytes in use after the timed steps (their host updates done) less before them. A
+    step deletes every array it puts on the device, and bus copies wait in pinned host memory:
+    anything left (e.g. bus copies an XLA put in device memory) is a copy the plan never counts."""
+    if not before or not after or "bytes_in_use" not in after:
+        return {"device_left_by_steps_gb": None}
+    return {"device_in_use_before_gb": before["bytes_in_use"] / GB,
+            "device_in_use_after_gb": after["bytes_in_use"] / GB,
+            "device_left_by_steps_gb": (after["bytes_in_use"] - before["bytes_in_use"]) / GB}
 
 
 def device_memory(dev, key="device_peak_gb") -> dict:
@@ -421,6 +434,8 @@ def print_table(r):
             f"{s['device_mem_limit_vs_training_state']:.0%}"
             f" of the {r['training_state_gb']:.1f} GB training state"
             if s.get("device_mem_limit_gb") else "")),
+        ("device left by steps GB", f(s.get("device_left_by_steps_gb")),
+         "memory_stats() bytes_in_use after the timed steps less before: 0 unless a copy stays"),
         ("host RSS GB", f(s["rss_gb"]), f"peak {f(s['peak_rss_gb'])} GB (VmHWM)"),
     ]
     for name, b in r["baselines"].items():

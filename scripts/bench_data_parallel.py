@@ -51,7 +51,7 @@ def child(out_dir: str, steps: int, overrides: list):
 
     from megatrain_jax import distributed, plan as plan_lib
     from megatrain_jax.config import load_config
-    from megatrain_jax.engine.host import nbytes
+    from megatrain_jax.engine.transfer import nbytes
     from megatrain_jax.hostmem import rss_bytes
     from megatrain_jax.train import build_engine, load_dataset
 

@@ -167,16 +167,17 @@ def main(argv=None):
         "cpu backend -> device": ("h2d", "", lambda _: jax.device_put(x_cpu, on_dev)),
         "pinned_host -> device": ("h2d", "weights fetch; offloaded activations back",
                                   lambda _: jax.device_put(x_pin, on_dev)),
-        "device -> pinned_host": ("d2h", "activation offload (save)",
+        "device -> pinned_host": ("d2h", "gradients out; activation offload (save)",
                                   lambda _: jax.device_put(x_dev, pinned)),
-        "device -> cpu backend": ("d2h", "gradients to the host state",
+        "device -> cpu backend": ("d2h", "",
                                   lambda _: jax.device_put(x_dev, on_cpu)),
         "device -> pinned_host -> cpu backend": (
             "d2h", "", lambda _: jax.device_put(jax.device_put(x_dev, pinned), on_cpu)),
         "device -> numpy (np.asarray)": ("d2h", "", lambda x: np.asarray(x), fresh_dev),
         "cpu backend -> pinned_host": ("host", "bus copy, after each host update",
                                        lambda _: jax.device_put(x_cpu, pinned)),
-        "pinned_host -> cpu backend": ("host", "", lambda _: jax.device_put(x_pin, on_cpu)),
+        "pinned_host -> cpu backend": ("host", "gradients' hop to the host state (update thread)",
+                                       lambda _: jax.device_put(x_pin, on_cpu)),
         "numpy -> pinned_host": ("host", "", lambda _: jax.device_put(host_np, pinned)),
     }
     dst_np = np.empty_like(host_np)

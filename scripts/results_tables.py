@@ -10,7 +10,8 @@ A generated section sits between two marker lines of the document:
     <!-- /results_tables -->
 
 NAME is one of SECTIONS: `long_context_cpu` (docs/results/cpu_long_context_32k.json),
-`plan_h100` (docs/results/plan_*_h100_host*gib.json) and `gpu` (every folder
+`plan_h100` (docs/results/plan_*_h100_host*gib.json), `step_time_h100`
+(docs/results/step_time_*_h100_*k.json: `plan --step-time` predictions) and `gpu` (every folder
 docs/results/<date>-<gpu>/ that a GPU checklist part's results were copied into: one table per kind
 of result: bench.py, bench_transfer.py, bench_long_context.py, bench_optimizer.py, the step-time
 prediction against the measurement, plan sweeps and the checklist's own step list).
@@ -105,6 +106,25 @@ def plan_h100(results) -> list:
                          *(_fits(sizes[h][i]) for h in hosts)))
     return table(("model", "tokens", "host RAM", "device peak (phase)", "offload (auto)",
                   *(f"fits {h} GiB host" for h in hosts)), rows, right=(1, 2, 3))
+
+
+def step_time_h100(results) -> list:
+    """One row per `plan --step-time --json` prediction: config, tokens a step, the step, MFU of
+    the datasheet peak, what bounds it and the host update exposed on its critical path."""
+    rows = []
+    for f in glob.glob(os.path.join(results, "step_time_*_h100_*k.json")):
+        config = re.match(r"step_time_(\w+)_h100_\d+k\.json$", os.path.basename(f)).group(1)
+        r = load(f)
+        shape, critical = r["shape"], r["critical_path_s"]
+        seq = shape["tokens_per_step"] // shape["micro_batches"]
+        rows.append(((config, shape["tokens_per_step"]), (
+            config, f"{shape['tokens_per_step']:,}", f"{seq:,} x {shape['micro_batches']}",
+            f"{r['step_s']:.3g} s", _pct(r["mfu_vs_datasheet"]), r["bound"],
+            f"{critical['host update']:.3g} s ({critical['host update'] / r['step_s']:.0%})",
+            f"{r['busy_s']['device'] / r['step_s']:.0%}")))
+    return table(("config", "tokens a step", "tokens x micro-batches", "predicted step",
+                  "MFU (989 TFLOP/s)", "bound by", "exposed host update", "device busy"),
+                 [row for _, row in sorted(rows)], right=(1, 3, 4, 6, 7))
 
 
 # ----------------------------------------------------------------------------- GPU results
@@ -243,7 +263,8 @@ def gpu(results) -> list:
     return lines[:-1]
 
 
-SECTIONS = {"long_context_cpu": long_context_cpu, "plan_h100": plan_h100, "gpu": gpu}
+SECTIONS = {"long_context_cpu": long_context_cpu, "plan_h100": plan_h100,
+            "step_time_h100": step_time_h100, "gpu": gpu}
 
 
 def render(text: str, results: str) -> str:

@@ -108,7 +108,7 @@ def test_bench_transfer_tiny_buffer(tmp_path):
     assert probe["raised"]["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == 16
     rates, sources, _ = step_time.measured_rates(str(out))  # the engine's own paths
     assert (rates.h2d_gbps, rates.d2h_gbps) == (paths["pinned_host -> device"]["gb_per_s"],
-                                                paths["device -> cpu backend"]["gb_per_s"])
+                                                paths["device -> pinned_host"]["gb_per_s"])
     assert math.isclose(rates.dispatch_us, r["small_d2h"]["tiny_op_ms"] * 1e3)
     rendered = "\n".join(tables.transfer_rows([("transfer.json", r)]))
     assert "| pinned_host -> device | " in rendered and "0.004 GB buffer" in rendered

@@ -7,11 +7,14 @@ share a unit, so tied weights stay tied), unit 1 + i holds layer i.
 
 Modules, by concern:
   streamed.py   StreamedEngine: construction, train_step, evaluate, reading and loading state
-  step.py       the schedule of one step, top to bottom
+  step.py       one step, top to bottom
+  schedule.py   the order of a pass's fetches, dispatches and waits (and the step's around them),
+                written once: executed by stream.py, simulated by step_time, read by plan
+  transfer.py   every host<->device copy (weights, batch, activations, gradients, bus refresh)
   evaluate.py   forward only: the loss at the current weights, or any function of the last
                 stage (forward_outputs, e.g. per-sequence log-probs)
   decode.py     StreamedDecoder: forwards that carry a per-layer state (a KV cache), to generate
-  stream.py     transfers with back-pressure, activation offload, counters
+  stream.py     a pass run to the schedule with back-pressure, activation offload, counters
   host.py       host state: master weights, optax state, bus copies, the update thread
   tier.py       the disk tier: each unit's master weights and optax state in a file
   functions.py  the jitted device functions

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from megatrain_jax.engine.functions import used_inputs
-from megatrain_jax.engine.host import nbytes
+from megatrain_jax.engine.transfer import nbytes
 from megatrain_jax.engine.stream import Counters, LayerStream, delete
 from megatrain_jax.engine.streamed import param_split
 

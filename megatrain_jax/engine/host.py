@@ -13,6 +13,7 @@ import optax
 
 from megatrain_jax.engine import fused_adamw
 from megatrain_jax.engine import tier as tier_lib
+from megatrain_jax.engine import transfer
 
 
 @dataclasses.dataclass
@@ -25,10 +26,6 @@ class Unit:
     spare: Any = None  # the released bus copy when it is a host buffer: kept for the update to
     # write the new one into (freed and allocated again, it would be page-faulted in each step)
     pending: Optional[concurrent.futures.Future] = None  # the host update still running
-
-
-def nbytes(tree) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 class HostState:
@@ -147,8 +144,8 @@ class HostState:
             # the weights (astype and device_put would return them: see bus_is_params)
             params = jax.tree.map(lambda p: jnp.array(p, copy=True, device=self.host_device),
                                   params)
-        return jax.device_put(jax.tree.map(lambda p: p.astype(self.compute_dtype), params),
-                              self.bus_sharding)
+        return transfer.refresh(jax.tree.map(lambda p: p.astype(self.compute_dtype), params),
+                                self.bus_sharding)
 
     def bus(self, u: int):
         """Unit u's bus copy, once its pending update has finished."""
@@ -196,6 +193,7 @@ class HostState:
         """Runs on the host-optimizer thread: one jitted, in-place optax step of one unit, its
         bus copy written in the same call. XLA:CPU spreads each large fused loop over all cores."""
         t0 = time.perf_counter()
+        grads, grad_norm, scale = transfer.arrive((grads, grad_norm, scale), self.host)
         unit = self.units[u]
         if self.tier is not None:  # --- disk tier: the state from its file (read ahead)
             unit.params, unit.opt_state = self.tier.load(u, self.host)
@@ -232,11 +230,12 @@ class HostState:
         if self.bus_in_place:
             return unit.params if self.bus_is_params else bus
         self.staging[staging_key] = bus  # reused by the next unit: this copy is waited for
-        return jax.device_put(bus, self.bus_sharding)
+        return transfer.refresh(bus, self.bus_sharding)
 
     def submit(self, u: int, grads, grad_norm, scale):
-        """Queues unit u's update with its host-resident gradient, the global norm of the scaled
-        gradient and the scale (host scalars)."""
+        """Queues unit u's update with its gradient (a transfer.Parcel on its way to the host, or
+        host arrays), the global norm of the scaled gradient and the scale (scalars in the
+        compute device's pinned host memory, or host scalars)."""
         unit = self.units[u]
         if self.tier is not None:
             self.tier.expect(u)  # --- disk tier: its read may start ahead

@@ -23,7 +23,7 @@ every unit, so
                 and cuts the padding off (`put_shards`)
     gradients   the partial sums are reduce-scattered instead (psum_scatter over `data`): each
                 device keeps the total of its own rows, and only this process's pieces cross to
-                the host (`to_host`): its gradient shard
+                the host (`own_pieces`, engine/transfer.py): its gradient shard
 
 The device functions are the single-device ones under `jax.shard_map` (functions.py): each device
 computes on its rows exactly as one device would on the whole batch, so the sum of the partial
@@ -129,31 +129,14 @@ class Placement:
             return tree
         return jax.tree.map(lambda x: x.addressable_data(0), tree)
 
-    def to_host(self, tree, sharding):
-        """A reduced gradient (`reducer`'s) as this process's host arrays on `sharding`: the
-        whole sum, or in the sharded layout this process's pieces one after the other."""
+    def own_pieces(self, x) -> list:
+        """A reduced gradient leaf (`reducer`'s) as the arrays of it this process sends to its
+        host: the whole sum (on its first device), or in the sharded layout this process's
+        pieces, in row order (concatenated on the host)."""
         if self.shards is None:
-            return jax.device_put(self.local(tree), sharding)
-
-        def mine(x):
-            pieces = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
-            pieces = [jax.device_put(s.data, sharding) for s in pieces]
-            return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
-
-        return jax.tree.map(mine, tree)
-
-    def sum_over_processes(self, x, sharding):
-        """A host scalar summed over the processes (the sharded layout's stages' sum of squares:
-        each process has its rows), as a host scalar on `sharding`. Waits for every process."""
-        if self.shards is None or jax.process_count() == 1:
-            return x
-        first = self.local_devices[0]
-        parts = [jax.device_put(jnp.reshape(x, (1,)) if d == first else
-                                jnp.zeros((1,), x.dtype), SingleDeviceSharding(d))
-                 for d in self.local_devices]
-        spread = jax.make_array_from_single_device_arrays((self.size,), self.pieces, parts)
-        total = self._sum(spread)
-        return jax.device_put(self.local(total), sharding)
+            return [self.local(x)]
+        pieces = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+        return [s.data for s in pieces]
 
     # ----------------------------------------------------------------- device functions
     def sum_over_devices(self, tree):

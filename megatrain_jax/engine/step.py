@@ -5,15 +5,22 @@
                 x_{i+1}[m] (, aux_i[m]) = block_i(x_i[m]); save x_i[m] (on the device, or
                 offloaded to host)
     loss      fetch the last stage's weights; loss_sum[m], weight[m] (, stats[m]),
-              dx[m] = grad(last)(x_L[m])
-              its gradient goes to the host; with aux: aux loss and daux = grad(aux_loss) of
-              the sum of every aux_i[m] (see functions.py)
+              dx[m] = grad(last)(x_L[m]); its gradient stays on the device until the embed
+              backward; with aux: aux loss and daux = grad(aux_loss) of the sum of every
+              aux_i[m] (see functions.py)
     backward  for layer i in reverse (weights and saved inputs fetched ahead):
                 dx[m], dW_i += vjp(block_i)(x_i[m], (dx[m], daux))   (the block is recomputed)
-              dW_i goes to the host
-    embed     fetch the first stage's weights; dW_first += vjp(first)(inputs[m], dx[m])
-    update    on the host: global norm, scale 1 / sum(weight), clip, one optax update per unit
-              (a background thread; the next step's fetch of a unit waits for its update)
+              dW_i and its sum of squares; dW_i goes out to the host while the next layer
+              computes (the layer retires on its sum of squares, not on the copy)
+    embed     fetch the first stage's weights; dW_first += vjp(first)(inputs[m], dx[m]);
+              the stages' gradient (the two parts merged, on the device) and its sum of squares;
+              the global norm and the scale, on the device; the stages' gradient goes out
+    update    on the host thread: each unit's gradient and the norm cross to the host CPU
+              device there, then clip, one optax update per unit, its bus copy refreshed (the
+              next step's fetch of a unit waits for its update)
+
+The order of a pass's fetches, dispatches and waits is engine/schedule.py's (LayerStream); every
+copy is engine/transfer.py's.
 
 Each block weight crosses the bus twice per step whatever the number of micro-batches M is.
 Data parallel over several devices (parallel.py): every fetch goes to each device, each
@@ -21,7 +28,7 @@ micro-batch's rows are split over them, and each gradient (dW_i, the stages' par
 the devices on the devices (f.reduce) before it crosses to the host, once per process. With the
 sharded host layout (engine/shard.py) each device is sent only its rows of a unit and the devices
 all-gather them; f.reduce reduce-scatters each gradient instead, and only this process's rows
-cross to the host; the stages' sum of squares is then summed over the processes.
+cross to the host; every sum of squares is taken on the devices over the whole gradient.
 """
 
 import functools
@@ -29,25 +36,27 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from megatrain_jax.engine.host import nbytes
 from megatrain_jax.engine.stream import LayerStream, delete
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
-def _merge_stage_grads(first, last, first_idx, last_idx, shapes, dtype):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
+def _merge_stage_grads(first, last, first_idx, last_idx, shapes, dtype, out_sharding):
     """Unit 0's gradient leaves (`shapes`), in `dtype`, from the two parts' (tied leaves get the
-    sum of both, taken in fp32)."""
+    sum of both, taken in fp32), on the device."""
     leaves = [jnp.zeros(shape, jnp.float32) for shape in shapes]
     for i, g in zip(first_idx, first):
         leaves[i] = leaves[i] + g.astype(jnp.float32)
     for i, g in zip(last_idx, last):
         leaves[i] = leaves[i] + g.astype(jnp.float32)
-    return [x.astype(dtype) for x in leaves]
+    leaves = [x.astype(dtype) for x in leaves]
+    if out_sharding is not None:  # the sharded layout: as the reducer leaves a gradient
+        leaves = [jax.lax.with_sharding_constraint(x, out_sharding) for x in leaves]
+    return leaves
 
 
 @jax.jit
 def _norm_and_scale(layers_sq, stages_sq, weight):
-    """(global norm of the scaled gradient, scale = 1 / sum of loss weights), on the host."""
+    """(global norm of the scaled gradient, scale = 1 / sum of loss weights), on the device."""
     scale = jnp.where(weight > 0, 1.0 / jnp.where(weight > 0, weight, 1.0), 0.0)
     return jnp.sqrt(sum(layers_sq) + stages_sq) * scale, scale
 
@@ -55,18 +64,14 @@ def _norm_and_scale(layers_sq, stages_sq, weight):
 def fetch_unit(engine, u, part=None):
     """Unit u's bus copy (or one stage part of it, as a flat list of leaves) put on the compute
     device, once u's pending host update has finished."""
-    bus, placement = engine.host.bus(u), engine.placement
+    bus, shapes = engine.host.bus(u), None
     if part is not None:
         bus = engine.parts.take(part, jax.tree.leaves(bus))
-    if placement.shards is None:
-        engine.counters.bytes_h2d += nbytes(bus)  # per link: each device gets its own copy
-        return placement.put_weights(bus)
-    # Sharded: each device gets its piece of this process's rows, then the devices all-gather.
-    engine.counters.bytes_h2d += nbytes(bus) // placement.shards.local
-    shapes = engine.host.shapes[min(u, 1)]
-    if part is not None:
-        shapes = engine.parts.take(part, shapes)
-    return placement.put_shards(bus, shapes)
+    if engine.placement.shards is not None:  # each device gets its piece, then they all-gather
+        shapes = engine.host.shapes[min(u, 1)]
+        if part is not None:
+            shapes = engine.parts.take(part, shapes)
+    return engine.transfers.weights_in(bus, shapes)
 
 
 def fetched_copy(engine, w):
@@ -82,6 +87,15 @@ def reduced_away(partial, reduced) -> list:
     return [x for x in jax.tree.leaves(partial) if id(x) not in kept]
 
 
+def _stage_shapes(engine) -> tuple:
+    """The stages' gradient leaf shapes on the device (the sharded layout: padded to split over
+    the devices) and where the merge leaves them (None: where jit puts them)."""
+    shapes, shards = engine.host.shapes[0], engine.placement.shards
+    if shards is None:
+        return tuple(shapes), None
+    return tuple(shards.padded_shape(s) for s in shapes), engine.placement.pieces
+
+
 def run(engine, inputs, targets, contexts) -> dict:
     """One step of `engine` (a StreamedEngine) over M micro-batches already on the device."""
     f, host, acts = engine.functions, engine.host, engine.activations
@@ -91,17 +105,21 @@ def run(engine, inputs, targets, contexts) -> dict:
     fetch = functools.partial(fetch_unit, engine)
     fetched = functools.partial(fetched_copy, engine)  # what the step may delete of a fetch
 
-    def to_host(grads):
-        """(the gradient on the host, the device arrays to free once it has arrived there).
-        `grads` is reduced over the devices already (f.reduce): sharded, this process's rows."""
+    def events(phase):
+        if engine.on_event is None:
+            return None
+        return lambda kind, layer: engine.on_event(kind, phase, layer)
+
+    def out(grads):
+        """(the gradient on its way to the host, a Parcel; the device arrays to free once the
+        layer retires). `grads` is reduced over the devices already (f.reduce)."""
         device = jax.tree.leaves(grads)
         if device and device[0].dtype != host.grad_dtype:
             grads = f.cast_grads(grads)  # cast on the device: fewer bytes cross and wait
             device += jax.tree.leaves(grads)
-        on_host = engine.placement.to_host(grads, engine.host_sharding)
-        engine.counters.bytes_d2h += nbytes(on_host)  # per process
-        kept = {id(x) for x in jax.tree.leaves(on_host)}  # no copy when they share a device
-        return on_host, [x for x in device if id(x) not in kept]
+        parcel = engine.transfers.grads_out(grads)
+        kept = {id(x) for x in parcel.token()}  # no copy when they share a device
+        return parcel, [x for x in device if id(x) not in kept]
 
     acts.clear()
     # ---- embed
@@ -112,13 +130,12 @@ def run(engine, inputs, targets, contexts) -> dict:
 
     # ---- forward
     auxs = []  # every layer's and micro-batch's aux statistics (blocks that return them)
-    stream = LayerStream(range(L), lambda i: fetch(1 + i), engine.prefetch)
+    stream = LayerStream(range(L), lambda i: fetch(1 + i), engine.prefetch, events("forward"))
     for i, w in stream:
         outs = [f.block_fwd(w, x, c) for x, c in zip(xs, contexts)]
         ys = [y for y, _ in outs]
         auxs += [aux for _, aux in outs if aux is not None]
-        transfers, free = acts.save(i, xs)
-        stream.done((ys, transfers), (fetched(w), free))
+        stream.done(ys, (fetched(w), acts.save(i, xs)))  # nothing donates a block's outputs
         xs = ys
         hook("forward", i)
 
@@ -137,9 +154,8 @@ def run(engine, inputs, targets, contexts) -> dict:
         stats.append(stat)
         dxs.append(dx)
     delete((fetched(w), xs))
-    acc, head_partial = f.reduce(acc), acc
-    last_grads, head_device = to_host(acc)  # freed once it has arrived, at the first retire
-    head_device = [*head_device, *reduced_away(head_partial, acc)]
+    last_grads, head_partial = f.reduce(acc), acc  # kept on the device for the stages' merge
+    head_device = reduced_away(head_partial, last_grads)  # freed at the first retire
     aux_loss, daux = None, None
     if auxs:  # every layer's gets the same cotangent: the gradient at the total
         aux_loss, daux = f.aux_grad(f.tree_total(auxs), f.total(weights))
@@ -147,18 +163,20 @@ def run(engine, inputs, targets, contexts) -> dict:
 
     # ---- backward
     layer_grads, layer_sq = {}, []
-    stream = LayerStream(reversed(range(L)), lambda i: (fetch(1 + i), acts.load(i)), engine.prefetch)
+    stream = LayerStream(reversed(range(L)), lambda i: (fetch(1 + i), acts.load(i)),
+                         engine.prefetch, events("backward"))
     for i, (w, xs) in stream:
         dw = f.zeros(w)
         for m in range(M):
             dxs[m], dw = f.block_bwd(w, xs[m], contexts[m], dxs[m], dw, daux)
         (dw, sq), partial = f.reduce_squares(dw), dw  # summed over the devices, on them
         layer_sq.append(sq)
-        layer_grads[1 + i], device_grads = to_host(dw)
+        layer_grads[1 + i], device_grads = out(dw)
         device_grads += reduced_away(partial, dw)
         host.release_bus(1 + i)
-        stream.done((dxs, layer_grads[1 + i], last_grads),
-                    (fetched(w), xs, device_grads, head_device))
+        # retired on its sum of squares: made after every micro-batch's work, never donated;
+        # the gradient's copy out goes on while the next layer computes
+        stream.done(sq, (fetched(w), xs, device_grads, head_device))
         head_device = ()
         hook("backward", i)
 
@@ -168,31 +186,28 @@ def run(engine, inputs, targets, contexts) -> dict:
     for x, dx in zip(inputs, dxs):
         acc = f.embed_bwd(w, x, dx, acc)
     delete(fetched(w))
-    first_grads, _ = to_host(f.reduce(acc))
+    shapes, sharding = _stage_shapes(engine)
+    stage_grads = _merge_stage_grads(f.reduce(acc), last_grads, engine.parts.first,
+                                     engine.parts.last, shapes, host.grad_dtype, sharding)
+    stages_sq = f.sum_squares(stage_grads)  # the whole gradient's, on the devices
     host.release_bus(0)
     hook("embed backward")
 
-    # ---- update, on the host
-    stage_shapes, stage_def = host.stage_shapes
-    stage_grads = _merge_stage_grads(first_grads, last_grads, engine.parts.first, engine.parts.last,
-                                     stage_shapes, host.grad_dtype)
-    on_host = lambda x: jax.device_put(x, engine.host_sharding)
+    # ---- update, on the host thread
     total_weight = f.total(weights)
     local = engine.placement.local
-    # Sharded over processes, each has its rows of the stages: their sums of squares add up.
-    stages_sq = engine.placement.sum_over_processes(f.sum_squares(stage_grads),  # on the host
-                                                    engine.host_sharding)
-    grad_norm, scale = _norm_and_scale(on_host(local(layer_sq)), stages_sq,
-                                       on_host(local(total_weight)))
-    engine.unit_sq = [stages_sq] + local(layer_sq[::-1])  # per unit, for nonfinite_units()
-    host.submit(0, jax.tree.unflatten(stage_def, stage_grads), grad_norm, scale)
+    grad_norm, scale = _norm_and_scale(layer_sq, stages_sq, total_weight)
+    norm_scale = engine.transfers.scalars_out((grad_norm, scale))
+    stages_out, _ = out(jax.tree.unflatten(host.stage_shapes[1], stage_grads))
+    engine.unit_sq = local([stages_sq] + layer_sq[::-1])  # per unit, for nonfinite_units()
+    host.submit(0, stages_out, *norm_scale)
     for u in range(1, L + 1):  # in the order the next forward needs them
-        host.submit(u, layer_grads.pop(u), grad_norm, scale)
+        host.submit(u, layer_grads.pop(u), *norm_scale)
     loss = local(f.total(loss_sums) / jnp.where(total_weight > 0, total_weight, 1.0))
     aux_loss = None if aux_loss is None else local(aux_loss)
-    out = {"loss": loss, "grad_norm": grad_norm}
+    result = {"loss": loss, "grad_norm": local(grad_norm)}
     if stats[0] is not None:  # the last stage's statistics, summed over the micro-batches
-        out["stats"] = local(f.tree_total(stats))
+        result["stats"] = local(f.tree_total(stats))
     if aux_loss is not None:
-        out.update(loss=loss + aux_loss, aux_loss=aux_loss)
-    return out
+        result.update(loss=loss + aux_loss, aux_loss=aux_loss)
+    return result

@@ -1,17 +1,19 @@
-"""Transfers to and from the compute device, with a bound on what is resident there.
+"""Streaming a pass's layers through the compute device, with a bound on what is resident there.
 
 JAX dispatch is asynchronous: a Python loop can enqueue every layer's `device_put` (and allocate
-its memory) long before the device computes the layer. `LayerStream` bounds that: before it fetches
-layer `pos + prefetch` it waits until the device has finished with layer `pos - 1` and deletes that
-layer's arrays, so at most `prefetch + 1` layers' weights (and saved activations) are resident.
-It waits once per layer, never per micro-batch, and the device always has the current layer's work
-queued while the host waits.
+its memory) long before the device computes the layer. `LayerStream` runs the pass's schedule
+(engine/schedule.py): it dispatches layer `pos`, then waits until the device has finished layer
+`pos - 1` and deletes that layer's arrays, then fetches layer `pos + prefetch`, so at most
+`prefetch + 1` layers' weights (and saved activations) are resident, and the device always has
+the current layer's work queued while the host waits. It waits once per layer, never per
+micro-batch.
 """
 
-import collections
 import dataclasses
 
 import jax
+
+from megatrain_jax.engine import schedule
 
 
 @dataclasses.dataclass
@@ -36,9 +38,11 @@ def delete(tree):
 
 class LayerStream:
     """Iterates `(layer, payload)` over `order`, `payload = fetch(layer)` fetched `prefetch` layers
-    ahead. After dispatching a layer's work the caller calls `done(outputs, free)`: `outputs` is what
-    that work produces, waited for before the layer is retired, and `free` the arrays deleted then
-    (the fetched weights, unless fetching made no copy because they already lived on the device).
+    ahead (schedule.layer_ops). After dispatching a layer's work the caller calls
+    `done(token, free)`: `token` is what to wait on before the layer is retired, arrays that
+    no later work donates (its outputs, or a scalar computed from them), and `free` the arrays
+    deleted then (the fetched weights, unless fetching made no copy because they already lived
+    on the device). on_event(kind, layer), when given, is told of each dispatch and wait.
 
         stream = LayerStream(order, fetch, prefetch)
         for i, w in stream:
@@ -46,31 +50,30 @@ class LayerStream:
             stream.done(ys, free=w)
     """
 
-    def __init__(self, order, fetch, prefetch: int):
+    def __init__(self, order, fetch, prefetch: int, on_event=None):
         self.order, self.fetch, self.prefetch = list(order), fetch, prefetch
-        self._finished = None  # (outputs, free) of the layer before the current one
+        self.on_event = on_event or (lambda kind, layer: None)
+        self._done = None
 
     def __iter__(self):
-        n = len(self.order)
-        in_flight = collections.deque(self.fetch(i) for i in self.order[:self.prefetch])
-        for pos, layer in enumerate(self.order):
-            self._retire()
-            if pos + self.prefetch < n:
-                in_flight.append(self.fetch(self.order[pos + self.prefetch]))
-            yield layer, in_flight.popleft()
-        self._retire(wait=False)  # the rest of the step may go on while it computes
+        fetched, finished = {}, {}
+        for op, pos in schedule.layer_ops(len(self.order), self.prefetch):
+            layer = self.order[pos]
+            if op == schedule.FETCH:
+                fetched[pos] = self.fetch(layer)
+            elif op == schedule.DISPATCH:
+                yield layer, fetched.pop(pos)
+                self.on_event("dispatch", layer)
+                finished[pos], self._done = self._done or ((), ()), None
+            else:  # retire (wait, then free) or release (the rest of the step goes on)
+                token, free = finished.pop(pos)
+                if op == schedule.RETIRE:
+                    self.on_event("wait", layer)
+                    jax.block_until_ready(token)
+                delete(free)
 
-    def done(self, outputs, free=()):
-        self._finished = (outputs, free)
-
-    def _retire(self, wait: bool = True):
-        if self._finished is None:
-            return
-        outputs, free = self._finished
-        self._finished = None
-        if wait:
-            jax.block_until_ready(outputs)
-        delete(free)
+    def done(self, token, free=()):
+        self._done = (token, free)
 
 
 class Activations:
@@ -79,32 +82,34 @@ class Activations:
     Kept on the compute device, or (`offload`) copied to its pinned host memory as soon as the
     layer has run and fetched back, with the layer's weights, for the layer's backward."""
 
-    def __init__(self, compute_device, offload: bool, sharding=None):
+    def __init__(self, compute_device, offload: bool, transfers, sharding=None):
         """sharding: where saved inputs live on the devices (default: on compute_device); with
-        offload, the same in pinned host memory."""
-        self.offload = offload
+        offload, the same in pinned host memory. transfers: the engine's transfer.Transfers."""
+        self.offload, self.transfers = offload, transfers
         self.device = sharding or jax.sharding.SingleDeviceSharding(compute_device)
         if offload:
             kinds = {m.kind for m in compute_device.addressable_memories()}
             if "pinned_host" not in kinds:
                 raise ValueError(f"train.offload_activations=true: the compute device "
-                                 f"{compute_device} has no pinned_host memory (it has "
+                                 f"{compute_device} ({compute_device.platform} backend) has no pinned_host memory (it has "
                                  f"{', '.join(sorted(kinds))})")
             self.host = self.device.with_memory_kind("pinned_host")
         self._saved = {}
 
     def save(self, layer: int, xs: list):
-        """Saves layer's inputs; returns (the transfers to wait for, the device arrays to free
-        once they are done)."""
+        """Saves layer's inputs; returns the device arrays to free when the layer retires (the
+        runtime frees them once their copy out is done)."""
         if not self.offload:
             self._saved[layer] = xs
-            return (), ()
-        self._saved[layer] = [jax.device_put(x, self.host) for x in xs]
-        return self._saved[layer], xs
+            return ()
+        self._saved[layer] = self.transfers.activations(xs, self.host, "activations out")
+        return xs
 
     def load(self, layer: int) -> list:
         xs = self._saved.pop(layer)
-        return [jax.device_put(x, self.device) for x in xs] if self.offload else xs
+        if not self.offload:
+            return xs
+        return self.transfers.activations(xs, self.device, "activations in")
 
     def clear(self):
         self._saved.clear()

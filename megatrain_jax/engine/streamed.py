@@ -16,6 +16,7 @@ from megatrain_jax.engine.host import HostState
 from megatrain_jax.engine.parallel import Placement
 from megatrain_jax.engine.stream import Activations, Counters
 from megatrain_jax.engine.tier import DiskTierOptions
+from megatrain_jax.engine.transfer import Transfers
 
 
 def param_split(module: nnx.Module, what: str):
@@ -109,11 +110,17 @@ class StreamedEngine:
         self.compute = self.placement.weights  # where fetched weights go
         self.host_sharding = jax.sharding.SingleDeviceSharding(self.host_device)
         self.counters = Counters()
-        self.activations = Activations(self.compute_device, offload_activations,
+        self.transfers = Transfers(self.placement, self.host_device, self.counters)
+        self.activations = Activations(self.compute_device, offload_activations, self.transfers,
                                        self.placement.batch)
         # Called as on_phase(phase, layer=None) after each unit's work is dispatched (phases:
         # embed, forward, loss, backward, embed backward): for tests and instrumentation.
         self.on_phase = None
+        # Called as on_event(kind, what, layer) by each pass's LayerStream as it dispatches a
+        # layer's work ("dispatch", the pass) and before it waits for one ("wait", the pass), and
+        # by the transfers as each copy is enqueued ("transfer", e.g. "gradient out", None):
+        # for tests and instrumentation.
+        self.on_event = None
 
         def units():  # one at a time: the disk tier never holds the whole model in RAM
             with jax.default_device(self.host_device):
@@ -133,6 +140,8 @@ class StreamedEngine:
                               compute_device=self.compute_device, host_device=self.host_device,
                               counters=self.counters, disk_tier=disk_tier,
                               num_units=1 + num_layers, shards=self.placement.shards)
+        # where the plan counts them: bus copies in the compute device's pinned host memory
+        self.transfers.check(self.host.units[-1].bus, self.host.bus_sharding.memory_kind)
         self.parts = self.functions = None  # built at the first step, from its shapes
         self.unit_sq = None
         self._broken = None
@@ -193,6 +202,8 @@ class StreamedEngine:
         updates still queued (one failed on the host thread) leaves the engine unusable."""
         if self._broken:
             raise RuntimeError(f"the engine is unusable: {self._broken}")
+        self.transfers.on_event = self.on_event and (lambda kind, what: self.on_event(kind, what,
+                                                                                      None))
         inputs, targets, contexts = self._put_batch(inputs, targets, context)
         self.device_functions(inputs[0], targets[0])
         try:
@@ -210,7 +221,7 @@ class StreamedEngine:
         if rows % devices:
             raise ValueError(f"a micro-batch of {rows} rows does not split over this process's "
                              f"{devices} compute devices")
-        put = self.placement.put_batch
+        put = self.transfers.batch_in
         contexts = ([None] * num_micro if context is None else
                     [put(jax.tree.map(lambda c: c[m], context)) for m in range(num_micro)])
         targets = [put(jax.tree.map(lambda t: t[m], targets)) for m in range(num_micro)]

@@ -1,0 +1,69 @@
+"""The schedule of a streamed pass, written once: the engine executes it (stream.LayerStream),
+the step-time model simulates it (megatrain_jax.step_time) and the memory plan reads its
+residency from it (megatrain_jax.plan).
+
+A pass runs a unit of work per layer over `n` positions (the forward: layers 0..L-1; the
+backward: L-1..0), with these operations, in the order `layer_ops` gives:
+
+    fetch     put the layer's weights (and, offloaded, its saved inputs) on the device: waits for
+              the unit's pending host update, then enqueues the copy
+    dispatch  enqueue the layer's device work (and behind it its activations' offload and its
+              gradient's transfer out: they wait on nothing on the host)
+    retire    wait until the layer's work is done on the device (on a token nothing donates:
+              its outputs, or a scalar computed from them), then free its arrays
+    release   free the last layer's arrays without waiting (the runtime frees them once done)
+
+With prefetch p >= 1, position i is dispatched *before* position i - 1 is retired, so the device
+always has work queued while the host waits, and the fetch of position i + p comes after the
+retire: at most p + 1 layers are resident. With p = 0 one layer is resident and the queue drains
+at every layer (retire i - 1, fetch i, dispatch i).
+
+Around the passes, a training step (engine/step.py) runs: the embedding (fetch, dispatch), the
+forward pass, the loss head (fetch, dispatch, its gradient kept on the device), the backward pass
+(each layer's gradient goes out as it is made), the embedding's backward, the stages' gradient
+out, then on the host thread one update per unit, each ending in its bus refresh.
+"""
+
+FETCH, DISPATCH, RETIRE, RELEASE = "fetch", "dispatch", "retire", "release"
+
+
+def layer_ops(n: int, prefetch: int) -> list:
+    """[(operation, position)] of a pass over n positions with `prefetch` layers fetched ahead."""
+    ops = [(FETCH, pos) for pos in range(min(prefetch, n))]
+    for pos in range(n):
+        if prefetch == 0:  # one layer resident: the previous one goes before the next comes
+            ops += [(RETIRE, pos - 1)] if pos else []
+            ops += [(FETCH, pos), (DISPATCH, pos)]
+            continue
+        ops.append((DISPATCH, pos))
+        if pos:
+            ops.append((RETIRE, pos - 1))
+        if pos + prefetch < n:
+            ops.append((FETCH, pos + prefetch))
+    if n:
+        ops.append((RELEASE, n - 1))
+    return ops
+
+
+def resident(n: int, prefetch: int) -> list:
+    """For each position, the most layers resident on the device (fetched, not yet retired or
+    released) from its dispatch until the next position's."""
+    out, live, current = [0] * n, set(), None
+    for op, pos in layer_ops(n, prefetch):
+        if op == FETCH:
+            live.add(pos)
+        elif op in (RETIRE, RELEASE):
+            live.discard(pos)
+        else:
+            current = pos
+        if current is not None:
+            out[current] = max(out[current], len(live))
+    return out
+
+
+def overlapped(n: int, prefetch: int) -> list:
+    """For each position, whether the one before it is still to be retired when it is dispatched
+    (its arrays, e.g. a gradient on its way out, still alive while this one computes)."""
+    ops = layer_ops(n, prefetch)
+    return [pos > 0 and ops.index((RETIRE, pos - 1)) > ops.index((DISPATCH, pos))
+            for pos in range(n)]

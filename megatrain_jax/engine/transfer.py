@@ -1,0 +1,158 @@
+"""Every copy between host and device memory: weights in, batch in, activations out and back,
+gradients out, bus refresh. Each returns what to wait on: the copied arrays themselves (a jax
+array is ready when its copy is done), or for gradients a `Parcel`.
+
+Copies made on the thread that dispatches device work stay inside the compute device's client:
+its `device` memory and its `pinned_host` memory, which it reads and writes by DMA. The hop
+between that client and the CPU client, where the host state and optax live, is made only on
+the host-update thread (`arrive`, `refresh`, called by engine/host.py), so it never blocks
+dispatch. With no accelerator (state and compute on one device) nothing crosses.
+
+A backend whose compute device has no `pinned_host` memory takes the documented fallback:
+gradients go straight to the host device's memory and bus copies wait there (copies across
+clients, on the dispatching thread); `Transfers` logs it once, naming the device.
+"""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger(__name__)
+
+PINNED = "pinned_host"
+
+
+def nbytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def memory_kinds(device) -> set:
+    return {m.kind for m in device.addressable_memories()}
+
+
+class Parcel:
+    """A gradient on its way out: this process's pieces of every leaf in the compute device's
+    pinned host memory (or, in the fallback, already in the host device's)."""
+
+    def __init__(self, treedef, pieces: list):
+        self.treedef, self.pieces = treedef, pieces  # per leaf: its pieces, in row order
+
+    def token(self) -> list:
+        """What to wait on for the copy out to be done."""
+        return [p for leaf in self.pieces for p in leaf]
+
+    def arrive(self, sharding):
+        """The gradient as arrays on `sharding` (the host device): on the host-update thread."""
+        leaves = []
+        for leaf in self.pieces:
+            moved = [jax.device_put(p, sharding) for p in leaf]
+            leaves.append(moved[0] if len(moved) == 1 else jnp.concatenate(moved))
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def arrive(tree, sharding):
+    """A gradient (a Parcel) or host scalars (device arrays in pinned host memory) moved to
+    `sharding`, the host device: the hop to the CPU client, made on the host-update thread."""
+    parcel = lambda x: isinstance(x, Parcel)
+    return jax.tree.map(lambda x: x.arrive(sharding) if parcel(x) else jax.device_put(x, sharding),
+                        tree, is_leaf=parcel)
+
+
+def refresh(bus, sharding):
+    """A new bus copy (written by the host update on the host device) copied to where the compute
+    device reads it (`sharding`: its pinned host memory): on the host-update thread."""
+    return jax.device_put(bus, sharding)
+
+
+class Transfers:
+    """The copies the dispatching thread makes, for a Placement (parallel.py), counted in
+    `counters` (stream.Counters). on_event(kind, what), when set, is told of each."""
+
+    def __init__(self, placement, host_device, counters):
+        self.placement, self.counters, self.on_event = placement, counters, None
+        compute = placement.local_devices[0]
+        self.accelerator = compute != host_device
+        self.out_kind = None  # where gradients go: the compute device's pinned host memory
+        if self.accelerator and PINNED in memory_kinds(compute):
+            self.out_kind = PINNED
+        elif self.accelerator:
+            log.warning("%s (%s backend) has no %s memory: gradients and bus copies cross "
+                        "directly to the host device %s (copies across clients, on the "
+                        "dispatching thread)", compute, compute.platform, PINNED, host_device)
+        self.host = jax.sharding.SingleDeviceSharding(host_device)
+
+    def _event(self, what):
+        if self.on_event is not None:
+            self.on_event("transfer", what)
+
+    def weights_in(self, bus, shapes=None):
+        """A unit's bus copy (or a part of it) on every compute device; shapes: the logical leaf
+        shapes, in the sharded layout (each device gets its piece, then they all-gather)."""
+        placement = self.placement
+        if placement.shards is None:
+            self.counters.bytes_h2d += nbytes(bus)  # per link: each device gets its own copy
+            out = placement.put_weights(bus)
+        else:
+            self.counters.bytes_h2d += nbytes(bus) // placement.shards.local
+            out = placement.put_shards(bus, shapes)
+        self._event("weights in")
+        return out
+
+    def batch_in(self, tree):
+        """This process's rows of a micro-batch on the compute devices."""
+        out = self.placement.put_batch(tree)
+        self._event("batch in")
+        return out
+
+    def activations(self, xs, sharding, what):
+        """Saved activations to or from the compute device's pinned host memory (`sharding`)."""
+        out = [jax.device_put(x, sharding) for x in xs]
+        self._event(what)
+        return out
+
+    def grads_out(self, tree) -> Parcel:
+        """A gradient reduced over the devices (f.reduce) to this process's host side: its pieces
+        copied to the compute devices' pinned host memory (the fallback: to the host device).
+        With no accelerator the arrays stay where they are."""
+        leaves, treedef = jax.tree.flatten(tree)
+        pieces = []
+        for leaf in leaves:
+            parts = self.placement.own_pieces(leaf)
+            if self.accelerator:
+                parts = [jax.device_put(p, self._out(p)) for p in parts]
+            pieces.append(parts)
+        parcel = Parcel(treedef, pieces)
+        self.counters.bytes_d2h += nbytes(parcel.token())  # per process
+        self._event("gradient out")
+        return parcel
+
+    def scalars_out(self, tree):
+        """Scalars the host update reads (the global norm, the scale), as grads_out."""
+        tree = self.placement.local(tree)
+        if not self.accelerator:
+            return tree
+        return jax.tree.map(lambda x: jax.device_put(x, self._out(x)), tree)
+
+    def _out(self, x):
+        if self.out_kind is None:
+            return self.host
+        return jax.sharding.SingleDeviceSharding(next(iter(x.sharding.device_set)),
+                                                 memory_kind=self.out_kind)
+
+    def check(self, bus, bus_kind):
+        """At engine start: bus copies and gradients live in the memory kind the plan counts
+        (bus_kind for bus copies, None: the host device's default; the compute device's pinned
+        host memory for gradients). Raises a one-line ValueError naming the kind and the backend
+        otherwise (an XLA that puts them in device memory instead, which the plan never counts)."""
+        compute = self.placement.local_devices[0]
+        found = [("bus copies", x, bus_kind) for x in jax.tree.leaves(bus)[:1]]
+        if self.out_kind is not None:
+            probe = jax.device_put(jnp.zeros((), jnp.float32), compute)
+            found.append(("gradients", jax.device_put(probe, self._out(probe)), self.out_kind))
+        for what, x, kind in found:
+            got = x.sharding.memory_kind
+            if kind is not None and got != kind:
+                raise ValueError(f"{what} land in memory kind {got!r}, not {kind!r}, on the "
+                                 f"{compute.platform} backend ({compute}): the plan counts "
+                                 f"them in {kind!r}")
