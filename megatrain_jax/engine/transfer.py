@@ -17,6 +17,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,21 @@ PINNED = "pinned_host"
 
 def nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def across_clients(x, sharding):
+    """x copied to `sharding`. Between two clients (the GPU's pinned host memory and the CPU
+    backend) jax's own copy runs at ~1 GB/s on an H100 host (jax 0.11.2, docs/benchmarks.md "GPU
+    figures"); a numpy view of host-resident x (zero-copy for the CPU backend and pinned_host)
+    put on `sharding` is one host memcpy (~9.6 GB/s there). Within one client: jax's copy."""
+    if not isinstance(x, jax.Array):  # numpy (the disk tier's views): one host copy already
+        return jax.device_put(x, sharding)
+    device = next(iter(x.sharding.device_set))
+    target = next(iter(sharding.device_set))
+    host_resident = device.platform == "cpu" or x.sharding.memory_kind == PINNED
+    if device.platform == target.platform or not host_resident:
+        return jax.device_put(x, sharding)
+    return jax.device_put(np.asarray(x), sharding)
 
 
 def memory_kinds(device) -> set:
@@ -46,7 +62,7 @@ class Parcel:
         """The gradient as arrays on `sharding` (the host device): on the host-update thread."""
         leaves = []
         for leaf in self.pieces:
-            moved = [jax.device_put(p, sharding) for p in leaf]
+            moved = [across_clients(p, sharding) for p in leaf]
             leaves.append(moved[0] if len(moved) == 1 else jnp.concatenate(moved))
         return jax.tree.unflatten(self.treedef, leaves)
 
@@ -55,14 +71,14 @@ def arrive(tree, sharding):
     """A gradient (a Parcel) or host scalars (device arrays in pinned host memory) moved to
     `sharding`, the host device: the hop to the CPU client, made on the host-update thread."""
     parcel = lambda x: isinstance(x, Parcel)
-    return jax.tree.map(lambda x: x.arrive(sharding) if parcel(x) else jax.device_put(x, sharding),
-                        tree, is_leaf=parcel)
+    move = lambda x: x.arrive(sharding) if parcel(x) else across_clients(x, sharding)
+    return jax.tree.map(move, tree, is_leaf=parcel)
 
 
 def refresh(bus, sharding):
     """A new bus copy (written by the host update on the host device) copied to where the compute
     device reads it (`sharding`: its pinned host memory): on the host-update thread."""
-    return jax.device_put(bus, sharding)
+    return jax.tree.map(lambda x: across_clients(x, sharding), bus)
 
 
 class Transfers:
