@@ -14,6 +14,7 @@ logsumexp, as FlashAttention-2 does. Block pairs the causal mask and the window 
 are never visited, so its work is ~T^2/2 without a window and ~T*window with one.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -31,27 +32,33 @@ _NEG = -1e30
 # which blocks a block needs
 
 
-def key_block_range(q_block, *, block_size: int, window: int):
-    """[start, stop) of the key blocks query block `q_block` must visit (ints or traced ints)."""
-    stop = q_block + 1  # causal: nothing after the diagonal block
+def key_block_range(q_block, *, block_size: int, window: int, q_start=0):
+    """[start, stop) of the key blocks query block `q_block` must visit (ints or traced ints), the
+    queries' first position being q_start (any integer: a tile of a longer sequence)."""
+    first = q_start + q_block * block_size
+    stop = (first + block_size - 1) // block_size + 1  # causal: nothing after its last query
     if window == 0:
         return 0, stop
-    # The block's first query reaches back to key q_block * block_size - (window - 1).
-    return jnp.maximum(0, (q_block * block_size - window + 1) // block_size), stop
+    # The block's first query reaches back to key first - (window - 1).
+    return jnp.maximum(0, (first - window + 1) // block_size), stop
 
 
-def query_block_range(k_block, *, block_size: int, window: int, num_blocks: int):
-    """[start, stop) of the query blocks that see any key of key block `k_block`."""
+def query_block_range(k_block, *, block_size: int, window: int, num_blocks: int, q_start=0):
+    """[start, stop) of the query blocks (num_blocks of them, from position q_start) that see any
+    key of key block `k_block`."""
+    first_key = k_block * block_size
+    start = jnp.maximum(0, (first_key - q_start) // block_size)
     if window == 0:
-        return k_block, num_blocks
-    # The block's last key is seen up to query k_block * block_size + block_size - 1 + window - 1.
-    last = (k_block * block_size + block_size + window - 2) // block_size
-    return k_block, jnp.minimum(num_blocks, last + 1)
+        return start, num_blocks
+    # The block's last key is seen up to query first_key + block_size - 1 + window - 1.
+    last = (first_key + block_size + window - 2 - q_start) // block_size
+    return start, jnp.minimum(num_blocks, last + 1)
 
 
-def _block_mask(q_block, k_block, seg_q, seg_k, *, block_size: int, window: int, seq_len: int):
+def _block_mask(q_block, k_block, seg_q, seg_k, *, block_size: int, window: int, seq_len: int,
+                q_start=0):
     """(B or 1, 1, 1, Q, S) bool: which (query, key) pairs of one block pair may attend."""
-    q_pos = q_block * block_size + jnp.arange(block_size)[:, None]  # (Q, 1)
+    q_pos = q_start + q_block * block_size + jnp.arange(block_size)[:, None]  # (Q, 1)
     k_pos = k_block * block_size + jnp.arange(block_size)[None, :]  # (1, S)
     # Padded query rows see nothing (their output is discarded, their cotangent is zero).
     mask = (k_pos <= q_pos) & (q_pos < seq_len)  # (Q, S); k <= q < T also rules out padded keys
@@ -65,6 +72,10 @@ def _block_mask(q_block, k_block, seg_q, seg_k, *, block_size: int, window: int,
 
 # -----------------------------------------------------------------------------
 # blockwise (flash) attention
+#
+# The kernels take queries at positions q_start .. q_start + Tq - 1 (a tile of the sequence, or
+# all of it) against keys and values of positions 0 .. Tk - 1, so that a block tiled over the
+# sequence (megatrain_jax/seqtile.py) attends one query tile at a time to the whole K and V.
 
 
 def _to_blocks(x, num_blocks: int, block_size: int):
@@ -84,26 +95,48 @@ def _einsum32(spec: str, a, b):
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
-def _flash_forward(q, k, v, segment_ids, window: int, block_size: int, scale: float):
-    """(o (B, T, N, H) in q.dtype, lse (B, N, T) fp32)."""
+@dataclasses.dataclass(frozen=True)
+class _Span:
+    """Where a call's queries sit: from position q_start (int or traced) in a sequence of seq_len
+    tokens (query rows at or after it see nothing), with the static mask and block options."""
+    q_start: object
+    seq_len: int
+    window: int
+    block_size: int
+    scale: float
+
+    def blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def mask(self, i, j, seg_q, seg_k):
+        return _block_mask(i, j, seg_q, seg_k, block_size=self.block_size, window=self.window,
+                           seq_len=self.seq_len, q_start=self.q_start)
+
+
+def _segment_blocks(seg, num_blocks: int, block_size: int):
+    return None if seg is None else _to_blocks(seg, num_blocks, block_size)
+
+
+def _flash_forward(q, k, v, seg_q, seg_k, span: _Span):
+    """(o (B, Tq, N, H) in q.dtype, lse (B, N, Tq) fp32)."""
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
-    nb = -(-T // block_size)
-    qb = _to_blocks(q.reshape(B, T, K, G, H), nb, block_size)  # (B, nb, Q, K, G, H)
-    kb = _to_blocks(k, nb, block_size)  # (B, nb, S, K, H)
-    vb = _to_blocks(v, nb, block_size)
-    segb = None if segment_ids is None else _to_blocks(segment_ids, nb, block_size)  # (B, nb, Q)
+    bs = span.block_size
+    nb, nk = span.blocks(T), span.blocks(k.shape[1])
+    qb = _to_blocks(q.reshape(B, T, K, G, H), nb, bs)  # (B, nb, Q, K, G, H)
+    kb = _to_blocks(k, nk, bs)  # (B, nk, S, K, H)
+    vb = _to_blocks(v, nk, bs)
+    seg_qb, seg_kb = _segment_blocks(seg_q, nb, bs), _segment_blocks(seg_k, nk, bs)  # (B, n, Q)
 
     def query_block(i):
         q_i = _block(qb, i)  # (B, Q, K, G, H)
-        seg_i = None if segb is None else _block(segb, i)
+        seg_i = None if seg_qb is None else _block(seg_qb, i)
 
         def visit_key_block(j, carry):
             m, l, acc = carry  # (B, K, G, Q), (B, K, G, Q), (B, K, G, Q, H), fp32
-            s = _einsum32("bqkgh,bskh->bkgqs", q_i, _block(kb, j)) * scale
-            mask = _block_mask(i, j, seg_i, None if segb is None else _block(segb, j),
-                               block_size=block_size, window=window, seq_len=T)
+            s = _einsum32("bqkgh,bskh->bkgqs", q_i, _block(kb, j)) * span.scale
+            mask = span.mask(i, j, seg_i, None if seg_kb is None else _block(seg_kb, j))
             s = jnp.where(mask, s, _NEG)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)  # (B, K, G, Q, S)
@@ -112,93 +145,149 @@ def _flash_forward(q, k, v, segment_ids, window: int, block_size: int, scale: fl
             pv = _einsum32("bkgqs,bskh->bkgqh", p.astype(v.dtype), _block(vb, j))
             return m_new, l, alpha[..., None] * acc + pv
 
-        init = (jnp.full((B, K, G, block_size), _NEG, jnp.float32),
-                jnp.zeros((B, K, G, block_size), jnp.float32),
-                jnp.zeros((B, K, G, block_size, H), jnp.float32))
-        start, stop = key_block_range(i, block_size=block_size, window=window)
-        m, l, acc = lax.fori_loop(start, stop, visit_key_block, init)
+        init = (jnp.full((B, K, G, bs), _NEG, jnp.float32),
+                jnp.zeros((B, K, G, bs), jnp.float32),
+                jnp.zeros((B, K, G, bs, H), jnp.float32))
+        start, stop = key_block_range(i, block_size=bs, window=span.window, q_start=span.q_start)
+        m, l, acc = lax.fori_loop(start, jnp.minimum(stop, nk), visit_key_block, init)
         l = jnp.where(l > 0, l, 1.0)  # only padded query rows see no key at all
         return (acc / l[..., None]).astype(q.dtype), m + jnp.log(l)
 
     o, lse = lax.map(query_block, jnp.arange(nb))  # (nb, B, K, G, Q, H), (nb, B, K, G, Q)
-    o = o.transpose(1, 0, 4, 2, 3, 5).reshape(B, nb * block_size, N, H)[:, :T]
-    lse = lse.transpose(1, 2, 3, 0, 4).reshape(B, N, nb * block_size)[:, :, :T]
+    o = o.transpose(1, 0, 4, 2, 3, 5).reshape(B, nb * bs, N, H)[:, :T]
+    lse = lse.transpose(1, 2, 3, 0, 4).reshape(B, N, nb * bs)[:, :, :T]
     return o, lse
 
 
-def _flash_backward(q, k, v, segment_ids, o, lse, do, window: int, block_size: int,
-                    scale: float):
-    """(dq, dk, dv) in the dtypes of q, k, v; FlashAttention-2's backward, key blocks outermost."""
+def _flash_backward(q, k, v, seg_q, seg_k, o, lse, do, dk, dv, span: _Span):
+    """(dq in q.dtype, dk + these queries' share, dv + theirs): FlashAttention-2's backward, key
+    blocks outermost; dk and dv are fp32 accumulators (B, nk, S, K, H) over k's blocks."""
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
-    nb = -(-T // block_size)
+    bs = span.block_size
+    nb, nk = span.blocks(T), span.blocks(k.shape[1])
     # D_i = rowsum(do_i * o_i) = sum_j p_ij dp_ij: the softmax backward's per-row term.
     delta = _einsum32("btnh,btnh->bnt", do.astype(jnp.float32), o.astype(jnp.float32))  # (B, N, T)
 
     def rows_to_blocks(x):  # (B, N, T) -> (B, nb, K, G, Q)
-        x = _to_blocks(x.transpose(0, 2, 1), nb, block_size)  # (B, nb, Q, N)
-        return x.reshape(B, nb, block_size, K, G).transpose(0, 1, 3, 4, 2)
+        x = _to_blocks(x.transpose(0, 2, 1), nb, bs)  # (B, nb, Q, N)
+        return x.reshape(B, nb, bs, K, G).transpose(0, 1, 3, 4, 2)
 
-    qb = _to_blocks(q.reshape(B, T, K, G, H), nb, block_size)  # (B, nb, Q, K, G, H)
-    dob = _to_blocks(do.reshape(B, T, K, G, H), nb, block_size)  # zero on padded rows
-    kb = _to_blocks(k, nb, block_size)  # (B, nb, S, K, H)
-    vb = _to_blocks(v, nb, block_size)
+    qb = _to_blocks(q.reshape(B, T, K, G, H), nb, bs)  # (B, nb, Q, K, G, H)
+    dob = _to_blocks(do.reshape(B, T, K, G, H), nb, bs)  # zero on padded rows
+    kb = _to_blocks(k, nk, bs)  # (B, nk, S, K, H)
+    vb = _to_blocks(v, nk, bs)
     lseb, deltab = rows_to_blocks(lse), rows_to_blocks(delta)  # (B, nb, K, G, Q)
-    segb = None if segment_ids is None else _to_blocks(segment_ids, nb, block_size)
+    seg_qb, seg_kb = _segment_blocks(seg_q, nb, bs), _segment_blocks(seg_k, nk, bs)
 
-    def key_block(dq, j):
+    def key_block(j, carry):
+        dq, dk, dv = carry  # (B, nb, Q, K, G, H), (B, nk, S, K, H), (B, nk, S, K, H), fp32
         k_j, v_j = _block(kb, j), _block(vb, j)  # (B, S, K, H)
-        seg_j = None if segb is None else _block(segb, j)
+        seg_j = None if seg_kb is None else _block(seg_kb, j)
 
         def visit_query_block(i, carry):
             dq, dk_j, dv_j = carry  # (B, nb, Q, K, G, H), (B, S, K, H), (B, S, K, H), fp32
             q_i, do_i = _block(qb, i), _block(dob, i)  # (B, Q, K, G, H)
-            s = _einsum32("bqkgh,bskh->bkgqs", q_i, k_j) * scale
-            mask = _block_mask(i, j, None if segb is None else _block(segb, i), seg_j,
-                               block_size=block_size, window=window, seq_len=T)
+            s = _einsum32("bqkgh,bskh->bkgqs", q_i, k_j) * span.scale
+            mask = span.mask(i, j, None if seg_qb is None else _block(seg_qb, i), seg_j)
             p = jnp.where(mask, jnp.exp(s - _block(lseb, i)[..., None]), 0.0)  # (B, K, G, Q, S)
             dv_j += _einsum32("bkgqs,bqkgh->bskh", p.astype(do.dtype), do_i)
             dp = _einsum32("bqkgh,bskh->bkgqs", do_i, v_j)
-            ds = p * (dp - _block(deltab, i)[..., None])  # (B, K, G, Q, S)
+            ds = p * (dp - _block(deltab, i)[..., None]) * span.scale  # (B, K, G, Q, S)
             dq_i = _einsum32("bkgqs,bskh->bqkgh", ds.astype(k.dtype), k_j)
             dq = lax.dynamic_update_index_in_dim(dq, _block(dq, i) + dq_i, i, axis=1)
             dk_j += _einsum32("bkgqs,bqkgh->bskh", ds.astype(q.dtype), q_i)
             return dq, dk_j, dv_j
 
-        zeros = jnp.zeros((B, block_size, K, H), jnp.float32)
-        start, stop = query_block_range(j, block_size=block_size, window=window, num_blocks=nb)
-        dq, dk_j, dv_j = lax.fori_loop(start, stop, visit_query_block, (dq, zeros, zeros))
-        return dq, (dk_j, dv_j)
+        start, stop = query_block_range(j, block_size=bs, window=span.window, num_blocks=nb,
+                                        q_start=span.q_start)
+        dq, dk_j, dv_j = lax.fori_loop(start, stop, visit_query_block,
+                                       (dq, _block(dk, j), _block(dv, j)))
+        put = lambda acc, x: lax.dynamic_update_index_in_dim(acc, x, j, axis=1)
+        return dq, put(dk, dk_j), put(dv, dv_j)
 
-    # dq gathers from every key block, so it is carried whole (fp32, O(T)); dk, dv are per block.
-    dq0 = jnp.zeros((B, nb, block_size, K, G, H), jnp.float32)
-    dq, (dk, dv) = lax.scan(key_block, dq0, jnp.arange(nb))  # dk, dv: (nb, B, S, K, H)
-    dq = (dq.reshape(B, nb * block_size, N, H)[:, :T] * scale).astype(q.dtype)
-    dk = (dk.transpose(1, 0, 2, 3, 4).reshape(B, nb * block_size, K, H)[:, :T] * scale).astype(k.dtype)
-    dv = dv.transpose(1, 0, 2, 3, 4).reshape(B, nb * block_size, K, H)[:, :T].astype(v.dtype)
-    return dq, dk, dv
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _flash(q, k, v, segment_ids, window, block_size, scale):
-    return _flash_forward(q, k, v, segment_ids, window, block_size, scale)[0]
+    # dq gathers from every key block, so it is carried whole (fp32, O(Tq)); so are dk and dv,
+    # each key block's rows updated in place. Only the key blocks these queries see are visited.
+    first = key_block_range(0, block_size=bs, window=span.window, q_start=span.q_start)[0]
+    last = key_block_range(nb - 1, block_size=bs, window=span.window, q_start=span.q_start)[1]
+    dq0 = jnp.zeros((B, nb, bs, K, G, H), jnp.float32)
+    dq, dk, dv = lax.fori_loop(first, jnp.minimum(last, nk), key_block, (dq0, dk, dv))
+    return dq.reshape(B, nb * bs, N, H)[:, :T].astype(q.dtype), dk, dv
 
 
-def _flash_fwd(q, k, v, segment_ids, window, block_size, scale):
-    o, lse = _flash_forward(q, k, v, segment_ids, window, block_size, scale)
+def _key_accumulator(k, block_size: int):
+    """Zeros (B, nk, S, K, H) fp32: dk or dv over k's blocks."""
+    nk = -(-k.shape[1] // block_size)
+    return jnp.zeros((k.shape[0], nk, block_size, *k.shape[2:]), jnp.float32)
+
+
+def _from_key_blocks(acc, like):
+    """A (B, nk, S, K, H) accumulator as `like`'s (B, Tk, K, H) shape and dtype."""
+    B, T = like.shape[:2]
+    return acc.reshape(B, -1, *like.shape[2:])[:, :T].astype(like.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, segment_ids, span):
+    return _flash_forward(q, k, v, segment_ids, segment_ids, span)[0]
+
+
+def _flash_fwd(q, k, v, segment_ids, span):
+    o, lse = _flash_forward(q, k, v, segment_ids, segment_ids, span)
     return o, (q, k, v, segment_ids, o, lse)
 
 
-def _flash_bwd(window, block_size, scale, residuals, do):
+def _flash_bwd(span, residuals, do):
     q, k, v, segment_ids, o, lse = residuals
     with jax.named_scope("blockwise_attention_bwd"):  # traced apart from the forward's scope
-        dq, dk, dv = _flash_backward(q, k, v, segment_ids, o, lse, do, window, block_size,
-                                     scale)
-    return dq, dk, dv, None  # segment ids get no cotangent
+        zeros = _key_accumulator(k, span.block_size)
+        dq, dk, dv = _flash_backward(q, k, v, segment_ids, segment_ids, o, lse, do, zeros, zeros,
+                                     span)
+    return dq, _from_key_blocks(dk, k), _from_key_blocks(dv, v), None  # ids get no cotangent
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# -----------------------------------------------------------------------------
+# one query tile against the whole sequence's keys (the block tiled over the sequence)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileAttention:
+    """Attention of one query tile (B, tile, N, H) at positions q_start .. q_start + tile - 1 to
+    the keys and values of positions 0 .. Tk - 1 (B, Tk, K, H): the forward and, for a custom
+    backward, its parts. Rows at or after seq_len (padding) see nothing. `window` is static."""
+    seq_len: int
+    window: int
+    block_size: int
+    scale: float | None = None
+
+    def _span(self, q, q_start) -> _Span:
+        return _Span(q_start, self.seq_len, self.window, self.block_size,
+                     q.shape[3]**-0.5 if self.scale is None else self.scale)
+
+    def forward(self, q, k, v, seg_q, seg_k, q_start):
+        """(o (B, tile, N, H) in q.dtype, lse (B, N, tile) fp32); seg_q (B, tile) and seg_k
+        (B, Tk) are the document ids (None: none)."""
+        with jax.named_scope("tile_attention"):
+            return _flash_forward(q, k, v, seg_q, seg_k, self._span(q, q_start))
+
+    def key_accumulator(self, k):
+        """Zeros for `backward`'s dk (or dv) over the whole sequence's keys."""
+        return _key_accumulator(k, self.block_size)
+
+    def backward(self, q, k, v, seg_q, seg_k, q_start, o, lse, do, dk, dv):
+        """(dq, dk, dv): dk and dv (key_accumulator's) plus this tile's share."""
+        with jax.named_scope("tile_attention_bwd"):
+            return _flash_backward(q, k, v, seg_q, seg_k, o, lse, do, dk, dv,
+                                   self._span(q, q_start))
+
+    def keys(self, acc, like, start: int, size: int):
+        """Rows start .. start + size - 1 of an accumulator, as `like`'s dtype (B, size, K, H)."""
+        rows = acc.reshape(acc.shape[0], -1, *acc.shape[3:])
+        return lax.dynamic_slice_in_dim(rows, start, size, axis=1).astype(like.dtype)
 
 
 def _check_shapes(q, k, v, segment_ids, window: int):
@@ -226,8 +315,10 @@ def blockwise_attention(q, k, v, *, segment_ids=None, window: int = 0, block_siz
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     with jax.named_scope("blockwise_attention"):
-        return _flash(q, k, v, segment_ids, window, min(block_size, q.shape[1]),
-                      q.shape[3]**-0.5 if scale is None else scale)
+        T = q.shape[1]
+        return _flash(q, k, v, segment_ids,
+                      _Span(0, T, window, min(block_size, T), q.shape[3]**-0.5 if scale is None
+                            else scale))
 
 
 # -----------------------------------------------------------------------------

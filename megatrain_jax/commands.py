@@ -150,14 +150,14 @@ def plan(argv=None, prog=None) -> int:
 
     def go(args):
         from megatrain_jax.config import load_config
-        from megatrain_jax.plan import GB, format_bytes, plan as make_plan
+        from megatrain_jax.plan import GB, format_bytes, plan as make_plan, plan_sweep
         machine = _machine(args)
         if args.step_time:
             out = _step_time(load_config(args.config, args.overrides), machine, args)
         elif args.sweep:
             seq_lens = _seq_lens(args.sweep)
-            rows = [(s, make_plan(load_config(args.config, [*args.overrides, f"data.seq_len={s}"]),
-                                  machine)) for s in seq_lens]
+            rows = list(zip(seq_lens, plan_sweep([load_config(
+                args.config, [*args.overrides, f"data.seq_len={s}"]) for s in seq_lens], machine)))
             print(f"{machine.name}: device {format_bytes(machine.device_memory_gb * GB)}, "
                   f"host {format_bytes(machine.host_memory_gb * GB)}")
             print(_sweep_table(rows))

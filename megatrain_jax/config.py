@@ -111,7 +111,8 @@ class TrainConfig:
     offload_activations: typing.Union[bool, str] = "auto"
     attention: str = "auto"  # auto (cudnn on a GPU where it can, else blockwise), cudnn, blockwise, xla
     attention_block: int = 512  # blockwise attention's block of queries and keys
-    tile_size: int = 8192  # tokens per tile of the block's MLP (its backward holds one tile); 0: none
+    tile_size: int = 8192  # tokens per tile of the block over the sequence (its backward holds one
+    # tile's workspace; megatrain_jax/seqtile.py); 0: none
     loss_chunk: int = 2048  # tokens per chunk of the cross-entropy (the logits never exist whole)
     loss_vocab_chunk: int = 0  # vocabulary chunk of the cross-entropy; 0: the whole vocabulary
     max_bad_steps: int = 3  # consecutive steps with a non-finite gradient before the run stops
@@ -560,6 +561,11 @@ def _check(cfg: Config):
                               ("max_bad_steps", train.max_bad_steps, 1)]:
         if value < least:
             raise ConfigError(f"train.{key} must be >= {least}, got {value}")
+    tile, block = train.tile_size, train.attention_block
+    if 0 < tile < cfg.data.seq_len and tile > block and tile % block:
+        # a tile's queries start at a key block: no block pair is visited by two tiles
+        raise ConfigError(f"train.tile_size ({tile}) must be a multiple of train.attention_block "
+                          f"({block}) when it tiles data.seq_len ({cfg.data.seq_len})")
 
 
 # What a resumed run must share with the checkpoint it resumes from: the keys that fix the model,

@@ -26,15 +26,23 @@ _SPECS = {
 }
 
 
+def _identity(params, y):
+    return y
+
+
 def chunked_cross_entropy(y, w, targets, *, layout: str = "dv", chunk: int = 4096,
-                          vocab_chunk: int = 0, softcap: float = 0.0):
+                          vocab_chunk: int = 0, softcap: float = 0.0, prologue=None,
+                          prologue_params=()):
     """Summed token cross-entropy of logits y @ w (or y @ w.T for layout "vd") against targets.
 
     y: (..., D) hidden states; w: (D, V) for layout "dv", (V, D) for "vd" (tied embedding);
     targets: int, shaped like y[..., 0]; tokens with target IGNORE_ID count for nothing.
     chunk: tokens per chunk; vocab_chunk: vocabulary columns per step (0: all at once).
     softcap: the logits are softcap * tanh(logits / softcap) (Gemma's final_logit_softcapping;
-    0: off). Returns (loss_sum, count), both fp32 scalars; divide for the mean.
+    0: off). prologue(prologue_params, y_chunk), if given, maps each chunk of y to the hidden
+    states first (per-token math, e.g. the final norm: differentiated too, chunk by chunk, so
+    that nothing of y's size but y and its gradient exists). Returns (loss_sum, count), both fp32
+    scalars; divide for the mean.
     """
     if layout not in _SPECS:
         raise ValueError(f"layout must be 'dv' or 'vd', got {layout!r}")
@@ -52,7 +60,8 @@ def chunked_cross_entropy(y, w, targets, *, layout: str = "dv", chunk: int = 409
     if pad:
         y = jnp.pad(y, ((0, pad), (0, 0)))
         targets = jnp.pad(targets, (0, pad), constant_values=IGNORE_ID)
-    return _ce(y, w, targets, layout, c, vocab_chunk, float(softcap)), count
+    return _ce(y, w, prologue_params, targets, prologue or _identity, layout, c, vocab_chunk,
+               float(softcap)), count
 
 
 def _vocab_size(w, layout):
@@ -90,7 +99,7 @@ def cap_logits(z, softcap: float):
     return softcap * t, t
 
 
-def _forward(y, w, targets, layout, c, vocab_chunk, softcap):
+def _forward(y, w, pp, targets, prologue, layout, c, vocab_chunk, softcap):
     """Per-token fp32 logsumexp and target logit, each (N,)."""
     v, vc, nv = _vocab_plan(w, layout, vocab_chunk)
     logits_spec = _SPECS[layout][0]
@@ -98,6 +107,7 @@ def _forward(y, w, targets, layout, c, vocab_chunk, softcap):
 
     def token_chunk(_, xs):
         yc, tc = xs
+        yc = prologue(pp, yc)
 
         def vocab_step(carry, j):
             m, s, zt = carry
@@ -117,33 +127,35 @@ def _forward(y, w, targets, layout, c, vocab_chunk, softcap):
     return lse.reshape(-1), zt.reshape(-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _ce(y, w, targets, layout, c, vocab_chunk, softcap):
-    return _ce_fwd(y, w, targets, layout, c, vocab_chunk, softcap)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _ce(y, w, pp, targets, prologue, layout, c, vocab_chunk, softcap):
+    return _ce_fwd(y, w, pp, targets, prologue, layout, c, vocab_chunk, softcap)[0]
 
 
-def _ce_fwd(y, w, targets, layout, c, vocab_chunk, softcap):
-    lse, zt = _forward(y, w, targets, layout, c, vocab_chunk, softcap)
+def _ce_fwd(y, w, pp, targets, prologue, layout, c, vocab_chunk, softcap):
+    lse, zt = _forward(y, w, pp, targets, prologue, layout, c, vocab_chunk, softcap)
     loss = jnp.where(targets != IGNORE_ID, lse - zt, 0.0).sum()
-    return loss, (y, w, targets, lse)
+    return loss, (y, w, pp, targets, lse)
 
 
-def _ce_bwd(layout, c, vocab_chunk, softcap, res, g):
-    y, w, targets, lse = res
+def _ce_bwd(prologue, layout, c, vocab_chunk, softcap, res, g):
+    y, w, pp, targets, lse = res
     # Per-token scale of d loss_sum / d logits; ignored (and padding) tokens get exactly 0.
     scale = jnp.where(targets != IGNORE_ID, g, 0.0).astype(jnp.float32)
-    return _scaled_bwd(layout, c, vocab_chunk, softcap, y, w, targets, lse, scale)
+    return _scaled_bwd(prologue, layout, c, vocab_chunk, softcap, y, w, pp, targets, lse, scale)
 
 
-def _scaled_bwd(layout, c, vocab_chunk, softcap, y, w, targets, lse, scale):
-    """(dy, dw) of sum_t scale[t] * (lse[t] - z[t, target[t]]), chunk by chunk."""
+def _scaled_bwd(prologue, layout, c, vocab_chunk, softcap, y, w, pp, targets, lse, scale):
+    """(dy, dw, dpp, None) of sum_t scale[t] * (lse[t] - z[t, target[t]]), chunk by chunk."""
     v, vc, nv = _vocab_plan(w, layout, vocab_chunk)
     logits_spec, dy_spec, dw_spec = _SPECS[layout]
     axis = 1 if layout == "dv" else 0
     safe_t = jnp.clip(targets, 0, v - 1)
 
-    def token_chunk(dw, xs):
+    def token_chunk(carry, xs):
+        dw, dpp = carry
         yc, tc, lse_c, scale_c = xs
+        yc, prologue_vjp = jax.vjp(prologue, pp, yc)
 
         def vocab_step(carry, j):
             dw, dy = carry
@@ -161,18 +173,23 @@ def _scaled_bwd(layout, c, vocab_chunk, softcap, y, w, targets, lse, scale):
             return (lax.dynamic_update_slice_in_dim(dw, dwc, start, axis), dy), None
 
         (dw, dy), _ = lax.scan(vocab_step, (dw, jnp.zeros(yc.shape, jnp.float32)), jnp.arange(nv))
-        return dw, dy.astype(y.dtype)
+        dpp_c, dy = prologue_vjp(dy.astype(yc.dtype))
+        dpp = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), dpp, dpp_c)
+        return (dw, dpp), dy.astype(y.dtype)
 
     xs = (_chunks(y, c), _chunks(safe_t, c), _chunks(lse, c), _chunks(scale, c))
-    dw, dy = lax.scan(token_chunk, jnp.zeros(w.shape, jnp.float32), xs)
-    return dy.reshape(y.shape), dw.astype(w.dtype), None
+    zeros32 = lambda a: jnp.zeros(a.shape, jnp.float32)
+    (dw, dpp), dy = lax.scan(token_chunk, (zeros32(w), jax.tree.map(zeros32, pp)), xs)
+    return (dy.reshape(y.shape), dw.astype(w.dtype),
+            jax.tree.map(lambda g, p: g.astype(p.dtype), dpp, pp), None)
 
 
 _ce.defvjp(_ce_fwd, _ce_bwd)
 
 
 def chunked_token_logprobs(y, w, targets, *, layout: str = "dv", chunk: int = 4096,
-                           vocab_chunk: int = 0, softcap: float = 0.0):
+                           vocab_chunk: int = 0, softcap: float = 0.0, prologue=None,
+                           prologue_params=()):
     """Per-token log-probabilities log p(target | y) of the logits y @ w, shaped like targets
     (0 where the target is IGNORE_ID), with the same chunking and memory bound as
     `chunked_cross_entropy` (whose loss_sum is minus their sum). Differentiable with any per-token
@@ -193,24 +210,25 @@ def chunked_token_logprobs(y, w, targets, *, layout: str = "dv", chunk: int = 40
     if pad:
         y = jnp.pad(y, ((0, pad), (0, 0)))
         targets = jnp.pad(targets, (0, pad), constant_values=IGNORE_ID)
-    nll = _token_ce(y, w, targets, layout, c, vocab_chunk, float(softcap))
+    nll = _token_ce(y, w, prologue_params, targets, prologue or _identity, layout, c,
+                    vocab_chunk, float(softcap))
     return -nll[:n].reshape(shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _token_ce(y, w, targets, layout, c, vocab_chunk, softcap):
-    return _token_ce_fwd(y, w, targets, layout, c, vocab_chunk, softcap)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _token_ce(y, w, pp, targets, prologue, layout, c, vocab_chunk, softcap):
+    return _token_ce_fwd(y, w, pp, targets, prologue, layout, c, vocab_chunk, softcap)[0]
 
 
-def _token_ce_fwd(y, w, targets, layout, c, vocab_chunk, softcap):
-    lse, zt = _forward(y, w, targets, layout, c, vocab_chunk, softcap)
-    return jnp.where(targets != IGNORE_ID, lse - zt, 0.0), (y, w, targets, lse)
+def _token_ce_fwd(y, w, pp, targets, prologue, layout, c, vocab_chunk, softcap):
+    lse, zt = _forward(y, w, pp, targets, prologue, layout, c, vocab_chunk, softcap)
+    return jnp.where(targets != IGNORE_ID, lse - zt, 0.0), (y, w, pp, targets, lse)
 
 
-def _token_ce_bwd(layout, c, vocab_chunk, softcap, res, g):
-    y, w, targets, lse = res
+def _token_ce_bwd(prologue, layout, c, vocab_chunk, softcap, res, g):
+    y, w, pp, targets, lse = res
     scale = jnp.where(targets != IGNORE_ID, g, 0.0).astype(jnp.float32)  # g: (N,)
-    return _scaled_bwd(layout, c, vocab_chunk, softcap, y, w, targets, lse, scale)
+    return _scaled_bwd(prologue, layout, c, vocab_chunk, softcap, y, w, pp, targets, lse, scale)
 
 
 _token_ce.defvjp(_token_ce_fwd, _token_ce_bwd)

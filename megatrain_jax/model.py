@@ -18,8 +18,9 @@ from flax import nnx
 from jax import lax
 
 from megatrain_jax import moe
-from megatrain_jax.attention import attention, cached_attention
+from megatrain_jax.attention import TileAttention, attention, cached_attention
 from megatrain_jax.loss import cap_logits, chunked_cross_entropy, chunked_token_logprobs
+from megatrain_jax.seqtile import TileFns, tiled_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +161,9 @@ class Execution:
 
     attention: str = "xla"  # a resolved implementation of attention.attention
     attention_block: int = 512  # blockwise attention's block size
-    tile_size: int = 0  # tokens per MLP tile in the block (0: no tiling)
+    # tokens per tile of the block over the sequence (0: no tiling): the whole block with
+    # blockwise or cuDNN attention (megatrain_jax/seqtile.py), the MLP alone with "xla"
+    tile_size: int = 0
     loss_chunk: int = 4096  # tokens per chunk of the chunked cross-entropy
     loss_vocab_chunk: int = 0  # vocabulary chunk of the loss (0: whole vocabulary)
     expert_tile: int = 128  # routed rows per grouped matmul tile of a MoE layer (moe.py)
@@ -251,6 +254,50 @@ def swiglu_mlp(x, weights, eps: float, activation: str = "silu", norm_offset: bo
     return x + out
 
 
+def layer_rope(cfg: ModelConfig, w):
+    """(sliding, inv_freq) of a block with weights w: its kind (a traced bool, 1 for a local
+    layer; None without model.layer_types) and its RoPE frequencies."""
+    sliding, inv_freq = None, rope_inv_freq(cfg)
+    if cfg.layer_types:  # local or global by this layer's data
+        sliding = w["sliding"] > 0.5
+        inv_freq = jnp.where(sliding, rope_inv_freq(cfg, local=True), inv_freq)
+    return sliding, inv_freq
+
+
+def _norm(cfg: ModelConfig):
+    return functools.partial(rms_norm, eps=cfg.rms_norm_eps, offset=cfg.norm_offset)
+
+
+def attention_projections(cfg: ModelConfig, w, x, positions, which: str = "qkv") -> tuple:
+    """The attention's q (B, T, N, H), k, v (B, T, K, H) of x (B, T, D), those `which` names,
+    from the block's weights w (a dict by attribute name): the input norm, the projections and
+    their biases, then for q and k the per-head norm (Qwen3, Gemma 3) and RoPE at `positions`.
+    Per-token math: any slice of tokens gives that slice of the result."""
+    norm = _norm(cfg)
+    y = norm(x, w["attn_norm"])
+    inv_freq = layer_rope(cfg, w)[1]
+
+    def project(name):
+        out = jnp.einsum("btd,dnh->btnh", y, w["w" + name])
+        if cfg.qkv_bias:
+            out = out + w[name + "_bias"]
+        if name == "v":
+            return out
+        if cfg.qk_norm:  # over H of each head, before RoPE
+            out = norm(out, w[name + "_norm"])
+        return apply_rope(out, inv_freq, positions)
+
+    return tuple(project(name) for name in which)
+
+
+def attention_output(cfg: ModelConfig, w, x, attn):
+    """x + the attention sublayer's output: attn (B, T, N, H) projected (Gemma: then normed)."""
+    out = jnp.einsum("btnh,nhd->btd", attn, w["wo"])
+    if cfg.post_norms:
+        out = _norm(cfg)(out, w["attn_post_norm"])
+    return x + out
+
+
 def over_tiles(fn, x, weights, tile: int):
     """fn(x, weights) for a per-token fn on (B, T, D), computed `tile` tokens at a time.
 
@@ -271,7 +318,10 @@ class Block(nnx.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then + swiglu(norm(x)); with post_norms
     (Gemma) x + norm(attn(norm(x))), then + norm(geglu(norm(x))).
 
-    `execution` picks the attention implementation and the MLP tiling (a static attribute)."""
+    `execution` picks the attention implementation and the tiling over the sequence (a static
+    attribute): with execution.tile_size below the sequence's length the whole block is computed
+    a tile of tokens at a time (megatrain_jax/seqtile.py), except with the dense "xla" reference
+    attention, which only the MLP is tiled around."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, execution: Execution = Execution(),
                  layer: int = 0):
@@ -328,11 +378,40 @@ class Block(nnx.Module):
             segment_ids, positions = None, jnp.arange(x.shape[1])
         else:
             segment_ids, positions = context["segment_ids"], context["positions"]
+        ex = self.execution
+        if ex.tile_size and x.shape[1] > ex.tile_size and ex.attention != "xla":
+            return self._tiled(x, segment_ids, None if context is None else positions)
         attend = lambda q, k, v, sliding: (self._self_attention(q, k, v, sliding, segment_ids),
                                            None)
         x, _ = self._attention(x, positions, attend)
         # padding (a negative segment id) stays out of the router's statistics
-        return self._mlp(x, None if segment_ids is None else segment_ids >= 0)
+        return self._mlp(self._weights(), x, None if segment_ids is None else segment_ids >= 0)
+
+    def _tiled(self, x, segment_ids, positions):
+        """__call__ a tile of execution.tile_size tokens at a time (seqtile.tiled_block): the
+        attention of each query tile is blockwise, in blocks of at most a tile. cuDNN's public
+        API takes no causal offset for a tile of queries, so it does not run per tile."""
+        cfg, ex = self.cfg, self.execution
+        windows = (cfg.sliding_window, 0) if cfg.layer_types else (cfg.sliding_window,)
+        attentions = tuple(TileAttention(x.shape[1], window, min(ex.attention_block,
+                                                                 ex.tile_size), self._scale())
+                           for window in windows)
+
+        def finish(w, x, attn, valid):
+            out = self._mlp(w, attention_output(cfg, w, x, attn), valid, tile=0)
+            return out if cfg.num_experts else (out, None)
+
+        fns = TileFns(
+            queries=lambda w, x, pos: attention_projections(cfg, w, x, pos, "q")[0],
+            keys_values=lambda w, x, pos: attention_projections(cfg, w, x, pos, "kv"),
+            finish=finish,
+            # windows[0] for a local layer, windows[1] (none) for a global one
+            attention=lambda w: (jnp.where(layer_rope(cfg, w)[0], 0, 1) if cfg.layer_types
+                                 else 0))
+        with jax.named_scope("tiled_block"):
+            y, aux = tiled_block(fns, attentions, self._weights(), x, segment_ids, positions,
+                                 ex.tile_size)
+        return (y, aux) if cfg.num_experts else y
 
     # ------------------------------------------------------------------ generation (KV cache)
     # The same attention and MLP code as __call__ (`_attention`, `_mlp`): only where the keys and
@@ -348,7 +427,7 @@ class Block(nnx.Module):
             return (self._self_attention(q, k, v, sliding, None),
                     {"k": jnp.pad(k, pad), "v": jnp.pad(v, pad)})
         x, cache = self._attention(x, jnp.arange(x.shape[1]), attend)
-        return self._dense(self._mlp(x, None)), cache
+        return self._dense(self._mlp(self._weights(), x, None)), cache
 
     def decode(self, x, cache, position):
         """One token per row, x (B, 1, D), at `position` (an int32 scalar: the tokens before it,
@@ -365,9 +444,13 @@ class Block(nnx.Module):
                                     scale=self._scale())
             return attn, {"k": cache_k, "v": cache_v}
         x, cache = self._attention(x, jnp.reshape(position, (1,)), attend)
-        return self._dense(self._mlp(x, None)), cache
+        return self._dense(self._mlp(self._weights(), x, None)), cache
 
     # ------------------------------------------------------------------ the shared parts
+
+    def _weights(self) -> dict:
+        """The block's weights by attribute name, as arrays."""
+        return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
 
     def _scale(self):
         q_scalar = self.cfg.query_pre_attn_scalar
@@ -396,54 +479,38 @@ class Block(nnx.Module):
         """x + the attention sublayer, with `attend(q, k, v, sliding) -> (out (B, T, N, H),
         state)` given the projected, normed, rotated q (B, T, N, H), k, v (B, T, K, H) at integer
         `positions` ((T,) or (B, T)); returns (x, state)."""
-        cfg = self.cfg
-        norm = functools.partial(rms_norm, eps=cfg.rms_norm_eps, offset=cfg.norm_offset)
+        w = self._weights()
         with jax.named_scope("attention"):
-            y = norm(x, self.attn_norm[...])
-            q = jnp.einsum("btd,dnh->btnh", y, self.wq[...])
-            k = jnp.einsum("btd,dkh->btkh", y, self.wk[...])
-            v = jnp.einsum("btd,dkh->btkh", y, self.wv[...])
-            if cfg.qkv_bias:
-                q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-            if cfg.qk_norm:  # over H of each head, before RoPE (Qwen3, Gemma 3)
-                q = norm(q, self.q_norm[...])
-                k = norm(k, self.k_norm[...])
-            sliding, inv_freq = None, rope_inv_freq(cfg)
-            if cfg.layer_types:  # local or global by this layer's data
-                sliding = self.sliding[...] > 0.5
-                inv_freq = jnp.where(sliding, rope_inv_freq(cfg, local=True), inv_freq)
-            q, k = apply_rope(q, inv_freq, positions), apply_rope(k, inv_freq, positions)
-            attn, state = attend(q, k, v, sliding)
-            out = jnp.einsum("btnh,nhd->btd", attn, self.wo[...])
-            if cfg.post_norms:
-                out = norm(out, self.attn_post_norm[...])
-            return x + out, state
+            q, k, v = attention_projections(self.cfg, w, x, positions)
+            attn, state = attend(q, k, v, layer_rope(self.cfg, w)[0])
+            return attention_output(self.cfg, w, x, attn), state
 
-    def _mlp(self, x, valid):
-        """x + the MLP sublayer (SwiGLU / GeGLU, tiled), or with experts (x + the sparse MLP,
-        the router statistics over the `valid` tokens)."""
-        cfg, ex = self.cfg, self.execution
+    def _mlp(self, w, x, valid, tile: int | None = None):
+        """x + the MLP sublayer (SwiGLU / GeGLU, in tiles of `tile` tokens, by default the
+        execution's), or with experts (x + the sparse MLP, the router statistics over the `valid`
+        tokens); w the block's weights."""
+        cfg = self.cfg
+        tile = self.execution.tile_size if tile is None else tile
         if cfg.num_experts:
-            return self._moe(x, valid)
+            return self._moe(w, x, valid)
         with jax.named_scope("mlp"):
-            weights = (self.mlp_norm[...], self.w_gate[...], self.w_up[...], self.w_down[...])
+            weights = (w["mlp_norm"], w["w_gate"], w["w_up"], w["w_down"])
             if cfg.post_norms:
-                weights += (self.mlp_post_norm[...],)
+                weights += (w["mlp_post_norm"],)
             mlp = functools.partial(swiglu_mlp, eps=cfg.rms_norm_eps, activation=cfg.activation,
                                     norm_offset=cfg.norm_offset)
-            if ex.tile_size and x.shape[1] > ex.tile_size:
-                return over_tiles(mlp, x, weights, ex.tile_size)
+            if tile and x.shape[1] > tile:
+                return over_tiles(mlp, x, weights, tile)
             return mlp(x, weights)
 
-    def _moe(self, x, valid):
+    def _moe(self, w, x, valid):
         """x + the sparse MLP of norm(x), and this layer's router statistics over the `valid`
         tokens (B, T) (None: all): the block returns (x, stats), the engine sums the stats over
         layers for moe.load_balancing_loss."""
         cfg = self.cfg
         with jax.named_scope("moe"):
-            y = rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
-            weights = (self.w_router[...], self.experts_gate[...], self.experts_up[...],
-                       self.experts_down[...])
+            y = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+            weights = (w["w_router"], w["experts_gate"], w["experts_up"], w["experts_down"])
             out, stats = moe.moe_mlp(y, weights, top_k=cfg.experts_per_token,
                                      renormalize=cfg.moe_renormalize,
                                      tile=self.execution.expert_tile, valid=valid)
@@ -493,23 +560,24 @@ class LMHead(nnx.Module):
         are not loss.IGNORE_ID, and how many those are. Sums, so that micro-batches and
         documents of any length add up exactly; the mean is loss_sum / count. The (B, T, V)
         logits are never built whole (loss.chunked_cross_entropy computes them chunk by chunk)."""
-        return chunked_cross_entropy(*self._normed_and_weight(x), targets, **self._loss_options())
+        return chunked_cross_entropy(x, self._weight(), targets, **self._loss_options())
 
     def token_logprobs(self, x, targets):
         """(B, T) fp32 log-probabilities of the targets (0 where a target is loss.IGNORE_ID),
         chunked as the loss is: for losses over whole sequences (preference training)."""
-        return chunked_token_logprobs(*self._normed_and_weight(x), targets, **self._loss_options())
+        return chunked_token_logprobs(x, self._weight(), targets, **self._loss_options())
 
-    def _normed_and_weight(self, x):
-        y = rms_norm(x, self.norm[...], self.cfg.rms_norm_eps, self.cfg.norm_offset)
-        if self.cfg.tie_embeddings:
-            return y, self.embed.embedding[...]
-        return y, self.w_out[...]
+    def _weight(self):
+        return self.embed.embedding[...] if self.cfg.tie_embeddings else self.w_out[...]
 
     def _loss_options(self) -> dict:
+        # the final norm is per-token: applied chunk by chunk inside the loss
+        eps, offset = self.cfg.rms_norm_eps, self.cfg.norm_offset
         return dict(layout="vd" if self.cfg.tie_embeddings else "dv",
                     chunk=self.execution.loss_chunk, vocab_chunk=self.execution.loss_vocab_chunk,
-                    softcap=self.cfg.final_logit_softcapping)
+                    softcap=self.cfg.final_logit_softcapping,
+                    prologue=lambda scale, x: rms_norm(x, scale, eps, offset),
+                    prologue_params=self.norm[...])
 
 
 def make_stages(cfg: ModelConfig, seed: int, execution: Execution = Execution()):

@@ -31,6 +31,11 @@ from megatrain_jax.engine.functions import DeviceFunctions, stage_parts
 from megatrain_jax.model import Execution, ModelConfig, make_block, make_stages
 
 GB = 1e9  # memory and bandwidth figures are in GB and GB/s
+# XLA:CPU computes bf16 math in fp32: it converts bf16 operands to fp32, and its loop-invariant
+# code motion then hoists whole-sequence fp32 copies (of a block's input, of K and V) out of the
+# tile loops, which XLA:GPU, computing in bf16, has no reason to make. The bf16 estimate of a
+# workspace is XLA:CPU's with that pass off: fp32 copies stay one tile in size.
+_HOISTING_PASS = "while-loop-invariant-code-motion"
 ASSUMED_MFU = 0.5  # fraction of the bf16 peak the device reaches (for the transfer-hiding figure)
 PINNED_POOL_DEFAULT_GIB = 64  # XLA:GPU's pinned host pool, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
 PHASES = ("embed", "forward", "loss", "backward", "embed backward")
@@ -146,11 +151,12 @@ def _abstract(model: ModelConfig, execution: Execution, grad_dtype: str):
 
 @functools.lru_cache(maxsize=64)
 def _workspace(model: ModelConfig, execution: Execution, compute_dtype: str, grad_dtype: str,
-               batch: int, seq: int, document_mask: bool, device) -> dict:
+               batch: int, seq: int, document_mask: bool, device, hoisting: bool = False) -> dict:
     """Phase -> temp bytes of the engine's jitted function for that phase on one micro-batch of
     (batch, seq), compiled for `device` with the argument shapes and dtypes the step passes.
     On XLA:CPU, LLVM's optimisation level does not change buffer assignment: it is turned off,
-    halving the compile time."""
+    halving the compile time; so is loop-invariant code motion unless `hoisting` (the bf16
+    estimate, see _HOISTING_PASS)."""
     stages, block, parts, f = _abstract(model, execution, grad_dtype)
     sharding = jax.sharding.SingleDeviceSharding(device)
     sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -166,7 +172,10 @@ def _workspace(model: ModelConfig, execution: Execution, compute_dtype: str, gra
              "loss": (f.head, (like(last, c), x, tokens, like(last, jnp.float32))),
              "backward": (f.block_bwd, (w, x, context, x, like(block, jnp.float32))),
              "embed backward": (f.embed_bwd, (like(first, c), tokens, x, like(first, jnp.float32)))}
-    options = {"xla_backend_optimization_level": 0} if device.platform == "cpu" else {}
+    options = {}
+    if device.platform == "cpu":
+        options = {"xla_backend_optimization_level": 0,
+                   **({} if hoisting else {"xla_disable_hlo_passes": _HOISTING_PASS})}
     return {phase: fn.lower(*args).compile(compiler_options=options).memory_analysis()
             .temp_size_in_bytes for phase, (fn, args) in calls.items()}
 
@@ -304,6 +313,35 @@ def _largest_int(ok: Callable[[int], bool]) -> int:
     return lo
 
 
+LARGEST_SEQ_TOLERANCE = 0.02
+
+
+def _largest_compiled(ok: Callable[[int], bool], quantum: int, guess: int) -> int:
+    """The largest multiple n of quantum with ok(n) (monotone; each call compiles), found to
+    within LARGEST_SEQ_TOLERANCE: bracketed from `guess` by steps of that tolerance, doubled each
+    time, then bisected until a length that fits and one that does not are that close (or one
+    quantum apart). 0 if one quantum does not fit."""
+    down = lambda n: max(quantum, n // quantum * quantum)
+    lo = hi = down(guess)
+    step = LARGEST_SEQ_TOLERANCE
+    if ok(lo):
+        while hi == lo and lo < 2**40:
+            up = max(lo + quantum, down(int(lo * (1 + step))))
+            lo, hi = (up, up) if ok(up) else (lo, up)
+            step *= 2
+    else:
+        while lo == hi:
+            if hi == quantum:
+                return 0
+            below = down(int(hi / (1 + step)))
+            lo, hi = (below, hi) if ok(below) else (below, below)
+            step *= 2
+    while hi - lo > quantum and hi > lo * (1 + LARGEST_SEQ_TOLERANCE):
+        mid = down((lo + hi) // 2)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
 def _tokens_to_hide(model: ModelConfig, counts: _Counts, seq: int, machine: Machine,
                     offload: bool) -> int:
     """Tokens per step (all micro-batches pass a layer while its weights are there) for which a
@@ -379,6 +417,15 @@ class Plan:
     host_by_tier: dict = dataclasses.field(default_factory=dict)
     disk_bytes: int = 0
     disk_gbps_to_hide: float = 0.0
+    # () -> phase -> XLA:CPU's temp bytes as it compiles by default (its fp32 copies of bf16
+    # operands hoisted out of loops), beside `workspace`, the bf16 estimate the plan uses
+    # (_HOISTING_PASS); {} where the workspaces were compiled for the device itself
+    _cpu_compiled: Callable = dataclasses.field(default=dict, repr=False, compare=False)
+
+    @functools.cached_property
+    def workspace_cpu_compiled(self) -> dict:
+        """Compiled on first use (five more compiles)."""
+        return self._cpu_compiled()
 
     @functools.cached_property
     def largest_batch(self) -> int:
@@ -467,6 +514,7 @@ class Plan:
                   f"tokens per step for compute to hide the transfers at {ASSUMED_MFU:.0%} MFU: "
                   f"{hide}"]
         lines += [self.tier_line()]
+        lines += [line for line in (self.activations_line(), self.workspace_line()) if line]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -478,6 +526,29 @@ class Plan:
         return (f"offload.tier={self.tier}: host RAM {format_bytes(ram)} with the ram tier, "
                 f"{format_bytes(disk)} with the disk tier, which puts {format_bytes(self.disk_bytes)} "
                 f"on disk{hide}")
+
+    def activations_line(self) -> str:
+        """What offloaded activations take of host RAM, what a host then needs, and whether the
+        disk tier could take them (it cannot): "" without offloading."""
+        c, acts = self.counts, self.host.get("activations", 0)
+        if not acts:
+            return ""
+        ram, disk = self.host_by_tier.get("ram", 0), self.host_by_tier.get("disk", 0)
+        return (f"offloaded activations: {format_bytes(acts)} of host RAM ({c.layers} layers' "
+                f"inputs, {format_bytes(acts / c.layers)} each); a host needs "
+                f"{format_bytes(ram)} with offload.tier=ram, {format_bytes(disk)} with "
+                f"offload.tier=disk, which moves the master weights and optimizer state to disk "
+                f"but not the activations: they stay in host RAM either way")
+
+    def workspace_line(self) -> str:
+        """Each phase's workspace as XLA:CPU compiles it and as the plan estimates it in bf16
+        (its figure): "" where the device compiled them itself."""
+        if not self.workspace_cpu_compiled:
+            return ""
+        both = ", ".join(f"{phase} {format_bytes(self.workspace_cpu_compiled[phase])} / "
+                         f"{format_bytes(self.workspace[phase])}" for phase in PHASES)
+        return (f"workspace, XLA:CPU as compiled / bf16 estimate (XLA:CPU without hoisting its fp32 "
+                f"copies out of loops; the plan and `fits` use the estimate): {both}")
 
     def layer_line(self) -> str:
         """What one layer streams: its weights (every expert of a MoE layer), and what a token
@@ -494,7 +565,7 @@ class Plan:
                  "offload_activations", "offload_reason", "attention", "attention_reason",
                  "workspace", "largest_batch", "largest_seq_len", "tokens_per_step",
                  "tokens_to_hide_transfers", "tier", "host_by_tier", "disk_bytes",
-                 "disk_gbps_to_hide")
+                 "disk_gbps_to_hide", "workspace_cpu_compiled")
         return {"machine": dataclasses.asdict(self.machine), "micro_batch": list(self.micro_batch),
                 "execution": dataclasses.asdict(self.execution), "notes": list(self.notes),
                 "layer_params": self.counts.layer, "layer_bus_bytes":
@@ -551,10 +622,16 @@ def plan(cfg: Config, machine: Machine) -> Plan:
                      f"machine itself, --device local, for its compiler's own figures)")
     counts = _counts(cfg, compiled, machine)
     M, B, T = cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len
+    if execution.attention == "cudnn" and 0 < execution.tile_size < T:
+        notes.append(f"the block is tiled over the sequence (train.tile_size "
+                     f"{execution.tile_size:,} < data.seq_len {T:,}): each query tile's attention "
+                     f"is blockwise, as cuDNN's public API takes no causal offset for a tile")
     temps = functools.partial(_workspace, cfg.model, compiled, cfg.train.compute_dtype,
                               cfg.train.grad_dtype, document_mask=cfg.data.document_mask,
-                              device=device)
+                              device=device, hoisting=device.platform == machine.platform)
     workspace = temps(B, T)
+    estimated = device.platform != machine.platform  # compiled by the CPU for a GPU
+    cpu_compiled = functools.partial(temps, B, T, hoisting=True) if estimated else dict
     peak = lambda phases: max(sum(kinds.values()) for kinds in phases.values())
 
     requested = cfg.train.offload_activations
@@ -571,28 +648,28 @@ def plan(cfg: Config, machine: Machine) -> Plan:
     host_of = counts.host if cfg.offload.tier == "ram" else functools.partial(
         counts.host_on_disk, read_ahead=cfg.offload.read_ahead)
 
+    def fits_at(b, t, workspace):
+        return any(_fits(sum(host_of(b * t, o).values()),
+                         peak(counts.device(b * t, o, workspace)), machine) for o in options)
+
     def largest(axis: str) -> int:
         """The largest batch_size (axis "batch") or seq_len ("seq") that fits, everything else as
         configured, offload as the config allows. The arrays the plan counts are linear in a
-        micro-batch's tokens; a workspace is fitted from two more compiles, (2B, T) and (B, 4T),
-        as const + B * (g0 + g1 * T): batch rows compute alike, and a row's work grows linearly
-        in T (blockwise attention, MLP tiles, loss chunks: not the quadratic "xla" attention,
-        for which the answer is optimistic)."""
-        w1, w2, w3 = workspace, temps(2 * B, T), temps(B, 4 * T)
-
-        def fitted(b, t):
-            out = {}
-            for phase in PHASES:
-                per_row = (w2[phase] - w1[phase]) / B  # g0 + g1 * T
-                g1 = (w3[phase] - w1[phase]) / (3 * B * T)
-                out[phase] = max(0, w1[phase] - B * per_row + b * (per_row + g1 * (t - T)))
-            return out
-
-        def ok(b, t):
-            return any(_fits(sum(host_of(b * t, o).values()),
-                             peak(counts.device(b * t, o, fitted(b, t))), machine) for o in options)
-
-        return _largest_int(lambda b: ok(b, T) if axis == "batch" else ok(B, b))
+        micro-batch's tokens. For the batch, a workspace is fitted from one more compile, (2B, T),
+        as linear in B: batch rows compute alike. For the sequence, one compile at (B, 4T) fits
+        it as linear in T (blockwise attention, tiles, loss chunks) for a first guess, and the
+        search compiles at each length it tries from there (_largest_compiled), to within
+        LARGEST_SEQ_TOLERANCE of the shortest length that does not fit."""
+        if axis == "seq":
+            w4 = temps(B, 4 * T)  # the guess: workspaces linear in T
+            guess = _largest_int(lambda t: fits_at(B, t, {
+                phase: max(0, workspace[phase] + (t - T) * (w4[phase] - workspace[phase]) / (3 * T))
+                for phase in PHASES}))
+            return _largest_compiled(lambda t: fits_at(B, t, temps(B, t)),
+                                     execution.attention_block, guess)
+        w1, w2 = workspace, temps(2 * B, T)
+        return _largest_int(lambda b: fits_at(b, T, {
+            phase: max(0, w1[phase] + (b - B) * (w2[phase] - w1[phase]) / B) for phase in PHASES}))
 
     read_ahead = cfg.offload.read_ahead
     host_by_kind = {"ram": counts.host(B * T, offload),
@@ -614,4 +691,14 @@ def plan(cfg: Config, machine: Machine) -> Plan:
                 notes=tuple(notes), counts=counts, _largest=largest, tier=cfg.offload.tier,
                 host_by_tier={k: sum(v.values()) for k, v in host_by_kind.items()},
                 disk_bytes=disk_bytes,
-                disk_gbps_to_hide=2 * disk_bytes / compute_s / GB if compute_s else 0.0)
+                disk_gbps_to_hide=2 * disk_bytes / compute_s / GB if compute_s else 0.0,
+                _cpu_compiled=cpu_compiled)
+
+
+def plan_sweep(cfgs: list, machine: Machine) -> list:
+    """The plans of configs that differ in data.seq_len only (a sweep). Their largest sequence is
+    one search (the same config at every length): made for the first and shared."""
+    plans = [plan(cfg, machine) for cfg in cfgs]
+    for p in plans[1:]:
+        p.__dict__["largest_seq_len"] = plans[0].largest_seq_len  # the cached_property's value
+    return plans

@@ -21,6 +21,8 @@ default model; the flags for the sequence and the execution still apply. The dev
 depend on the number of layers, so a real model's shape with a few layers measures it with little
 host memory.
 
+--max-rss-gb asserts the peak RSS after the steps (exit 1 above it).
+
 --dense-estimate also compiles, without running, the block backward and the loss head of the dense
 path the engine took before the long-context work (attention=xla, no MLP tiles, the whole sequence
 and vocabulary in one loss chunk) and prints XLA's memory analysis of both paths: what one step
@@ -63,6 +65,8 @@ def parse_args(argv):
     p.add_argument("--dense-estimate", action="store_true",
                    help="compile (not run) the dense path's block backward and loss head and print "
                         "their memory analysis next to the long-context path's")
+    p.add_argument("--max-rss-gb", type=float, default=None,
+                   help="fail (exit 1) if the peak RSS after the steps exceeds this many GB")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="further config overrides")
     return p.parse_args(argv)
@@ -105,6 +109,8 @@ def bench(args):
     from megatrain_jax.config import ConfigError
     if args.steps < 0:
         raise ConfigError(f"--steps must be >= 0, got {args.steps}")
+    if args.max_rss_gb is not None and args.max_rss_gb <= 0:
+        raise ConfigError(f"--max-rss-gb must be > 0, got {args.max_rss_gb:g}")
     cfg = make_config(args)  # validated before anything is built
 
     import jax
@@ -177,13 +183,18 @@ def bench(args):
               "python": platform.python_version(), "device_kind": dev.device_kind,
               "platform": dev.platform, "params": m.num_params(), "tokens_per_step": tokens,
               "config": _to_dict(cfg), "peak_rss_bytes": rss, "run": run,
-              "plan": plan_record(run_plan), "dense_estimate": estimate}
+              "plan": plan_record(run_plan), "dense_estimate": estimate,
+              "max_rss_gb": args.max_rss_gb}
     print_table(record)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)
         print(f"wrote {args.json}")
+    if args.max_rss_gb is not None and rss["after_steps"] > args.max_rss_gb * GB:
+        from megatrain_jax.train import TrainingError
+        raise TrainingError(f"peak RSS {rss['after_steps'] / GB:.3f} GB exceeds --max-rss-gb "
+                            f"{args.max_rss_gb:g}")
 
 
 def model_flops(cfg) -> float:

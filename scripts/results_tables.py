@@ -11,7 +11,8 @@ A generated section sits between two marker lines of the document:
 
 NAME is one of SECTIONS: `long_context_cpu` (docs/results/cpu_long_context_32k.json),
 `plan_h100` (docs/results/plan_*_h100_host*gib.json), `step_time_h100`
-(docs/results/step_time_*_h100_*k.json: `plan --step-time` predictions) and `gpu` (every folder
+(docs/results/step_time_*_h100_*k.json: `plan --step-time` predictions), `long_context_h100`
+(docs/results/long_context_plan_*_h100_host*gib.json) and `gpu` (every folder
 docs/results/<date>-<gpu>/ that a GPU checklist part's results were copied into: one table per kind
 of result: bench.py, bench_transfer.py, bench_long_context.py, bench_optimizer.py, the step-time
 prediction against the measurement, plan sweeps and the checklist's own step list).
@@ -93,8 +94,7 @@ def plan_h100(results) -> list:
         by_model.setdefault(model, {})[int(host)] = load(f)
     hosts = sorted({h for sizes in by_model.values() for h in sizes})
     rows = []
-    for model in sorted(by_model, key=lambda m: (m not in MODEL_NAMES, list(MODEL_NAMES).index(m)
-                                                 if m in MODEL_NAMES else m)):
+    for model in sorted(by_model, key=_model_order):
         sizes = by_model[model]
         first = sizes[hosts[0]]
         for i, row in enumerate(first):
@@ -125,6 +125,42 @@ def step_time_h100(results) -> list:
     return table(("config", "tokens a step", "tokens x micro-batches", "predicted step",
                   "MFU (989 TFLOP/s)", "bound by", "exposed host update", "device busy"),
                  [row for _, row in sorted(rows)], right=(1, 3, 4, 6, 7))
+
+
+KINDS = ("inputs", "weights", "gradients", "activations", "cotangents", "workspace")
+
+
+def _model_order(model):
+    return (model not in MODEL_NAMES, list(MODEL_NAMES).index(model) if model in MODEL_NAMES
+            else model)
+
+
+def long_context_h100(results) -> list:
+    """The plan of each model at long sequences with the block tiled over the sequence
+    (docs/results/long_context_plan_<model>_h100_host<N>gib.json: a --sweep), and the largest
+    sequence that fits."""
+    pattern = re.compile(r"long_context_plan_(\w+)_h100_host(\d+)gib\.json$")
+    files = sorted(glob.glob(os.path.join(results, "long_context_plan_*_h100_host*gib.json")))
+    by_model = {pattern.match(os.path.basename(f)).group(1): load(f) for f in files}
+    rows, largest = [], []
+    for model in sorted(by_model, key=_model_order):
+        name = MODEL_NAMES.get(model, model)
+        for i, row in enumerate(by_model[model]):
+            kinds = row["device"][row["peak_phase"]]
+            both = (f"{gb(row['workspace_cpu_compiled']['backward'], '.2f')} / "
+                    f"{gb(row['workspace']['backward'], '.2f')}")
+            rows.append((name if i == 0 else "", f"{row['seq_len']:,}",
+                         f"{gb(row['device_peak'], '.2f')} ({row['peak_phase']})",
+                         *(gb(kinds[k], ".2f") for k in KINDS), both,
+                         f"{gb(row['host_total'], '.1f')} ({gb(row['host']['activations'], '.1f')})",
+                         _fits(row)))
+        largest.append(f"{name} {by_model[model][0]['largest_seq_len']:,} tokens")
+    head = ("model", "tokens", "device peak GB (phase)", *(f"{k} GB" for k in KINDS),
+            "block backward workspace GB, XLA:CPU / bf16 estimate", "host RAM GB (activations)",
+            "fits")
+    return table(head, rows, right=tuple(range(1, 11))) + [
+        "", "Largest sequence that fits (the plan's search, compiled at each length it tries, "
+        "within 2%): " + "; ".join(largest) + "."]
 
 
 # ----------------------------------------------------------------------------- GPU results
@@ -264,7 +300,7 @@ def gpu(results) -> list:
 
 
 SECTIONS = {"long_context_cpu": long_context_cpu, "plan_h100": plan_h100,
-            "step_time_h100": step_time_h100, "gpu": gpu}
+            "step_time_h100": step_time_h100, "long_context_h100": long_context_h100, "gpu": gpu}
 
 
 def render(text: str, results: str) -> str:

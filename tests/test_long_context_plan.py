@@ -1,0 +1,47 @@
+"""The plan at long sequences with the block tiled over the sequence (issue 25): the largest
+sequence it reports is the compiled boundary (a length that fits, and one 2% longer that does
+not, both planned with their own compiled workspaces), and its report says what offloaded
+activations take of host RAM, where they could go, and which workspace figure it uses."""
+
+import dataclasses
+import math
+
+from megatrain_jax.config import Config, DataConfig, OptimizerConfig, TrainConfig
+from megatrain_jax.model import ModelConfig
+from megatrain_jax.plan import LARGEST_SEQ_TOLERANCE, Machine, plan
+
+MODEL = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_heads=4, num_kv_heads=2)
+# a GPU-like machine planned on the CPU: workspaces compiled by XLA:CPU as a bf16 estimate
+MACHINE = Machine("small GPU", device_memory_gb=0.02, host_memory_gb=1.0, bf16_tflops=1.0,
+                  host_device_gbps=10.0)
+BLOCK = 64
+
+
+def config(seq: int) -> Config:
+    return Config(model=MODEL, optimizer=OptimizerConfig(),
+                  data=DataConfig(seq_len=seq, batch_size=1, micro_batches=1),
+                  train=TrainConfig(steps=4, compute_dtype="bfloat16", grad_dtype="bfloat16",
+                                    offload_activations=True, attention="blockwise",
+                                    attention_block=BLOCK, tile_size=4 * BLOCK, loss_chunk=256))
+
+
+def test_largest_seq_is_the_compiled_boundary_within_2_percent():
+    largest = plan(config(1024), MACHINE).largest_seq_len
+    assert largest > 1024
+    assert plan(config(largest), MACHINE).fits
+    longer = math.ceil(largest * (1 + LARGEST_SEQ_TOLERANCE) / BLOCK) * BLOCK
+    assert not plan(config(longer), MACHINE).fits, (largest, longer)
+
+
+def test_report_names_the_activations_host_ram_and_the_workspace_figures():
+    p = plan(config(2048), dataclasses.replace(MACHINE, device_memory_gb=1.0))
+    report = p.report()
+    acts = p.host["activations"]
+    assert acts == MODEL.num_layers * 2048 * MODEL.hidden_size * 2  # bf16 inputs of each layer
+    assert "offloaded activations: " in report and "stay in host RAM either way" in report
+    assert "XLA:CPU as compiled / bf16 estimate" in report
+    # the plan's figures are the estimate; XLA:CPU's own (hoisting fp32 copies) is no smaller
+    for phase, estimate in p.workspace.items():
+        assert estimate <= p.workspace_cpu_compiled[phase], phase
+    assert p.to_dict()["workspace_cpu_compiled"] == p.workspace_cpu_compiled
