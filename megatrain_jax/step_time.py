@@ -48,13 +48,12 @@ RESOURCES = ("dispatch", "h2d", "d2h", "device", "host update")
 #   8192^3 bf16 matmul measured 769-798 TFLOP/s on the device tool's H100 (its KINDS.md).
 # - bus: ~55 GB/s each way, a typical measured pinned-memory copy on PCIe Gen5 x16 (63 GB/s on
 #   paper); the same figure as plan.MACHINES["h100"].
-# - host update: 13.2 GB/s (30 B/param), the engine's fused AdamW update at all (2) cores of the
-#   2-core AMD EPYC VM, heavily loaded, 2026-11-26 (docs/benchmarks.md, "Host optimizer", the
-#   default row); a 16-core host should do better: the GPU checklist measures it
-#   (scripts/bench_optimizer.py).
+# - host update: 69.8 GB/s (30 B/param), the engine's fused AdamW update (clipping on) at all 16
+#   cores of the device tool's H100 host (Intel Xeon, 1 socket), 2026-11-26, jax 0.11.2
+#   (docs/results/2026-11-26-h100/optimizer.json; torch's fused AdamW did 133 GB/s there).
 # - dispatch: 20 us per jitted call or device_put, an assumption (no figure measured yet): the
 #   checklist measures a tiny jitted op to completion (transfer.json, small_d2h.tiny_op_ms).
-DEFAULTS = {"h2d_gbps": 55.0, "d2h_gbps": 55.0, "device_tflops": 989.0, "host_update_gbps": 13.2,
+DEFAULTS = {"h2d_gbps": 55.0, "d2h_gbps": 55.0, "device_tflops": 989.0, "host_update_gbps": 69.8,
             "dispatch_us": 20.0}
 
 

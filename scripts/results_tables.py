@@ -214,11 +214,14 @@ def long_context_rows(items) -> list:
 
 
 def optimizer_rows(items) -> list:
-    rows = [(name, r["threads"], "on" if r.get("clip") else "off", f"{r['params'] / 1e6:,.0f}M",
-             f"{r['update_gb_s']:.2f}", f"{r['mparams_per_s']:,.0f}",
-             f"{r['optimizer_vs_copy_bandwidth']:.3f}") for name, r in items]
-    return table(("file", "threads", "clip", "params", "update GB/s", "Mparams/s",
-                  "R (vs copy)"), rows)
+    """bench_optimizer.py's table: the engine's update beside torch's AdamW and a copy, per
+    thread count."""
+    rows = [(name, "kernel" if r.get("native_kernel") else "optax" if r.get("optax") else "JAX",
+             "on" if r.get("clip") else "off", f"{r['params'] / 1e6:,.0f}M", t["measurement"],
+             t["threads"], f"{t['ms']:,.1f}", f"{t['gb_s']:.2f}", t["page_faults"])
+            for name, r in items for t in r["table"]]
+    return table(("file", "engine path", "clip", "params", "measurement", "threads", "ms",
+                  "GB/s", "page faults"), rows, right=(5, 6, 7, 8))
 
 
 def step_time_rows(items) -> list:

@@ -276,24 +276,29 @@ def test_hf_directory_with_its_tokenizer_through_the_cli(tmp_path, capsys):
 
 def test_readme_finetuning_recipe_as_written_through_a_sample(tmp_path, capsys):
     """README's "Fine-tuning a Hugging Face model" commands, as written (train, export, sample),
-    on the tiny Llama with its tokenizer (its directory for the model's, a small corpus, run
+    on the tiny Llama with its tokenizer (its directory for the model's, two small Parquet shards, run
     directories under tmp_path; fewer steps and shorter rows appended to the training)."""
     import numpy as np
     from test_dpo import readme_commands
     model_dir = tmp_path / "model"
     llama_with_tokenizer(model_dir)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     rng = np.random.default_rng(0)
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(
-        '{"text": "%s"}\n' % " ".join(rng.choice([f"w{i}" for i in range(90)], size=20))
-        for _ in range(40)))
+    shards = tmp_path / "datasets/fineweb-edu/data"  # the recipe's Parquet shards, as written
+    shards.mkdir(parents=True)
+    words = [f"w{i}" for i in range(90)]
+    for k in range(2):
+        rows = [" ".join(rng.choice(words, size=20)) for _ in range(20)]
+        pq.write_table(pa.table({"text": rows}), shards / f"train-0000{k}.parquet")
     scripts = {"scripts/train.py": commands.train, "scripts/export_hf.py": commands.export,
                "scripts/generate.py": commands.generate}
     ran = []
     for argv in readme_commands("## Fine-tuning a Hugging Face model"):
         assert argv[0] == "python" and argv[1] in scripts, argv
         args = [a.replace("models/Qwen2.5-0.5B", str(model_dir))
-                .replace("=corpus.jsonl", f"={corpus}").replace("runs/", f"{tmp_path}/runs/")
+                .replace("=datasets/", f"={tmp_path}/datasets/")
+                .replace("runs/", f"{tmp_path}/runs/")
                 for a in argv[2:]]
         if argv[1] == "scripts/train.py":
             args += ["train.steps=2", "data.seq_len=16", "data.batch_size=2",

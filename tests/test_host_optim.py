@@ -14,7 +14,7 @@ from flax import nnx
 from toy_model import Embed, Head, capture_grads
 
 from megatrain_jax import StreamedEngine
-from megatrain_jax.engine import fused_adamw
+from megatrain_jax.engine import fused_adamw, transfer
 from megatrain_jax.config import ConfigError, OptimizerConfig, load_config
 from megatrain_jax.model import ModelConfig, make_block, make_stages
 from megatrain_jax.train import build_engine, build_optimizer
@@ -209,8 +209,13 @@ def test_bf16_gradients_cross_and_wait_on_the_host_as_bf16():
     engine.train_step(tokens[..., :-1], tokens[..., 1:])
     engine.wait()
     assert sorted(received) == list(range(1 + L))
+    parcel = lambda x: isinstance(x, transfer.Parcel)
+    host = jax.sharding.SingleDeviceSharding(engine.host_device)
     for u, grads in received.items():
-        for leaf in jax.tree.leaves(grads):
+        crossed = [piece for x in jax.tree.leaves(grads, is_leaf=parcel)
+                   for piece in (x.token() if parcel(x) else [x])]
+        assert crossed and all(x.dtype == jnp.bfloat16 for x in crossed), u  # what crossed
+        for leaf in jax.tree.leaves(transfer.arrive(grads, host)):  # what the update reads
             assert leaf.devices() == {engine.host_device}, u
             assert leaf.dtype == jnp.bfloat16, f"unit {u}'s gradient waits on the host as {leaf.dtype}"
     params = jax.tree.leaves(engine.params())

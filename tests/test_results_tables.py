@@ -48,6 +48,8 @@ def test_a_changed_figure_changes_its_table(tmp_path):
 def test_a_gpu_sessions_folder_renders_as_tables(tmp_path):
     results = tmp_path / "results"
     shutil.copytree(RESULTS, results)
+    for committed in [d for d in results.iterdir() if d.is_dir()]:  # real sessions' folders
+        shutil.rmtree(committed)
     session = results / "2026-12-01-h100"
     session.mkdir()
     shutil.copy(results / "cpu_long_context_32k.json", session / "long_32k_auto.json")
