@@ -274,20 +274,21 @@ def encode_conversation(template: ChatTemplate, tokenizer, messages: list, where
     return ids, assistant
 
 
-def read_conversations(path: str, bad: BadRows):
+def read_conversations(path: str, bad: BadRows, key: str = "data.path"):
     """("where", messages) for every conversation of data in any record format (sources.files:
     a file, glob or directory of .jsonl, .parquet, .arrow); a bad one is counted in `bad`."""
-    for where, obj in read_records(path, "conversations", ("messages", "prompt", "completion")):
+    for where, obj in read_records(path, "conversations", ("messages", "prompt", "completion"),
+                                   key):
         try:
             yield where, record_messages(obj, where)
         except DataError as e:
             bad.add(e)
 
 
-def read_records(path: str, what: str, columns: tuple):
+def read_records(path: str, what: str, columns: tuple, key: str = "data.path"):
     """("where", record) for every record of a file, glob or directory of `what` (JSONL lines, or
     table rows with those of `columns` the table has); where names the file and line or row."""
-    yield from records(resolve(path), list(columns), what)
+    yield from records(resolve(path, key), list(columns), what)
 
 
 # -----------------------------------------------------------------------------
@@ -322,14 +323,15 @@ class Examples:
 
 
 def load_examples(path: str, tokenizer, template: ChatTemplate, *, seq_len: int,
-                  overlong: str = "truncate", vocab_size: int | None = None) -> Examples:
+                  overlong: str = "truncate", vocab_size: int | None = None,
+                  key: str = "data.path") -> Examples:
     """The conversations of a chat JSONL file as training examples of at most seq_len + 1 tokens
     (seq_len inputs and targets). A longer one is truncated or skipped per `overlong`, and
     counted. Raises DataError naming file and line for a bad line, or if no example is left."""
     if overlong not in OVERLONG:
         raise DataError(f"data.overlong must be one of {', '.join(OVERLONG)}, got {overlong!r}")
     out, bad = Examples(path, [], []), BadRows(path)
-    for where, messages in read_conversations(path, bad):
+    for where, messages in read_conversations(path, bad, key):
         out.conversations += 1
         if bad.count:  # the load fails at the end, naming the first and counting them all
             continue
@@ -485,8 +487,9 @@ def load_sft(d, tokenizer, *, vocab_size: int, seed: int, num_eval_batches: int)
     or data.eval_path's for evaluation. The dataset's `summary` says what was truncated, skipped
     and packed."""
     template = ChatTemplate.for_tokenizer(tokenizer.path)
-    load = lambda path: load_examples(path, tokenizer, template, seq_len=d.seq_len,
-                                      overlong=d.overlong, vocab_size=vocab_size)
+    load = lambda path, key="data.path": load_examples(
+        path, tokenizer, template, seq_len=d.seq_len, overlong=d.overlong, vocab_size=vocab_size,
+        key=key)
     examples = load(d.path)
     lines = [f"sft data: {examples.report(d.seq_len, d.overlong)}"]
     held_out, what = None, None
@@ -499,9 +502,10 @@ def load_sft(d, tokenizer, *, vocab_size: int, seed: int, num_eval_batches: int)
                 f"{d.path})")
     elif d.eval_path:
         try:
-            held_out = load(d.eval_path)
-        except DataError as e:
-            raise DataError(f"data.eval_path: {e}") from None
+            held_out = load(d.eval_path, "data.eval_path")
+        except DataError as e:  # named already where the path did not resolve
+            raise DataError(str(e) if "data.eval_path" in str(e)
+                            else f"data.eval_path: {e}") from None
         what = f"data.eval_path={d.eval_path}"
         lines.append(f"sft eval data: {held_out.report(d.seq_len, d.overlong)}")
     rows = pack(examples, d.seq_len)

@@ -285,11 +285,12 @@ def _keep_metrics_through(path: str, step: int):
         os.replace(path + ".tmp", path)
 
 
-def resume_point(cfg: Config, log=print) -> int | None:
+def resume_point(cfg: Config, log=print, data_identity=None) -> int | None:
     """The checkpoint step this run resumes from (None: a fresh run), after checking it can: it must
     be the latest (steps retrained past an older one would not replace the newer checkpoints, which
     are never overwritten), and its saved config must agree with cfg on every RESUME_KEYS key not in
-    checkpoint.allow_changes. Reads only the checkpoint's meta; writes nothing."""
+    checkpoint.allow_changes, and its data files' identity must be data_identity's (default:
+    the data as it is now). Reads only the checkpoint's meta; writes nothing."""
     directory = os.path.join(cfg.run_dir, "checkpoints")
     if not os.path.isdir(directory):
         if cfg.checkpoint.resume_step >= 0:
@@ -319,7 +320,7 @@ def resume_point(cfg: Config, log=print) -> int | None:
                 f"{new!r} now; to resume with the new value, add checkpoint.allow_changes=[{key}]")
         log(f"resuming with a changed {key}: {old!r} in {where}, {new!r} now "
             f"(checkpoint.allow_changes)")
-    now = fingerprint.files_identity(source_files.data_files(cfg.data))
+    now = data_identity or fingerprint.files_identity(source_files.data_files(cfg.data))
     change = ("data_files" in meta and  # older checkpoints did not record their data
               fingerprint.first_change(meta["data_files"], now))
     if change:
@@ -429,7 +430,8 @@ ADVICE_AFTER = 3  # steps into a run: the first compiles, the next two are measu
 
 def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[dict]:
     primary = jax.process_index() == 0
-    resume_step = resume_point(cfg, log)
+    identity = fingerprint.files_identity(source_files.data_files(cfg.data))  # read once
+    resume_step = resume_point(cfg, log, identity)
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
     if os.path.isdir(ckpt_dir):  # else run_dir was just checked; make_manager creates it
         checkpoint.check_writable(ckpt_dir)  # before training, not at the first save
@@ -463,7 +465,6 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
         meta = checkpoint.restore(manager, engine, resume_step)
         dataset.restore(meta["data_state"])
         start, saved_progress = meta["step"], meta.get("progress", {})
-    identity = fingerprint.files_identity(source_files.data_files(cfg.data))
 
     log(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
     peak_flops, peak_source = _peak_flops(cfg, engine.compute_device)

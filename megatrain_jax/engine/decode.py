@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from megatrain_jax.engine.functions import used_inputs
+from megatrain_jax.engine import transfer
 from megatrain_jax.engine.transfer import nbytes
 from megatrain_jax.engine.stream import Counters, LayerStream, delete
 from megatrain_jax.engine.streamed import param_split
@@ -62,9 +63,9 @@ class StreamedDecoder:
         self.compute = jax.sharding.SingleDeviceSharding(self.compute_device)
         host = jax.sharding.SingleDeviceSharding(self.host_device)
         # As HostState's bus copies: in the accelerator's pinned host memory, which it reads by DMA.
-        kinds = {m.kind for m in self.compute_device.addressable_memories()}
+        kinds = transfer.memory_kinds(self.compute_device)
         self.bus = host if (self.compute_device == self.host_device
-                            or "pinned_host" not in kinds) else jax.sharding.SingleDeviceSharding(
+                            or transfer.PINNED not in kinds) else jax.sharding.SingleDeviceSharding(
             self.compute_device, memory_kind="pinned_host")
         self.counters = Counters()
         self.on_layer = None  # on_layer(layer) after each layer's work is dispatched (tests)

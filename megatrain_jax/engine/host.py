@@ -53,8 +53,8 @@ class HostState:
         # no staging copy. The update cannot write there (another device's memory), so it writes
         # into a reused host buffer (`staging`, one per unit structure) that is then copied over.
         # When state and compute share a device, the bus is a host buffer rewritten in place.
-        kinds = {m.kind for m in compute_device.addressable_memories()}
-        self.bus_in_place = compute_device == host_device or "pinned_host" not in kinds
+        self.bus_in_place = (compute_device == host_device
+                             or transfer.PINNED not in transfer.memory_kinds(compute_device))
         # In place and fp32 compute: the bus copy is the master weights themselves (not with
         # the disk tier, where the weights leave RAM between updates).
         self.bus_is_params = (self.bus_in_place and self.compute_dtype == jnp.float32

@@ -13,7 +13,7 @@ import dataclasses
 
 import jax
 
-from megatrain_jax.engine import schedule
+from megatrain_jax.engine import schedule, transfer
 
 
 @dataclasses.dataclass
@@ -88,11 +88,11 @@ class Activations:
         self.offload, self.transfers = offload, transfers
         self.device = sharding or jax.sharding.SingleDeviceSharding(compute_device)
         if offload:
-            kinds = {m.kind for m in compute_device.addressable_memories()}
-            if "pinned_host" not in kinds:
+            kinds = transfer.memory_kinds(compute_device)
+            if transfer.PINNED not in kinds:
                 raise ValueError(f"train.offload_activations=true: the compute device "
-                                 f"{compute_device} ({compute_device.platform} backend) has no pinned_host memory (it has "
-                                 f"{', '.join(sorted(kinds))})")
+                                 f"{compute_device} ({compute_device.platform} backend) has no "
+                                 f"pinned_host memory (it has {', '.join(sorted(kinds))})")
             self.host = self.device.with_memory_kind("pinned_host")
         self._saved = {}
 

@@ -138,6 +138,7 @@ class MixtureDataset:
         except (KeyError, TypeError, ValueError):
             raise bad from None
         if len(positions) != len(self.sources) or len(state["epochs"]) != len(positions) \
+                or len(state["indices"]) != len(positions) \
                 or len(tokens) != len(positions) or batch < 0:
             raise bad
         for source, position in zip(self.sources, positions):
