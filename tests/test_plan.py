@@ -2,6 +2,7 @@
 the state), and scripts/plan.py end to end."""
 
 import dataclasses
+import gc
 import json
 import os
 import re
@@ -80,7 +81,6 @@ def measure_step(engine, cfg, workspace=None) -> tuple[dict, dict]:
     engine.functions = None  # rebuilt for this shape, then instrumented
     f = engine.device_functions(inputs[0], targets[0])
     compute = engine.compute_device
-    baseline = device_bytes(compute)
     temps = dict(workspace or {})
     samples, peaks = [], {}
     for name, phase in [("embed", "embed"), ("block_fwd", "forward"), ("head", "loss"),
@@ -101,8 +101,18 @@ def measure_step(engine, cfg, workspace=None) -> tuple[dict, dict]:
             raise _DeviceWorkDone
 
     engine.on_phase = on_phase
-    with pytest.raises(_DeviceWorkDone):
-        engine.train_step(inputs, targets, context)
+    # jax.live_arrays() sees every array of the process on the compute device (CPU device 0,
+    # every other test's default device): garbage that earlier tests left in reference cycles
+    # would count in the baseline and, collected mid-step, lower every later sample (CI saw the
+    # backward 1.27 MB under the plan). Collected before, no collection during.
+    gc.collect()
+    gc.disable()
+    try:
+        baseline = device_bytes(compute)
+        with pytest.raises(_DeviceWorkDone):
+            engine.train_step(inputs, targets, context)
+    finally:
+        gc.enable()
     return peaks, temps
 
 
