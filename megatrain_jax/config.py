@@ -33,6 +33,20 @@ def did_you_mean(key: str, choices, prefix: str = "") -> str:
     return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
+def _at_least(least: int, section: str, **values):
+    """Refuses the first of values (section keys) under least."""
+    for key, value in values.items():
+        if value < least:
+            raise ConfigError(f"{section}.{key} must be >= {least}, got {value}")
+
+
+def _one_of(key: str, value: str, choices):
+    """Refuses a value not among choices, suggesting the closest."""
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {value!r}"
+                          f"{did_you_mean(value, choices)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     learning_rate: float = 3e-3
@@ -49,6 +63,21 @@ class OptimizerConfig:
     weight_decay: float = 0.1  # applied to matrices only: never to norms or biases
     max_grad_norm: float = 1.0  # global-norm clipping; 0 turns it off
 
+    def check(self):
+        if self.learning_rate <= 0:
+            raise ConfigError(f"optimizer.learning_rate must be > 0, got {self.learning_rate}")
+        if self.max_grad_norm < 0:
+            raise ConfigError(f"optimizer.max_grad_norm must be >= 0, got {self.max_grad_norm}")
+        for key, ok, rule in [
+                ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
+                ("b1", 0 <= self.b1 < 1, "in [0, 1)"), ("b2", 0 <= self.b2 < 1, "in [0, 1)"),
+                ("eps", self.eps >= 0, ">= 0"), ("weight_decay", self.weight_decay >= 0, ">= 0"),
+                ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+                ("decay_fraction", 0 < self.decay_fraction <= 1, "in (0, 1]")]:
+            if not ok:
+                raise ConfigError(f"optimizer.{key} must be {rule}, got {getattr(self, key)}")
+        _one_of("optimizer.schedule", self.schedule, SCHEDULES)
+
 
 @dataclasses.dataclass(frozen=True)
 class SourceConfig:
@@ -57,6 +86,14 @@ class SourceConfig:
     weight: float = 1.0  # the share of windows drawn from it: weight / the sum of the weights
     text_field: str = ""  # "": data.text_field
     token_dtype: str = ""  # "": data.token_dtype
+
+    def check(self, i: int):
+        """As data.sources.<i>."""
+        if not self.path:
+            raise ConfigError(f"data.sources.{i}.path is empty; give a file, glob or directory")
+        if not self.weight > 0:
+            raise ConfigError(f"data.sources.{i}.weight must be > 0, got {self.weight} "
+                              f"({self.path})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +134,46 @@ class DataConfig:
     # resumes): "" is ~/.cache/megatrain_jax/tokens ($XDG_CACHE_HOME), shared by this user's runs.
     cache_dir: str = ""
 
+    def check(self):
+        _at_least(1, "data", seq_len=self.seq_len, batch_size=self.batch_size,
+                  micro_batches=self.micro_batches)
+        if self.eval_path and self.eval_fraction:
+            raise ConfigError(f"data.eval_path ({self.eval_path!r}) and data.eval_fraction "
+                              f"({self.eval_fraction}) are both set; give one held-out split")
+        if self.eval_fraction and not 0 < self.eval_fraction <= 0.5:
+            raise ConfigError(f"data.eval_fraction must be 0 (none) or in (0, 0.5], "
+                              f"got {self.eval_fraction}")
+        for i, source in enumerate(self.sources):
+            source.check(i)
+        if self.sources and self.format != "text":
+            raise ConfigError(f"data.sources (a mixture) is for data.format=text, got "
+                              f"data.format={self.format}; give data.path")
+        if self.sources and self.eval_fraction:
+            raise ConfigError("data.eval_fraction with data.sources: give the held-out data as "
+                              "data.eval_path")
+        _one_of("data.format", self.format, FORMATS)
+        _one_of("data.overlong", self.overlong, OVERLONG)
+        if self.format in ("sft", "preference"):
+            self._check_chat()
+
+    def _check_chat(self):
+        """data.format sft or preference."""
+        if not self.document_mask:
+            why = ("SFT packs several conversations per row, kept apart by document masks"
+                   if self.format == "sft" else "its rows mark their padding with segment ids")
+            raise ConfigError(f"data.document_mask=false with data.format={self.format}: {why}; "
+                              f"leave data.document_mask out or set it true")
+        if not self.tokenizer.endswith(".json"):
+            raise ConfigError(f"data.format={self.format} needs data.tokenizer to be a "
+                              f"tokenizer.json with the model's chat template beside it, "
+                              f"got {self.tokenizer!r}")
+        if self.format == "preference" and self.batch_size % 2:
+            raise ConfigError(f"data.batch_size must be even with data.format=preference (rows: "
+                              f"the chosen and the rejected of each pair), got {self.batch_size}")
+        if self.format == "preference" and (self.eval_path or self.eval_fraction):
+            raise ConfigError("data.eval_path and data.eval_fraction are not supported with "
+                              "data.format=preference yet; leave them out")
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -124,6 +201,26 @@ class TrainConfig:
     eval_every: int = 0
     eval_batches: int = 4
 
+    def check(self):
+        _at_least(1, "train", steps=self.steps, log_every=self.log_every,
+                  eval_batches=self.eval_batches, attention_block=self.attention_block,
+                  loss_chunk=self.loss_chunk, max_bad_steps=self.max_bad_steps)
+        _at_least(0, "train", prefetch=self.prefetch, tile_size=self.tile_size,
+                  loss_vocab_chunk=self.loss_vocab_chunk)
+        for key in ("compute_dtype", "grad_dtype"):
+            if getattr(self, key) not in ("bfloat16", "float32"):
+                raise ConfigError(f"train.{key} must be bfloat16 or float32, "
+                                  f"got {getattr(self, key)!r}")
+        if self.eval_every < 0:
+            raise ConfigError(f"train.eval_every must be >= 0 (0: only at the end), "
+                              f"got {self.eval_every}")
+        if self.offload_activations not in (True, False, "auto"):
+            raise ConfigError(f"train.offload_activations must be true, false or auto, "
+                              f"got {self.offload_activations!r}")
+        if self.attention not in IMPLEMENTATIONS:
+            raise ConfigError(f"train.attention must be one of {', '.join(IMPLEMENTATIONS)}, "
+                              f"got {self.attention!r}")
+
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
@@ -134,6 +231,24 @@ class CheckpointConfig:
     # Keys of RESUME_KEYS that may differ from the checkpoint a run resumes from, e.g. [train.steps]
     # to extend a finished run; every allowed change is logged.
     allow_changes: tuple[str, ...] = ()
+
+    def check(self, cfg: "Config"):
+        """cfg: the whole config, which checkpoint.allow_changes names keys of."""
+        _at_least(1, "checkpoint", keep=self.keep)
+        _at_least(0, "checkpoint", every=self.every)
+        if self.resume_step < -1:
+            raise ConfigError(f"checkpoint.resume_step must be a step >= 0 or -1 (the latest), "
+                              f"got {self.resume_step}")
+        under = lambda key, keys: any(k == key or k.startswith(key + ".") for k in keys)
+        for key in self.allow_changes:  # a key or a section, e.g. train.steps, optimizer
+            flat = _flatten(to_dict(cfg))
+            if not under(key, flat):
+                sections = {k.rpartition(".")[0] for k in flat} - {""}
+                raise ConfigError(f"checkpoint.allow_changes: unknown config key {key}"
+                                  f"{did_you_mean(key, [*flat, *sections])}")
+            if not under(key, resume_keys(cfg)):
+                raise ConfigError(f"checkpoint.allow_changes: {key} is never compared on resume "
+                                  f"(it may change freely); compared: {', '.join(RESUME_KEYS)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,22 +265,50 @@ class LoggingConfig:
     # devices (megatrain_jax.plan.PEAK_BF16_TFLOPS), and no MFU on a device not in it (a CPU).
     peak_tflops: float = 0.0
 
+    def check(self):
+        if self.peak_tflops < 0:
+            raise ConfigError(f"logging.peak_tflops must be >= 0 (0: from the device's name), "
+                              f"got {self.peak_tflops}")
+        if self.wandb_mode not in ("online", "offline"):
+            raise ConfigError(f"logging.wandb_mode must be online or offline, "
+                              f"got {self.wandb_mode!r}")
 
-TIERS = ("ram", "disk")  # offload.tier
+
+# offload: where each layer's fp32 master weights and optimizer state live between its updates,
+# one of two tiers picked by offload.tier (see Config.offload); the disk tier's keys are its own.
+@dataclasses.dataclass(frozen=True)
+class RamTier:
+    """offload.tier=ram: in host RAM (~16 B/param)."""
+    tier: str = dataclasses.field(default="ram", init=False)
+
+    def check(self):
+        """The ram tier has no keys of its own."""
 
 
 @dataclasses.dataclass(frozen=True)
-class OffloadConfig:
-    # Where each layer's fp32 master weights and optimizer state live between its updates: ram
-    # (~16 B/param of host RAM) or disk (files under offload.path, read just before each layer's
-    # update and written back after it: ~2-4 B/param of RAM for the bus copies plus a few layers
-    # in flight; bit-identical training). See engine/tier.py.
-    tier: str = "ram"
-    path: str = ""  # disk: a directory of its own on a fast local disk (NVMe)
-    read_ahead: int = 1  # disk: layers read ahead of the one being updated (and written behind)
-    # disk: O_DIRECT, so the disk moves the bytes and the page cache does not fill with the
-    # model: auto (where the filesystem allows it; else buffered, said once), true, false
+class DiskTier:
+    """offload.tier=disk: in files under offload.path, read just before each layer's update and
+    written back after it: ~2-4 B/param of RAM for the bus copies plus a few layers in flight;
+    bit-identical training. See engine/tier.py."""
+    tier: str = dataclasses.field(default="disk", init=False)
+    path: str = ""  # a directory of its own on a fast local disk (NVMe)
+    read_ahead: int = 1  # layers read ahead of the one being updated (and written behind)
+    # O_DIRECT, so the disk moves the bytes and the page cache does not fill with the model:
+    # auto (where the filesystem allows it; else buffered, said once), true, false
     direct_io: typing.Union[bool, str] = "auto"
+
+    def __post_init__(self):
+        """The values, checked when built: also when given with offload.tier=ram, where the keys
+        are then refused (_build_choice), so that a wrong value is named as such first."""
+        _at_least(0, "offload", read_ahead=self.read_ahead)
+        if self.direct_io not in (True, False, "auto"):
+            raise ConfigError(f"offload.direct_io must be true, false or auto, "
+                              f"got {self.direct_io!r}")
+
+    def check(self):
+        if not self.path:
+            raise ConfigError("offload.tier=disk needs offload.path, a directory on a fast local "
+                              "disk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +331,27 @@ class DistributedConfig:
     # of the fp32 master weights and optimizer state, and saves its part of a checkpoint.
     shard_optimizer: bool = False
 
+    def check(self):
+        if self.local_devices < 0:
+            raise ConfigError(f"distributed.local_devices must be >= 0 (0: every accelerator, or "
+                              f"1 on a CPU-only machine), got {self.local_devices}")
+        _at_least(1, "distributed", num_processes=self.num_processes, timeout_s=self.timeout_s)
+        if not 0 <= self.process_id < self.num_processes:
+            raise ConfigError(f"distributed.process_id must be in [0, distributed.num_processes="
+                              f"{self.num_processes}), got {self.process_id}")
+        if self.num_processes > 1 and not self.coordinator:
+            raise ConfigError(f"distributed.num_processes={self.num_processes} needs "
+                              f"distributed.coordinator (host:port of process 0, or auto)")
+        if self.coordinator in ("", "auto"):
+            return
+        if not re.fullmatch(r"[^\s:]+:\d+|\[[^\]]+\]:\d+", self.coordinator):
+            raise ConfigError(f"distributed.coordinator must be host:port (or auto), "
+                              f"got {self.coordinator!r}")
+        port = int(self.coordinator.rsplit(":", 1)[1])
+        if not 0 < port < 65536:  # refused now, not blamed on reachability after the timeout
+            raise ConfigError(f"distributed.coordinator={self.coordinator}: port {port} is not a "
+                              f"TCP port (1 to 65535)")
+
 
 @dataclasses.dataclass(frozen=True)
 class DPOConfig:
@@ -197,6 +361,11 @@ class DPOConfig:
     # Where the reference log-probs cache lives ("": run_dir); one file per (data, tokenizer,
     # model, settings) key, so a directory shared by runs reuses them.
     reference_dir: str = ""
+
+    def check(self):
+        if self.beta <= 0:
+            raise ConfigError(f"dpo.beta must be > 0, got {self.beta}")
+        _one_of("dpo.loss", self.loss, DPO_LOSSES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +377,10 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
     dpo: DPOConfig = DPOConfig()
-    offload: OffloadConfig = OffloadConfig()
+    # One of the tiers, picked by offload.tier: {tier: ram} (the default) or {tier: disk, path:
+    # ..., read_ahead: ..., direct_io: ...}; a disk key with the ram tier is an error.
+    offload: typing.Union[RamTier, DiskTier] = dataclasses.field(default=RamTier(),
+                                                                 metadata={"choice": "tier"})
     distributed: DistributedConfig = DistributedConfig()
     run_dir: str = "runs/tiny"
 
@@ -238,20 +410,33 @@ def _coerce(key: str, value, typ):
     return value
 
 
-def _build(cls, data: dict, prefix: str):
+def _mapping(data, prefix: str, known) -> dict:
+    """data, checked to be a mapping of no keys but the known ones (named with prefix)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
-    fields = {_yaml_name(f): f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(known))
     if unknown:
         raise ConfigError(f"unknown config key: {prefix}{unknown[0]}"
-                          f"{did_you_mean(unknown[0], fields, prefix)}")
+                          f"{did_you_mean(unknown[0], known, prefix)}")
+    return data
+
+
+def _keys(cls) -> list:
+    """The YAML keys of a section dataclass (a choice's name, set by its class, is not one)."""
+    return [_yaml_name(f) for f in dataclasses.fields(cls) if f.init]
+
+
+def _build(cls, data: dict, prefix: str):
+    fields = {_yaml_name(f): f for f in dataclasses.fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
     kwargs = {}
-    for name, value in data.items():
+    for name, value in _mapping(data, prefix, fields).items():
         f = fields[name]
         typ = hints[f.name]
-        if dataclasses.is_dataclass(typ):
+        if "choice" in f.metadata:  # e.g. offload: RamTier or DiskTier, picked by offload.tier
+            kwargs[f.name] = _build_choice(typing.get_args(typ), f.metadata["choice"], value,
+                                           f"{prefix}{name}.", f.default)
+        elif dataclasses.is_dataclass(typ):
             kwargs[f.name] = _build(typ, value, f"{prefix}{name}.")
         elif typing.get_origin(typ) is tuple and dataclasses.is_dataclass(typing.get_args(typ)[0]):
             if not isinstance(value, (list, tuple)):  # a list of mappings, e.g. data.sources
@@ -264,6 +449,23 @@ def _build(cls, data: dict, prefix: str):
         return cls(**kwargs)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _build_choice(classes, key: str, data, prefix: str, default):
+    """The one of classes that data[key] names (default's when not given): each holds its name in
+    its field `key`. Every other key is built by the classes that have it, which check its value;
+    a key that the named class lacks is then refused by name."""
+    choices = {getattr(cls, key): cls for cls in classes}
+    _mapping(data, prefix, {key, *(k for cls in classes for k in _keys(cls))})
+    name = _coerce(prefix + key, data.get(key, getattr(default, key)), str)
+    _one_of(prefix + key, name, list(choices))
+    built = {cls: _build(cls, {k: v for k, v in data.items() if k in _keys(cls)}, prefix)
+             for cls in classes}
+    for k in data.keys() - {key} - set(_keys(choices[name])):
+        owner = next(n for n, cls in choices.items() if k in _keys(cls))
+        raise ConfigError(f"{prefix}{k} is a key of {prefix}{key}={owner}, and {prefix}{key} is "
+                          f"{name}: set {prefix}{key}={owner} or leave {prefix}{k} out")
+    return built[choices[name]]
 
 
 def _set_dotted(tree: dict, dotted: str, value):
@@ -383,7 +585,12 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
 
 def from_dict(data: dict) -> Config:
     """The Config of plain data as to_dict writes it (a checkpoint's meta, a saved config.yaml),
-    checked as load_config checks a file; model.from_hf is not read again."""
+    checked as load_config checks a file; model.from_hf is not read again. Data written before
+    offload became a choice holds the disk tier's keys whatever the tier: with the ram tier, where
+    they meant nothing, they are dropped."""
+    offload = data.get("offload")
+    if isinstance(offload, dict) and offload.get("tier", RamTier.tier) == RamTier.tier:
+        data = {**data, "offload": {k: v for k, v in offload.items() if k not in _keys(DiskTier)}}
     cfg = _build(Config, data, "")
     _check(cfg)
     return cfg
@@ -404,164 +611,21 @@ def _model_from_hf(given: ModelConfig, given_keys) -> ModelConfig:
 
 
 def _check(cfg: Config):
-    positive = {"train.steps": cfg.train.steps, "data.seq_len": cfg.data.seq_len,
-                "data.batch_size": cfg.data.batch_size, "data.micro_batches": cfg.data.micro_batches,
-                "checkpoint.keep": cfg.checkpoint.keep, "train.log_every": cfg.train.log_every}
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
-    if cfg.train.prefetch < 0:
-        raise ConfigError(f"train.prefetch must be >= 0, got {cfg.train.prefetch}")
-    if cfg.checkpoint.every < 0:
-        raise ConfigError(f"checkpoint.every must be >= 0, got {cfg.checkpoint.every}")
-    if cfg.train.compute_dtype not in ("bfloat16", "float32"):
-        raise ConfigError(f"train.compute_dtype must be bfloat16 or float32, "
-                          f"got {cfg.train.compute_dtype!r}")
-    if cfg.train.grad_dtype not in ("bfloat16", "float32"):
-        raise ConfigError(f"train.grad_dtype must be bfloat16 or float32, got {cfg.train.grad_dtype!r}")
-    if cfg.optimizer.learning_rate <= 0:
-        raise ConfigError(f"optimizer.learning_rate must be > 0, got {cfg.optimizer.learning_rate}")
-    if cfg.optimizer.max_grad_norm < 0:
-        raise ConfigError(f"optimizer.max_grad_norm must be >= 0, got {cfg.optimizer.max_grad_norm}")
-    opt = cfg.optimizer
-    for key, value, ok, rule in [
-            ("warmup_steps", opt.warmup_steps, opt.warmup_steps >= 0, ">= 0"),
-            ("b1", opt.b1, 0 <= opt.b1 < 1, "in [0, 1)"),
-            ("b2", opt.b2, 0 <= opt.b2 < 1, "in [0, 1)"),
-            ("eps", opt.eps, opt.eps >= 0, ">= 0"),
-            ("weight_decay", opt.weight_decay, opt.weight_decay >= 0, ">= 0"),
-            ("min_lr_ratio", opt.min_lr_ratio, 0 <= opt.min_lr_ratio <= 1, "in [0, 1]"),
-            ("decay_fraction", opt.decay_fraction, 0 < opt.decay_fraction <= 1, "in (0, 1]")]:
-        if not ok:
-            raise ConfigError(f"optimizer.{key} must be {rule}, got {value}")
-    if opt.schedule not in SCHEDULES:
-        raise ConfigError(f"optimizer.schedule must be one of {', '.join(SCHEDULES)}, "
-                          f"got {opt.schedule!r}{did_you_mean(opt.schedule, SCHEDULES)}")
-    if cfg.checkpoint.resume_step < -1:
-        raise ConfigError(f"checkpoint.resume_step must be a step >= 0 or -1 (the latest), "
-                          f"got {cfg.checkpoint.resume_step}")
-    under = lambda key, keys: any(k == key or k.startswith(key + ".") for k in keys)
-    for key in cfg.checkpoint.allow_changes:  # a key or a section, e.g. train.steps, optimizer
-        flat = _flatten(to_dict(cfg))
-        if not under(key, flat):
-            sections = {k.rpartition(".")[0] for k in flat} - {""}
-            raise ConfigError(f"checkpoint.allow_changes: unknown config key {key}"
-                              f"{did_you_mean(key, [*flat, *sections])}")
-        if not under(key, resume_keys(cfg)):
-            raise ConfigError(f"checkpoint.allow_changes: {key} is never compared on resume (it "
-                              f"may change freely); compared: {', '.join(RESUME_KEYS)}")
-    if cfg.logging.peak_tflops < 0:
-        raise ConfigError(f"logging.peak_tflops must be >= 0 (0: from the device's name), "
-                          f"got {cfg.logging.peak_tflops}")
-    if cfg.logging.wandb_mode not in ("online", "offline"):
-        raise ConfigError(f"logging.wandb_mode must be online or offline, "
-                          f"got {cfg.logging.wandb_mode!r}")
+    """Each section's own rules (its check, next to it), then the rules across sections."""
+    for section in (cfg.train, cfg.data, cfg.optimizer, cfg.logging, cfg.dpo, cfg.offload,
+                    cfg.distributed):
+        section.check()
+    cfg.checkpoint.check(cfg)
     if not cfg.run_dir:
         raise ConfigError("run_dir must not be empty")
-    data = cfg.data
-    if data.eval_path and data.eval_fraction:
-        raise ConfigError(f"data.eval_path ({data.eval_path!r}) and data.eval_fraction "
-                          f"({data.eval_fraction}) are both set; give one held-out split")
-    if data.eval_fraction and not 0 < data.eval_fraction <= 0.5:
-        raise ConfigError(f"data.eval_fraction must be 0 (none) or in (0, 0.5], "
-                          f"got {data.eval_fraction}")
-    for i, source in enumerate(data.sources):
-        if not source.path:
-            raise ConfigError(f"data.sources.{i}.path is empty; give a file, glob or directory")
-        if not source.weight > 0:
-            raise ConfigError(f"data.sources.{i}.weight must be > 0, got {source.weight} "
-                              f"({source.path})")
-    if data.sources and data.format != "text":
-        raise ConfigError(f"data.sources (a mixture) is for data.format=text, got "
-                          f"data.format={data.format}; give data.path")
-    if data.sources and data.eval_fraction:
-        raise ConfigError("data.eval_fraction with data.sources: give the held-out data as "
-                          "data.eval_path")
-    if data.format not in FORMATS:
-        raise ConfigError(f"data.format must be one of {', '.join(FORMATS)}, got {data.format!r}"
-                          f"{did_you_mean(data.format, FORMATS)}")
-    if data.overlong not in OVERLONG:
-        raise ConfigError(f"data.overlong must be one of {', '.join(OVERLONG)}, "
-                          f"got {data.overlong!r}{did_you_mean(data.overlong, OVERLONG)}")
-    if data.format in ("sft", "preference") and not data.document_mask:
-        why = ("SFT packs several conversations per row, kept apart by document masks"
-               if data.format == "sft" else "its rows mark their padding with segment ids")
-        raise ConfigError(f"data.document_mask=false with data.format={data.format}: {why}; leave "
-                          f"data.document_mask out or set it true")
-    if data.format in ("sft", "preference") and not data.tokenizer.endswith(".json"):
-        raise ConfigError(f"data.format={data.format} needs data.tokenizer to be a tokenizer.json "
-                          f"with the model's chat template beside it, got {data.tokenizer!r}")
-    if data.format == "preference":
-        if data.batch_size % 2:
-            raise ConfigError(f"data.batch_size must be even with data.format=preference (rows: "
-                              f"the chosen and the rejected of each pair), got {data.batch_size}")
-        if data.eval_path or data.eval_fraction:
-            raise ConfigError("data.eval_path and data.eval_fraction are not supported with "
-                              "data.format=preference yet; leave them out")
-    if cfg.dpo.beta <= 0:
-        raise ConfigError(f"dpo.beta must be > 0, got {cfg.dpo.beta}")
-    if cfg.dpo.loss not in DPO_LOSSES:
-        raise ConfigError(f"dpo.loss must be one of {', '.join(DPO_LOSSES)}, got {cfg.dpo.loss!r}"
-                          f"{did_you_mean(cfg.dpo.loss, DPO_LOSSES)}")
-    offload = cfg.offload
-    if offload.tier not in TIERS:
-        raise ConfigError(f"offload.tier must be one of {', '.join(TIERS)}, got {offload.tier!r}"
-                          f"{did_you_mean(offload.tier, TIERS)}")
-    if offload.tier == "disk" and not offload.path:
-        raise ConfigError("offload.tier=disk needs offload.path, a directory on a fast local disk")
-    if offload.read_ahead < 0:
-        raise ConfigError(f"offload.read_ahead must be >= 0, got {offload.read_ahead}")
-    if offload.direct_io not in (True, False, "auto"):
-        raise ConfigError(f"offload.direct_io must be true, false or auto, "
-                          f"got {offload.direct_io!r}")
     dist = cfg.distributed
-    if dist.local_devices < 0:
-        raise ConfigError(f"distributed.local_devices must be >= 0 (0: every accelerator, or 1 on "
-                          f"a CPU-only machine), got {dist.local_devices}")
-    if dist.num_processes < 1:
-        raise ConfigError(f"distributed.num_processes must be >= 1, got {dist.num_processes}")
-    if not 0 <= dist.process_id < dist.num_processes:
-        raise ConfigError(f"distributed.process_id must be in [0, distributed.num_processes="
-                          f"{dist.num_processes}), got {dist.process_id}")
-    if dist.num_processes > 1 and not dist.coordinator:
-        raise ConfigError(f"distributed.num_processes={dist.num_processes} needs "
-                          f"distributed.coordinator (host:port of process 0, or auto)")
-    if dist.coordinator not in ("", "auto") and not re.fullmatch(r"[^\s:]+:\d+|\[[^\]]+\]:\d+",
-                                                                 dist.coordinator):
-        raise ConfigError(f"distributed.coordinator must be host:port (or auto), "
-                          f"got {dist.coordinator!r}")
-    if dist.coordinator not in ("", "auto"):
-        port = int(dist.coordinator.rsplit(":", 1)[1])
-        if not 0 < port < 65536:  # refused now, not blamed on reachability after the timeout
-            raise ConfigError(f"distributed.coordinator={dist.coordinator}: port {port} is not a "
-                              f"TCP port (1 to 65535)")
-    if dist.timeout_s < 1:
-        raise ConfigError(f"distributed.timeout_s must be >= 1, got {dist.timeout_s}")
-    if offload.tier == "disk" and dist.num_processes > 1:
+    if cfg.offload.tier == "disk" and dist.num_processes > 1:
         raise ConfigError(f"offload.tier=disk with distributed.num_processes={dist.num_processes}: "
                           f"the disk tier holds one process's state; use offload.tier=ram")
-    if offload.tier == "disk" and dist.shard_optimizer:
+    if cfg.offload.tier == "disk" and dist.shard_optimizer:
         raise ConfigError("distributed.shard_optimizer=true with offload.tier=disk: the disk tier "
                           "holds the whole state; use one or the other")
-    train = cfg.train
-    if train.eval_every < 0:
-        raise ConfigError(f"train.eval_every must be >= 0 (0: only at the end), "
-                          f"got {train.eval_every}")
-    if train.eval_batches < 1:
-        raise ConfigError(f"train.eval_batches must be >= 1, got {train.eval_batches}")
-    if train.offload_activations not in (True, False, "auto"):
-        raise ConfigError(f"train.offload_activations must be true, false or auto, "
-                          f"got {train.offload_activations!r}")
-    if train.attention not in IMPLEMENTATIONS:
-        raise ConfigError(f"train.attention must be one of {', '.join(IMPLEMENTATIONS)}, "
-                          f"got {train.attention!r}")
-    for key, value, least in [("attention_block", train.attention_block, 1),
-                              ("tile_size", train.tile_size, 0), ("loss_chunk", train.loss_chunk, 1),
-                              ("loss_vocab_chunk", train.loss_vocab_chunk, 0),
-                              ("max_bad_steps", train.max_bad_steps, 1)]:
-        if value < least:
-            raise ConfigError(f"train.{key} must be >= {least}, got {value}")
-    tile, block = train.tile_size, train.attention_block
+    tile, block = cfg.train.tile_size, cfg.train.attention_block
     if 0 < tile < cfg.data.seq_len and tile > block and tile % block:
         # a tile's queries start at a key block: no block pair is visited by two tiles
         raise ConfigError(f"train.tile_size ({tile}) must be a multiple of train.attention_block "

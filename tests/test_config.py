@@ -2,17 +2,22 @@
 resume, the closest valid key suggested for an unknown one, and integers written with
 underscores."""
 
+import glob
 import json
 import math
+import os
 
 import numpy as np
 import optax
 import pytest
 
-from megatrain_jax.config import (SCHEDULES, Config, ConfigError, OptimizerConfig, load_config,
-                                  resume_changes, resume_keys, to_dict)
+from megatrain_jax import commands
+from megatrain_jax.config import (SCHEDULES, Config, ConfigError, DiskTier, OptimizerConfig,
+                                  RamTier, from_dict, load_config, resume_changes, resume_keys,
+                                  to_dict)
 from megatrain_jax.train import build_optimizer, build_schedule
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LR, RATIO, WARMUP, STEPS = 2e-3, 0.1, 10, 100
 END = LR * RATIO
 
@@ -201,3 +206,82 @@ def test_integers_are_yaml_1_2_not_octal_or_sexagesimal(tmp_path):
     assert (cfg.train.steps, cfg.train.seed, cfg.checkpoint.every, cfg.data.seq_len) == (10, 16, 8, 64)
     with pytest.raises(ConfigError, match=r"train\.steps.*1:30"):
         load_config(None, ["train.steps=1:30"])
+
+
+# ----------------------------------------------------------------------------- offload, a choice
+
+DISK_KEYS = ("path", "read_ahead", "direct_io")
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+    """{dotted key: value} of a to_dict tree."""
+    out = {}
+    for key, value in tree.items():
+        out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else
+                   {prefix + key: value})
+    return out
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["offload.path=/nvme/tier"], "path"),  # offload.tier left at its default, ram
+    (["offload.tier=ram", "offload.read_ahead=2"], "read_ahead"),
+    (["offload.direct_io=false"], "direct_io"),
+])
+def test_a_disk_key_with_the_ram_tier_is_one_line_exit_2(tmp_path, capsys, overrides, key):
+    message = (f"offload.{key} is a key of offload.tier=disk, and offload.tier is ram: set "
+               f"offload.tier=disk or leave offload.{key} out")
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert str(e.value) == message
+    path = tmp_path / "c.yaml"  # the same in a file
+    path.write_text("offload:\n" + "".join(f"  {o.split('.', 1)[1].replace('=', ': ')}\n"
+                                           for o in overrides))
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path))
+    assert str(e.value) == message
+    run_dir = tmp_path / "run"
+    assert commands.train(["--config", str(path), f"run_dir={run_dir}"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {message}"
+    assert not run_dir.exists()
+
+
+def test_the_disk_keys_belong_to_the_disk_tier():
+    ram = load_config(None)
+    assert ram.offload == RamTier() and ram.offload.tier == "ram"
+    assert not hasattr(ram.offload, "path")  # no dead keys: the ram tier has none of its own
+    disk = load_config(None, ["offload.tier=disk", "offload.path=/nvme/t", "offload.read_ahead=3",
+                              "offload.direct_io=false"])
+    assert disk.offload == DiskTier(path="/nvme/t", read_ahead=3, direct_io=False)
+    assert load_config(None, ["offload.tier=disk", "offload.path=/t"]).offload == DiskTier(path="/t")
+    assert to_dict(ram)["offload"] == {"tier": "ram"}
+    assert to_dict(disk)["offload"] == {"tier": "disk", "path": "/nvme/t", "read_ahead": 3,
+                                        "direct_io": False}
+    for cfg in (ram, disk):  # what a run saves (config.yaml, a checkpoint's meta) loads again
+        assert from_dict(json.loads(json.dumps(to_dict(cfg)))) == cfg
+
+
+def test_a_config_saved_before_the_choice_loads_with_the_ram_tier():
+    """A checkpoint's config written when every offload key was saved whatever the tier: the ram
+    tier's disk keys, which meant nothing, are dropped; the disk tier's are read."""
+    saved = json.loads(json.dumps(to_dict(Config())))
+    saved["offload"] = {"tier": "ram", "path": "", "read_ahead": 1, "direct_io": "auto"}
+    assert from_dict(saved) == Config()
+    saved["offload"] = {"tier": "disk", "path": "/t", "read_ahead": 2, "direct_io": "auto"}
+    assert from_dict(saved).offload == DiskTier(path="/t", read_ahead=2)
+
+
+def test_every_config_file_loads_to_the_values_it_had():
+    """configs/*.yaml and the defaults give the values they had at 6cc7fd1, before offload became
+    a choice (tests/configs_loaded_at_6cc7fd1.json: to_dict's values there, as JSON, flattened;
+    regenerate it where a config changes on purpose). The ram tier's disk keys are gone, and they
+    held the disk tier's defaults, which meant nothing there."""
+    with open(os.path.join(ROOT, "tests", "configs_loaded_at_6cc7fd1.json")) as f:
+        before = json.load(f)
+    assert set(before) == {"defaults", *(os.path.relpath(p, ROOT) for p in
+                                         glob.glob(os.path.join(ROOT, "configs", "*.yaml")))}
+    for name, expected in before.items():
+        cfg = Config() if name == "defaults" else load_config(os.path.join(ROOT, name))
+        if expected["offload.tier"] == "ram":
+            dead = {k: expected.pop(f"offload.{k}") for k in DISK_KEYS}
+            assert dead == {k: getattr(DiskTier(), k) for k in DISK_KEYS}
+        assert flat(json.loads(json.dumps(to_dict(cfg)))) == expected, name

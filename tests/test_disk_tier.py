@@ -293,6 +293,9 @@ def test_plan_reports_the_disk_tier(tmp_path):
     assert p.tier == "disk" and p.host["master"] == p.host["optimizer"] == 0
     assert p.host_by_tier["disk"] == p.host_total < p.host_by_tier["ram"]
     assert p.tier_line().startswith("offload.tier=disk: host RAM ")  # a line of report()
+    # With the ram tier (no disk keys of its own) the disk figure is the disk tier's at its default
+    ram = plan_lib.plan(make_cfg(tmp_path / "run", "model.num_layers=16"), machine)
+    assert ram.tier == "ram" and ram.host_by_tier == p.host_by_tier
 
 
 def test_bench_disk_tier_smoke(tmp_path):
