@@ -671,7 +671,7 @@ def plan(cfg: Config, machine: Machine) -> Plan:
         return _largest_int(lambda b: fits_at(b, T, {
             phase: max(0, w1[phase] + (b - B) * (w2[phase] - w1[phase]) / B) for phase in PHASES}))
 
-    read_ahead = getattr(cfg.offload, "read_ahead", DiskTier.read_ahead)  # ram: the default's
+    read_ahead = getattr(cfg.offload, "read_ahead", DiskTier.read_ahead)  # ram tier: the default
     host_by_kind = {"ram": counts.host(B * T, offload),
                     "disk": counts.host_on_disk(B * T, offload, read_ahead)}
     host = host_by_kind[cfg.offload.tier]
