@@ -461,11 +461,19 @@ def _build_choice(classes, key: str, data, prefix: str, default):
     _one_of(prefix + key, name, list(choices))
     built = {cls: _build(cls, {k: v for k, v in data.items() if k in _keys(cls)}, prefix)
              for cls in classes}
-    for k in data.keys() - {key} - set(_keys(choices[name])):
+    for k in sorted(data.keys() - {key} - set(_keys(choices[name]))):
         owner = next(n for n, cls in choices.items() if k in _keys(cls))
+        if _is_default(built[choices[owner]], k):
+            continue  # as every config.yaml saved before the choice holds them: meaning nothing
         raise ConfigError(f"{prefix}{k} is a key of {prefix}{key}={owner}, and {prefix}{key} is "
                           f"{name}: set {prefix}{key}={owner} or leave {prefix}{k} out")
     return built[choices[name]]
+
+
+def _is_default(section, yaml_key: str) -> bool:
+    """Whether a section's key holds its class's default."""
+    f = next(f for f in dataclasses.fields(section) if _yaml_name(f) == yaml_key)
+    return getattr(section, f.name) == f.default
 
 
 def _set_dotted(tree: dict, dotted: str, value):

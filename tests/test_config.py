@@ -245,6 +245,17 @@ def test_a_disk_key_with_the_ram_tier_is_one_line_exit_2(tmp_path, capsys, overr
     assert not run_dir.exists()
 
 
+def test_a_config_saved_before_the_choice_is_accepted_by_config(tmp_path):
+    """A config.yaml saved before offload became a choice (the ram tier with the disk keys at
+    their defaults), given back to --config, loads: the defaults meant nothing and still don't."""
+    path = tmp_path / "config.yaml"
+    path.write_text("offload:\n  tier: ram\n  path: ''\n  read_ahead: 1\n  direct_io: auto\n")
+    assert load_config(str(path)).offload == RamTier()
+    path.write_text("offload:\n  tier: ram\n  path: ''\n  read_ahead: 2\n")
+    with pytest.raises(ConfigError, match="^offload.read_ahead is a key of offload.tier=disk"):
+        load_config(str(path))
+
+
 def test_the_disk_keys_belong_to_the_disk_tier():
     ram = load_config(None)
     assert ram.offload == RamTier() and ram.offload.tier == "ram"
