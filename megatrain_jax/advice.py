@@ -24,7 +24,9 @@ from typing import Callable
 
 from megatrain_jax import plan as plan_lib
 from megatrain_jax import progress
-from megatrain_jax.plan import ASSUMED_MFU, GB, Machine, format_bytes
+from megatrain_jax.flops import ASSUMED_MFU, flops_per_token
+from megatrain_jax.machines import GB, Machine
+from megatrain_jax.plan_report import format_bytes
 
 HOST_BOUND = 0.25  # the step waits this share of its time for the host update or more
 MAX_FACTOR = 64  # the most micro-batches advice multiplies by
@@ -139,7 +141,7 @@ def for_config(cfg, machine: Machine, measured: Measured) -> list[str]:
 
     tokens = cfg.data.micro_batches * cfg.data.batch_size * cfg.data.seq_len
     return advise(measured, machine=machine, micro_batches=cfg.data.micro_batches,
-                  flops_per_step=plan_lib.flops_per_token(cfg.model, cfg.data.seq_len) * tokens,
+                  flops_per_step=flops_per_token(cfg.model, cfg.data.seq_len) * tokens,
                   compute_dtype=cfg.train.compute_dtype, plan_for=plan_for)
 
 

@@ -18,8 +18,9 @@ import json
 import os
 import sys
 
-# step_time imports only the standard library: `megatrain --help` stays quick
-from megatrain_jax.step_time import DEFAULTS as STEP_TIME_DEFAULTS
+# both import only the standard library: `megatrain --help` stays quick
+from megatrain_jax import step_time
+from megatrain_jax.machines import MACHINES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,7 +74,7 @@ def terminal_console():
 
 PLAN_HELP = "Plan a run's host RAM and device memory before starting it."
 PLAN_EPILOG = """\
---device is a preset (h100, h200, gh200; default h100) or `local`: this machine's first device.
+--device is a preset ({presets}; default h100) or `local`: this machine's first device.
 --sweep prints one row per sequence length instead of the full report. --json writes the plan
 (or the sweep's plans) as JSON. Nothing of the model is allocated; on a CPU it takes seconds to a
 minute for an 8B model (it compiles the step's functions to read their workspaces).
@@ -83,7 +84,8 @@ schedule from component rates, which default to the --device preset's bus and bf
 update {host_update_gbps:g} GB/s, dispatch {dispatch_us:g} us), are read from measured results
 with --rates (a folder the GPU checklist wrote, or a step-time JSON) and overridden one by one by
 --h2d-gbps, --d2h-gbps, --tflops, --host-update-gbps, --dispatch-us. With --rates, a bench.py
-result there of the same step is compared with the prediction.""".format(**STEP_TIME_DEFAULTS)
+result there of the same step is compared with the prediction.""".format(
+    presets=", ".join(MACHINES), **step_time.DEFAULTS)
 
 RATE_FLAGS = {"h2d_gbps": "--h2d-gbps", "d2h_gbps": "--d2h-gbps", "device_tflops": "--tflops",
               "host_update_gbps": "--host-update-gbps", "dispatch_us": "--dispatch-us"}
@@ -91,7 +93,7 @@ RATE_FLAGS = {"h2d_gbps": "--h2d-gbps", "d2h_gbps": "--d2h-gbps", "device_tflops
 
 def _machine(args):
     from megatrain_jax.config import ConfigError
-    from megatrain_jax.plan import MACHINES, machine_from_device
+    from megatrain_jax.machines import machine_from_device
     if args.device == "local":
         machine = machine_from_device(host_memory_gb=args.host_memory_gb)
     elif args.device in MACHINES:
@@ -120,7 +122,7 @@ def _seq_lens(text: str) -> list:
 
 
 def _sweep_table(rows) -> str:
-    from megatrain_jax.plan import format_bytes
+    from megatrain_jax.plan_report import format_bytes
     head = "| seq_len | host total | device peak | peak phase | offload | fits | largest seq |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for seq, p in rows:
@@ -137,7 +139,7 @@ def plan(argv=None, prog=None) -> int:
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config file (defaults apply without one)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
-    parser.add_argument("--device", default="h100", help="h100, h200, gh200 or local")
+    parser.add_argument("--device", default="h100", help=f"{', '.join(MACHINES)} or local")
     parser.add_argument("--host-memory-gb", type=float, help="host RAM the run may use (GB)")
     parser.add_argument("--device-memory-gb", type=float, help="device memory the run may use (GB)")
     parser.add_argument("--sweep", help="comma-separated data.seq_len values, one row each")
@@ -150,7 +152,9 @@ def plan(argv=None, prog=None) -> int:
 
     def go(args):
         from megatrain_jax.config import load_config
-        from megatrain_jax.plan import GB, format_bytes, plan as make_plan, plan_sweep
+        from megatrain_jax.machines import GB
+        from megatrain_jax.plan import plan as make_plan, plan_sweep
+        from megatrain_jax.plan_report import format_bytes
         machine = _machine(args)
         if args.step_time:
             out = _step_time(load_config(args.config, args.overrides), machine, args)
@@ -178,40 +182,28 @@ def plan(argv=None, prog=None) -> int:
 
 
 def _rates(machine, args, shape=None) -> tuple:
-    """(rates, where each comes from, a bench.py result of the same step or None): the defaults,
-    the machine preset's bus and bf16 peak, --rates, then the rate flags, each over the last."""
-    from megatrain_jax import step_time
+    """step_time.resolve_rates from the command's --rates and rate flags, each checked: (rates,
+    where each comes from, a bench.py result of the same step or None)."""
     from megatrain_jax.config import ConfigError
+    flags = {}
     for key, flag in RATE_FLAGS.items():
         value = getattr(args, key)
-        if value is not None and not (value > 0 or (key == "dispatch_us" and value == 0)):
-            raise ConfigError(f"{flag} must be > 0, got {value:g}")
+        if value is not None:
+            if not step_time.valid_rate(key, value):
+                raise ConfigError(f"{flag} must be > 0, got {value:g}")
+            flags[key] = (value, flag)
     if args.rates and not os.path.exists(args.rates):
         raise ConfigError(f"--rates {args.rates}: no such file or folder")
-    rates, sources, bench = dict(step_time.DEFAULTS), {k: "default" for k in step_time.DEFAULTS}, None
-    if machine.bf16_tflops > 0:  # the preset's bus and peak
-        for key, value in (("h2d_gbps", machine.host_device_gbps),
-                           ("d2h_gbps", machine.host_device_gbps),
-                           ("device_tflops", machine.bf16_tflops)):
-            rates[key], sources[key] = value, f"machine {machine.name}"
-    if args.rates:
-        try:
-            measured, measured_sources, bench = step_time.measured_rates(args.rates, shape)
-        except (ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"--rates {args.rates}: {e}") from None
-        for key, source in measured_sources.items():
-            if source != "default":
-                rates[key], sources[key] = getattr(measured, key), source
-    for key, flag in RATE_FLAGS.items():
-        if getattr(args, key) is not None:
-            rates[key], sources[key] = getattr(args, key), flag
-    return step_time.Rates(**rates), sources, bench
+    try:
+        return step_time.resolve_rates(machine, flags, args.rates, shape)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--rates {args.rates}: {e}") from None
 
 
 def plan_advice(cfg, machine, run_plan, args) -> list:
     """The advice a run prints after its first steps (megatrain_jax.advice), from predicted
     quantities: the step-time model's step at run_plan's activation offload, its device peak."""
-    from megatrain_jax import advice, step_time
+    from megatrain_jax import advice
     if machine.bf16_tflops <= 0 and args.device_tflops is None and not args.rates:
         return [f"advice: none before the run: {machine.name} has no known peak for the step-time "
                 f"model (--tflops, --rates); the run advises after its first steps"]
@@ -222,7 +214,6 @@ def plan_advice(cfg, machine, run_plan, args) -> list:
 
 def _step_time(cfg, machine, args) -> dict:
     """Prints the step-time prediction of cfg; returns it as plain data."""
-    from megatrain_jax import step_time
     offload = cfg.train.offload_activations is True
     shape = step_time.step_shape(cfg, offload)
     rates, sources, bench = _rates(machine, args, shape)

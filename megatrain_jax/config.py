@@ -262,7 +262,7 @@ class LoggingConfig:
     wandb_project: str = "megatrain_jax"
     wandb_mode: str = "online"  # online or offline
     # The device's bf16 dense peak in TFLOPS, the denominator of MFU; 0: from the table of known
-    # devices (megatrain_jax.plan.PEAK_BF16_TFLOPS), and no MFU on a device not in it (a CPU).
+    # devices (megatrain_jax.machines.PEAK_BF16_TFLOPS), and no MFU on a device not in it (a CPU).
     peak_tflops: float = 0.0
 
     def check(self):

@@ -3,7 +3,7 @@ MFU, device memory, host RSS, elapsed and ETA), as plain lines, and on a termina
 bar (rich) under them.
 
     meter = Meter(total_steps=150, start_step=0, tokens_per_step=2048,
-                  flops_per_token=plan.flops_per_token(cfg.model, 128), peak_flops=989e12)
+                  flops_per_token=flops.flops_per_token(cfg.model, 128), peak_flops=989e12)
     with LiveDisplay(console, total_steps=150, start_step=0) as live:   # on a terminal
         for step in ...:
             record = {"step": step, "loss": loss, ..., **meter.measure(step, loss, dt)}

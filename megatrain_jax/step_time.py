@@ -47,7 +47,7 @@ RESOURCES = ("dispatch", "h2d", "d2h", "device", "host update")
 # - device: 989 TFLOP/s, the H100 SXM datasheet's dense bf16 tensor-core peak (no sparsity); an
 #   8192^3 bf16 matmul measured 769-798 TFLOP/s on the device tool's H100 (its KINDS.md).
 # - bus: ~55 GB/s each way, a typical measured pinned-memory copy on PCIe Gen5 x16 (63 GB/s on
-#   paper); the same figure as plan.MACHINES["h100"].
+#   paper); the same figure as machines.MACHINES["h100"].
 # - host update: 69.8 GB/s (30 B/param), the engine's fused AdamW update (clipping on) at all 16
 #   cores of the device tool's H100 host (Intel Xeon, 1 socket), 2026-11-26, jax 0.11.2
 #   (docs/results/2026-11-26-h100/optimizer.json; torch's fused AdamW did 133 GB/s there).
@@ -68,8 +68,13 @@ class Rates:
 
     def __post_init__(self):
         for name, value in dataclasses.asdict(self).items():
-            if not value > 0 and not (name == "dispatch_us" and value == 0):
+            if not valid_rate(name, value):
                 raise ValueError(f"rate {name} must be > 0, got {value}")
+
+
+def valid_rate(name: str, value: float) -> bool:
+    """A rate is > 0; dispatch_us may be 0 (no cost per call)."""
+    return value > 0 or (name == "dispatch_us" and value == 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +96,7 @@ class StepShape:
     head_flops: float  # the loss head's forward and backward
     stages_update_bytes: int  # bytes the host update of the stages unit touches
     layer_update_bytes: int  # of one layer's
-    model_flops: float  # useful FLOPs per step (for MFU): plan.flops_per_token's (causal
+    model_flops: float  # useful FLOPs per step (for MFU): flops.flops_per_token's (causal
     # attention, windows), never more than the device executes
     updates_wait_for_norm: bool = True  # the engine's schedule. False: each unit's update is
     # submitted as soon as its gradient is on the host, during the backward (no exact clipping,
@@ -309,16 +314,17 @@ def simulate(shape: StepShape, rates: Rates, steps: int = 4) -> Prediction:
 
 def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True) -> StepShape:
     """The shape of one step of `cfg` on an accelerator (`offload`: activations offloaded)."""
-    from megatrain_jax.plan import MACHINES, _counts, flops_per_token  # lazy: plan imports
+    # lazy: jax and the model (`megatrain --help` stays quick)
+    from megatrain_jax.flops import attention_flops, counts, flops_per_token
+    from megatrain_jax.machines import MACHINES
     from megatrain_jax.train import execution_for  # the model
     execution, _ = execution_for(cfg, "gpu")
-    c = _counts(cfg, execution, MACHINES["h100"])
+    c = counts(cfg, execution, MACHINES["h100"])
     model, (M, B, T) = cfg.model, (cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len)
     tokens = B * T  # per micro-batch
     head = model.hidden_size * model.vocab_size
-    matmul_params = model.num_active_params(include_embeddings=False) + head  # MoE: routed
     useful = flops_per_token(model, T)  # causal attention over the keys each query sees
-    attention = (useful - 6 * matmul_params) / 3 / model.num_layers  # one layer's forward
+    attention = attention_flops(model, T) / model.num_layers  # one layer's forward, on average
     params = c.stages + c.layers * c.layer
     opt_per_param = c.optimizer / params  # bytes of optax state per parameter (AdamW: 8)
     # params read and written, optax state read and written, the gradient's hop to the CPU
@@ -414,6 +420,28 @@ def measured_rates(path: str, shape: StepShape = None) -> tuple:
         values["host_update_gbps"] = total / seconds / GB
         sources["host_update_gbps"] = f"{bench[0]}: host update seconds per step (in the run)"
     return Rates(**values), sources, bench[1] if bench else None
+
+
+def resolve_rates(machine, overrides: dict, results: str | None = None,
+                  shape: StepShape = None) -> tuple:
+    """(rates, {rate: where it came from}, a bench.py record of the same step or None), each
+    source over the one before: the defaults, the machine's bus and bf16 peak (a
+    megatrain_jax.machines.Machine; none from one with no known peak), the measured results in
+    `results` (measured_rates), then `overrides`, {rate: (value, source)} (a command's flags)."""
+    rates, sources, bench = dict(DEFAULTS), {k: "default" for k in DEFAULTS}, None
+    if machine.bf16_tflops > 0:  # the preset's bus and peak
+        for key, value in (("h2d_gbps", machine.host_device_gbps),
+                           ("d2h_gbps", machine.host_device_gbps),
+                           ("device_tflops", machine.bf16_tflops)):
+            rates[key], sources[key] = value, f"machine {machine.name}"
+    if results:
+        measured, measured_sources, bench = measured_rates(results, shape)
+        for key, source in measured_sources.items():
+            if source != "default":
+                rates[key], sources[key] = getattr(measured, key), source
+    for key, (value, source) in overrides.items():
+        rates[key], sources[key] = value, source
+    return Rates(**rates), sources, bench
 
 
 def compare(prediction: Prediction, bench: dict) -> dict:

@@ -27,6 +27,8 @@ from megatrain_jax import hf
 from megatrain_jax import hostmem
 from megatrain_jax import moe
 from megatrain_jax import metrics_log
+from megatrain_jax import flops
+from megatrain_jax import machines
 from megatrain_jax import plan as plan_lib
 from megatrain_jax import progress
 from megatrain_jax.config import Config, ConfigError, resume_changes, to_dict
@@ -419,7 +421,7 @@ def _peak_flops(cfg: Config, device) -> tuple[float | None, str]:
     if cfg.logging.peak_tflops:
         return (cfg.logging.peak_tflops * 1e12,
                 f"MFU against logging.peak_tflops={cfg.logging.peak_tflops:g}")
-    tflops = plan_lib.peak_bf16_tflops(device.device_kind)
+    tflops = machines.peak_bf16_tflops(device.device_kind)
     if tflops is None:
         return None, f"no MFU: {device.device_kind} has no known peak (set logging.peak_tflops)"
     return tflops * 1e12, f"MFU against {tflops:g} bf16 TFLOPS ({device.device_kind})"
@@ -440,7 +442,7 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
     devices = len(placed["compute_devices"])
     per_device = dataclasses.replace(cfg, data=dataclasses.replace(
         cfg.data, batch_size=cfg.data.batch_size // devices))
-    run_plan = plan_lib.plan(per_device, plan_lib.machine_from_device(jax.local_devices()[0]))
+    run_plan = plan_lib.plan(per_device, machines.machine_from_device(jax.local_devices()[0]))
     if not run_plan.fits and not cfg.train.ignore_plan:
         raise ConfigError(f"this config does not fit: {' '.join(run_plan.summary().split())} "
                           f"(python scripts/plan.py --config ... shows what would; "
@@ -498,7 +500,7 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
         lrs = np.asarray(build_schedule(cfg.optimizer, cfg.train.steps)(np.arange(cfg.train.steps)))
     meter = progress.Meter(total_steps=cfg.train.steps, start_step=start,
                            tokens_per_step=dataset.tokens_per_batch,
-                           flops_per_token=plan_lib.flops_per_token(cfg.model, cfg.data.seq_len),
+                           flops_per_token=flops.flops_per_token(cfg.model, cfg.data.seq_len),
                            peak_flops=peak_flops, device=engine.compute_device,
                            smoothing=saved_progress.get("loss_smooth"))
     with _StopSignals() as stop, contextlib.ExitStack() as files:

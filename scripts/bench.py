@@ -175,7 +175,7 @@ def measure_matmul(jax, dev, dtype, n, iters=10) -> dict:
     """The device's dense matmul rate in the compute dtype, measured now (the MFU denominator)."""
     import jax.numpy as jnp
 
-    from megatrain_jax.plan import peak_bf16_tflops  # the one table of datasheet peaks
+    from megatrain_jax.machines import peak_bf16_tflops  # the one table of datasheet peaks
     a = jax.device_put(jnp.full((n, n), 1e-3, dtype), dev)
     chain = jax.jit(lambda a: jax.lax.fori_loop(0, iters, lambda i, c: c @ a, a))
     seconds = best(lambda: chain(a), 5)

@@ -50,6 +50,7 @@ def child(out_dir: str, steps: int, overrides: list):
     import jax
 
     from megatrain_jax import distributed, plan as plan_lib
+    from megatrain_jax.machines import machine_from_device
     from megatrain_jax.config import load_config
     from megatrain_jax.engine.transfer import nbytes
     from megatrain_jax.hostmem import rss_bytes
@@ -73,7 +74,7 @@ def child(out_dir: str, steps: int, overrides: list):
     D = len(devices)
     per_device = dataclasses.replace(cfg, data=dataclasses.replace(
         cfg.data, batch_size=cfg.data.batch_size // D))
-    run_plan = plan_lib.plan(per_device, plan_lib.machine_from_device(jax.local_devices()[0]))
+    run_plan = plan_lib.plan(per_device, machine_from_device(jax.local_devices()[0]))
     c = run_plan.counts
     grads = c.first + c.last + c.layers * c.layer  # parameters whose gradients cross
     h2d = c.compute * (2 * c.first + c.last + 2 * c.layers * c.layer)

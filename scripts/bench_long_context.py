@@ -117,13 +117,14 @@ def bench(args):
     import numpy as np
 
     from megatrain_jax import plan as plan_lib
+    from megatrain_jax.machines import machine_from_device
     from megatrain_jax.train import build_engine
 
     rss = {"start": maxrss_bytes()}
     dev = jax.devices()[0]
     m, T, B = cfg.model, cfg.data.seq_len, cfg.data.batch_size
     tokens = B * T
-    run_plan = plan_lib.plan(cfg, plan_lib.machine_from_device(dev))
+    run_plan = plan_lib.plan(cfg, machine_from_device(dev))
     print(f"{dev.device_kind} ({dev.platform}) | jax {jax.__version__} | {m.num_params() / 1e6:,.2f}M "
           f"params: hidden {m.hidden_size}, {m.num_layers} layers, vocab {m.vocab_size} | "
           f"{tokens:,} tokens/step ({B} x {T}) | {cfg.train.compute_dtype}, attention "
@@ -198,9 +199,9 @@ def bench(args):
 
 
 def model_flops(cfg) -> float:
-    """Training FLOPs per token (megatrain_jax.plan.flops_per_token: 6 per matmul parameter plus
+    """Training FLOPs per token (megatrain_jax.flops.flops_per_token: 6 per matmul parameter plus
     causal attention)."""
-    from megatrain_jax.plan import flops_per_token
+    from megatrain_jax.flops import flops_per_token
     return flops_per_token(cfg.model, cfg.data.seq_len)
 
 

@@ -7,7 +7,8 @@ import pytest
 
 from megatrain_jax.advice import Measured, advise
 from megatrain_jax.engine.stream import Counters
-from megatrain_jax.plan import ASSUMED_MFU, MACHINES, Machine
+from megatrain_jax.flops import ASSUMED_MFU
+from megatrain_jax.machines import MACHINES, Machine
 
 H100 = MACHINES["h100"]  # 989 bf16 TFLOPS, 55 GB/s each way
 CPU = Machine("local CPU", 32.0, 32.0, 0.0, 0.0, platform="cpu", compute_on_host=True)

@@ -17,6 +17,7 @@ from test_engine import CFG, DEVICE_SETUPS, batches, make_engine
 
 from megatrain_jax import checkpoint
 from megatrain_jax import plan as plan_lib
+from megatrain_jax.machines import machine_from_device
 from megatrain_jax.config import ConfigError, load_config
 from megatrain_jax.cli import run_cli
 from megatrain_jax.engine import tier as tier_lib
@@ -144,7 +145,7 @@ def test_checkpoints_move_between_tiers_bit_exact(tmp_path, ram_run):
     # The plan's disk bytes are the engine's files, less the 4 KiB alignment of each leaf.
     manifest = json.load(open(tmp_path / "tier" / "tier.json"))
     cfg = make_cfg(disk_run, *disk(tmp_path))
-    planned = plan_lib.plan(cfg, plan_lib.machine_from_device(jax.devices()[0])).disk_bytes
+    planned = plan_lib.plan(cfg, machine_from_device(jax.devices()[0])).disk_bytes
     assert planned <= manifest["bytes"] <= planned + 4096 * len(jax.tree.leaves(final))
     for step in (2, TRAIN_STEPS):
         assert_bit_equal(saved_state(disk_run, step), saved_state(ram_run, step))
@@ -288,7 +289,7 @@ def test_a_tier_file_damaged_mid_run_is_one_line_naming_it(tmp_path, capsys, dam
 def test_plan_reports_the_disk_tier(tmp_path):
     # Deep enough for the units in flight to be fewer than the units (a 2-layer model's are not)
     cfg = make_cfg(tmp_path / "run", *disk(tmp_path), "model.num_layers=16", "offload.read_ahead=1")
-    machine = plan_lib.machine_from_device(jax.devices()[0])
+    machine = machine_from_device(jax.devices()[0])
     p = plan_lib.plan(cfg, machine)
     assert p.tier == "disk" and p.host["master"] == p.host["optimizer"] == 0
     assert p.host_by_tier["disk"] == p.host_total < p.host_by_tier["ram"]

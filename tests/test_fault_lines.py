@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from megatrain_jax import checkpoint, commands, distributed, dpo, metrics_log
-from megatrain_jax import plan as plan_lib
+from megatrain_jax import machines
 from megatrain_jax.config import ConfigError, load_config
 from megatrain_jax.data import DataError
 from megatrain_jax.engine import tier as tier_lib
@@ -36,9 +36,9 @@ def tiny(run_dir, *extra):
 def test_ignore_plan_runs_a_config_the_plan_refuses_and_says_so(tmp_path, monkeypatch):
     """A plan that over-estimates blocks the run; train.ignore_plan=true runs it, printing the
     plan and that it was overridden."""
-    small = plan_lib.Machine("a small machine", 1e-6, 1e-6, 0.0, 0.0, platform="cpu",
+    small = machines.Machine("a small machine", 1e-6, 1e-6, 0.0, 0.0, platform="cpu",
                              compute_on_host=True)
-    monkeypatch.setattr(plan_lib, "machine_from_device", lambda *a, **k: small)
+    monkeypatch.setattr(machines, "machine_from_device", lambda *a, **k: small)
     run_dir = tmp_path / "run"
     with pytest.raises(ConfigError, match="does not fit.*train.ignore_plan=true runs it anyway"):
         train(tiny(run_dir, "train.steps=1"), log=lambda line: None)

@@ -8,7 +8,8 @@ import math
 
 from megatrain_jax.config import Config, DataConfig, OptimizerConfig, TrainConfig
 from megatrain_jax.model import ModelConfig
-from megatrain_jax.plan import LARGEST_SEQ_TOLERANCE, Machine, plan
+from megatrain_jax.machines import Machine
+from megatrain_jax.plan import LARGEST_SEQ_TOLERANCE, plan
 
 MODEL = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
                     num_heads=4, num_kv_heads=2)

@@ -395,26 +395,27 @@ def test_plan_streams_every_expert_and_counts_flops_of_the_routed_ones():
     layer); its FLOPs per token (for the tokens needed to hide the transfers) count the routed
     experts only, so hiding a MoE layer's transfers takes more tokens than if every expert
     computed."""
-    from megatrain_jax import plan as plan_lib
+    from megatrain_jax import flops
     from megatrain_jax.config import Config, DataConfig
+    from megatrain_jax.machines import MACHINES
+    from megatrain_jax.plan_report import format_bytes, layer_line
 
     d, f, e, k = 64, 96, 16, 2
     moe_cfg = ModelConfig(vocab_size=V, hidden_size=d, intermediate_size=f, num_layers=2,
                           num_heads=4, num_kv_heads=2, num_experts=e, experts_per_token=k)
-    machine = plan_lib.MACHINES["h100"]
-    counts = plan_lib._counts(Config(model=moe_cfg, data=DataConfig(seq_len=64)), Execution(),
-                              machine)
+    machine = MACHINES["h100"]
+    counts = flops.counts(Config(model=moe_cfg, data=DataConfig(seq_len=64)), Execution(), machine)
     block = nnx.eval_shape(lambda: Block(moe_cfg, rngs=nnx.Rngs(0)))
     assert counts.layer == sum(p.size for p in jax.tree.leaves(nnx.state(block)))
     assert counts.active_layer == counts.layer - (e - k) * 3 * d * f
     assert moe_cfg.num_params(include_embeddings=False) == 2 * counts.layer + d  # + final norm
     assert moe_cfg.num_active_params(include_embeddings=False) == 2 * counts.active_layer + d
-    line = plan_lib.Plan.layer_line(type("P", (), {"counts": counts})())
-    assert f"{plan_lib.format_bytes(2 * counts.layer)} over the bus per pass" in line  # bf16
+    line = layer_line(counts)
+    assert f"{format_bytes(2 * counts.layer)} over the bus per pass" in line  # bf16
     assert f"{counts.active_layer / 1e6:,.2f}M active per token" in line
-    hide = plan_lib._tokens_to_hide(moe_cfg, counts, 64, machine, False)
+    hide = flops.tokens_to_hide(moe_cfg, counts, 64, machine, False)
     every_expert = dataclasses.replace(counts, active_layer=counts.layer)
-    assert hide > 2 * plan_lib._tokens_to_hide(moe_cfg, every_expert, 64, machine, False) > 0
+    assert hide > 2 * flops.tokens_to_hide(moe_cfg, every_expert, 64, machine, False) > 0
 
 
 BAD_CONFIGS = {  # arch, config.json change, the line's text

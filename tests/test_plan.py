@@ -17,7 +17,10 @@ from megatrain_jax.config import (Config, DataConfig, DistributedConfig, Optimiz
 from megatrain_jax.data import document_context
 from megatrain_jax.engine import StreamedEngine
 from megatrain_jax.model import ModelConfig, make_block, make_stages
-from megatrain_jax.plan import GB, PHASES, Machine, format_bytes, plan
+from megatrain_jax.machines import GB, Machine
+from megatrain_jax.memory_model import PHASES
+from megatrain_jax.plan import plan
+from megatrain_jax.plan_report import format_bytes
 from megatrain_jax.train import build_optimizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 from rich.console import Console
 
-from megatrain_jax import commands, plan, progress
+from megatrain_jax import commands, flops, machines, progress
 from megatrain_jax.config import load_config
 from megatrain_jax.model import make_block, make_stages
 from megatrain_jax.train import train
@@ -52,22 +52,41 @@ def test_flops_per_token_counts_the_matmuls_of_the_built_model():
     attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_size * (T + 1) / 2
     norms = cfg.num_layers * 2 * cfg.hidden_size + cfg.hidden_size  # counted: < 1% here
     expected = 6 * (cfg.num_layers * per_block + head + norms) + attention
-    assert plan.flops_per_token(cfg, T) == pytest.approx(expected, rel=1e-12)
+    assert flops.flops_per_token(cfg, T) == pytest.approx(expected, rel=1e-12)
     tied = tiny_config("model.tie_embeddings=true").model
     assert matrices(lambda: make_stages(tied, 0)) == head  # one table: multiplied once, as the head
-    assert plan.flops_per_token(tied, T) == pytest.approx(expected, rel=1e-12)
+    assert flops.flops_per_token(tied, T) == pytest.approx(expected, rel=1e-12)
     windowed = load_config(None, ["model.sliding_window=8"]).model
     full = load_config(None).model
-    assert plan.visible_keys(windowed, 32) == (8 * 9 / 2 + 24 * 8) / 32
-    assert plan.visible_keys(full, 32) == 33 / 2
-    assert plan.flops_per_token(windowed, 32) < plan.flops_per_token(full, 32)
+    assert flops.visible_keys(windowed, 32) == (8 * 9 / 2 + 24 * 8) / 32
+    assert flops.visible_keys(full, 32) == 33 / 2
+    assert flops.flops_per_token(windowed, 32) < flops.flops_per_token(full, 32)
     # interleaved local and global layers (Gemma 3): each layer's own keys
     mixed = load_config(None, ["model.num_layers=2", "model.sliding_window=8",
                                "model.layer_types=[sliding_attention, full_attention]"]).model
     per_key = 12 * mixed.num_heads * mixed.head_size
-    assert plan.flops_per_token(mixed, 32) - plan.flops_per_token(
+    assert flops.flops_per_token(mixed, 32) - flops.flops_per_token(
         dataclasses.replace(mixed, layer_types=(), sliding_window=0), 32) == pytest.approx(
-        per_key * (plan.visible_keys(mixed, 32) - 33 / 2))
+        per_key * (flops.visible_keys(mixed, 32) - 33 / 2))
+
+
+def test_attention_flops_per_layer_and_summed_over_the_layer_types():
+    """flops.attention_flops, which the MFU numerator, the tokens to hide the transfers and the
+    step-time model's layer FLOPs share: 4 * heads * head_dim per key a query sees, a sliding
+    layer's keys within its window, a full layer's all (T + 1) / 2, and over the model its layers'
+    kinds summed; the FLOPs per token count it three times (forward, backward twice)."""
+    mixed = load_config(None, ["model.num_layers=2", "model.sliding_window=8",
+                               "model.layer_types=[sliding_attention, full_attention]"]).model
+    per_key = 4 * mixed.num_heads * mixed.head_size
+    sliding, full = (8 * 9 / 2 + 24 * 8) / 32, 33 / 2
+    assert flops.attention_flops(mixed, 32, sliding=True) == per_key * sliding
+    assert flops.attention_flops(mixed, 32, sliding=False) == per_key * full
+    assert flops.attention_flops(mixed, 32) == per_key * (sliding + full)
+    windowed = dataclasses.replace(mixed, layer_types=())  # every layer within the window
+    assert flops.attention_flops(windowed, 32) == 2 * per_key * sliding
+    matmul = (mixed.num_active_params(include_embeddings=False)
+              + mixed.hidden_size * mixed.vocab_size)
+    assert flops.flops_per_token(mixed, 32) == 6 * matmul + 3 * per_key * (sliding + full)
 
 
 @pytest.mark.parametrize("kind,tflops", [
@@ -75,7 +94,7 @@ def test_flops_per_token_counts_the_matmuls_of_the_built_model():
     ("NVIDIA H200", 989.0), ("NVIDIA GH200 480GB", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
     ("NVIDIA A100-PCIE-40GB", 312.0), ("TPU v5 lite", 197.0), ("cpu", None), ("Tesla T4", None)])
 def test_peak_by_device_kind(kind, tflops):
-    assert plan.peak_bf16_tflops(kind) == tflops
+    assert machines.peak_bf16_tflops(kind) == tflops
 
 
 class Clock:
@@ -153,7 +172,7 @@ def test_metrics_keep_every_field_of_every_step(run):
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for r in records:
         assert FIELDS <= set(r), FIELDS - set(r)
-        assert r["mfu"] == pytest.approx(plan.flops_per_token(tiny_config().model, 32) * 128
+        assert r["mfu"] == pytest.approx(flops.flops_per_token(tiny_config().model, 32) * 128
                                          / r["step_time_s"] / 1e9)
     assert [r["tokens"] for r in records] == [128, 256, 384, 512]
     assert records[0]["lr"] == 0.0 and records[-1]["lr"] > 0  # the warmup's first step

@@ -202,6 +202,28 @@ def plan_cli(*args):
     return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
+def test_resolved_rates_take_each_source_over_the_one_before(tmp_path):
+    """step_time.resolve_rates (what `plan --step-time` and the plan's advice predict at): the
+    defaults, then the machine's bus and bf16 peak, then the measured results, then the
+    overrides; a machine with no known peak (a CPU) gives none."""
+    from megatrain_jax.machines import MACHINES, Machine
+    from megatrain_jax.step_time import resolve_rates
+    gh200 = MACHINES["gh200"]
+    rates, sources, bench = resolve_rates(gh200, {})
+    assert (rates.h2d_gbps, rates.d2h_gbps, rates.device_tflops) == (375, 375, 989)
+    assert rates.host_update_gbps == DEFAULTS["host_update_gbps"] and bench is None
+    assert sources["h2d_gbps"] == f"machine {gh200.name}" and sources["dispatch_us"] == "default"
+    s = shape(layer_fwd_flops=1e12, layer_bwd_flops=2e12, tokens_per_step=64)
+    folder = results(tmp_path, s)
+    rates, sources, bench = resolve_rates(gh200, {"d2h_gbps": (7.0, "--d2h-gbps")}, str(folder), s)
+    assert (rates.h2d_gbps, rates.d2h_gbps, rates.host_update_gbps) == (40.0, 7.0, 60.0)
+    assert math.isclose(rates.device_tflops, executed_flops(s) / 0.5 / 1e12)
+    assert sources["d2h_gbps"] == "--d2h-gbps" and bench["tokens_per_step"] == s.tokens_per_step
+    cpu = Machine("local CPU", 8.0, 8.0, 0.0, 0.0, platform="cpu", compute_on_host=True)
+    rates, sources, _ = resolve_rates(cpu, {})
+    assert dataclasses.asdict(rates) == DEFAULTS and set(sources.values()) == {"default"}
+
+
 def test_plan_step_time_end_to_end(tmp_path):
     """The tiny config, rates from a results folder (its bench is of another step: no
     comparison), the bus overridden by a flag; then that JSON read back as --rates."""

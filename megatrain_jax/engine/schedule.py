@@ -1,6 +1,6 @@
 """The schedule of a streamed pass, written once: the engine executes it (stream.LayerStream),
 the step-time model simulates it (megatrain_jax.step_time) and the memory plan reads its
-residency from it (megatrain_jax.plan).
+residency from it (megatrain_jax.memory_model).
 
 A pass runs a unit of work per layer over `n` positions (the forward: layers 0..L-1; the
 backward: L-1..0), with these operations, in the order `layer_ops` gives:

@@ -1,0 +1,156 @@
+"""FLOPs and MFU accounting: what a config's units hold (parameter counts, bytes per element),
+the model FLOPs of a training token (the numerator of MFU), the attention FLOPs as the device runs
+them, and the tokens per step that hide a layer's transfers under its compute.
+
+    c = counts(cfg, execution, MACHINES["h100"])     # parameters per unit, bytes per element
+    flops_per_token(cfg.model, cfg.data.seq_len)     # model FLOPs of one training token
+
+The memory plan (megatrain_jax.plan) and the step-time model (megatrain_jax.step_time) read both.
+The parameter trees are built abstractly (`nnx.eval_shape`: an 8B model is never allocated).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from megatrain_jax.config import Config
+from megatrain_jax.engine.functions import stage_parts
+from megatrain_jax.machines import Machine
+from megatrain_jax.model import Execution, ModelConfig, make_block, make_stages
+
+ASSUMED_MFU = 0.5  # fraction of the bf16 peak the device reaches (for the transfer-hiding figure)
+
+
+def visible_keys(model: ModelConfig, seq_len: int, sliding: bool = True) -> float:
+    """The mean number of keys a query attends to in a causal sequence of seq_len tokens, in a
+    layer with the model's sliding window (sliding=False: a full-attention layer of
+    model.layer_types): (T + 1) / 2 without one."""
+    window = min((model.sliding_window if sliding else 0) or seq_len, seq_len)
+    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
+
+
+def attention_flops(model: ModelConfig, seq_len: int, sliding: bool | None = None) -> float:
+    """Forward FLOPs per token of causal attention as the device runs it (QK^T and PV, 4 * heads *
+    head_dim per visible key): of one layer with the model's sliding window (sliding=True) or
+    without (False), or summed over the model's layers (None: model.layer_types, windowed if
+    any)."""
+    if sliding is None:
+        kinds = model.layer_types or ("sliding_attention",) * model.num_layers
+        return sum(attention_flops(model, seq_len, k == "sliding_attention") for k in kinds)
+    return 4 * model.num_heads * model.head_size * visible_keys(model, seq_len, sliding)
+
+
+def flops_per_token(model: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs of one training token (forward and backward, the recompute not counted): 6 per
+    matmul parameter (the input embedding is a lookup and does not count; the output projection
+    does), plus causal attention's QK^T and PV, attention_flops forward, twice that backward.
+    The numerator of MFU."""
+    # a mixture of experts counts its routed experts only
+    matmul = (model.num_active_params(include_embeddings=False)
+              + model.hidden_size * model.vocab_size)
+    return 6 * matmul + 3 * attention_flops(model, seq_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class Counts:
+    """What the plan and the step-time model need of a config, independent of the micro-batch
+    shape: its units' parameters and the bytes of their elements and state."""
+    layers: int
+    prefetch: int
+    micro_batches: int
+    hidden: int
+    compute: int  # bytes per element: streamed weights, activations
+    grad: int  # bytes per element of a gradient on the host (train.grad_dtype)
+    context: bool  # document masks: segment ids and positions beside every micro-batch
+    layer: int  # parameters of one block (a MoE block: all its experts, which all stream)
+    active_layer: int  # parameters of one block a token computes with (MoE: routed experts only)
+    first: int  # parameters the first stage reads (embedding)
+    last: int  # parameters the last stage reads (final norm, head)
+    stages: int  # parameters of the stages unit
+    optimizer: int  # bytes of every unit's optax state
+    accelerator: bool  # compute device apart from the host: fetches copy, bus copies are staged
+    stages_state: int = 0  # bytes of the stages' master weights and optax state
+    layer_state: int = 0  # bytes of one layer's
+    # distributed.shard_optimizer over P processes: each holds ~1/P of every unit's rows (master,
+    # optax state, bus copy, gradient, staging; the zero padding rows are not counted)
+    host_shards: int = 1
+
+
+@functools.lru_cache(maxsize=8)
+def abstract_units(model: ModelConfig, execution: Execution) -> tuple:
+    """(stages graph, stage params, block graph, block params, StageParts) of the engine's units,
+    with ShapeDtypeStruct leaves."""
+    block_def, block, _ = nnx.split(nnx.eval_shape(lambda: make_block(model, 0, 0, execution)),
+                                    nnx.Param, ...)
+    stages_def, stages, _ = nnx.split(nnx.eval_shape(lambda: make_stages(model, 0, execution)),
+                                      nnx.Param, ...)
+    stages, block = nnx.to_pure_dict(stages), nnx.to_pure_dict(block)
+    example = np.zeros((1, 1), np.int32)  # which leaves a stage reads does not depend on shapes
+    return stages_def, stages, block_def, block, stage_parts(stages_def, stages, example, example)
+
+
+def _idle_expert_params(model: ModelConfig) -> int:
+    """Parameters of one MoE layer's experts a token is not routed to."""
+    idle = model.num_experts - model.experts_per_token if model.num_experts else 0
+    return idle * 3 * model.hidden_size * model.intermediate_size
+
+
+def counts(cfg: Config, execution: Execution, machine: Machine) -> Counts:
+    """The Counts of `cfg` run with `execution` on `machine`."""
+    from megatrain_jax.train import build_optimizer  # lazy: train imports this module
+
+    _, stages, _, block, parts = abstract_units(cfg.model, execution)
+    size = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+    leaves = jax.tree.leaves(stages)
+    init = build_optimizer(cfg.optimizer, cfg.train.steps).init
+    optimizer_bytes = lambda tree: sum(x.size * x.dtype.itemsize
+                                       for x in jax.tree.leaves(jax.eval_shape(init, tree)))
+    return Counts(
+        layers=cfg.model.num_layers, prefetch=cfg.train.prefetch,
+        micro_batches=cfg.data.micro_batches, hidden=cfg.model.hidden_size,
+        compute=jnp.dtype(cfg.train.compute_dtype).itemsize,
+        grad=jnp.dtype(cfg.train.grad_dtype).itemsize, context=cfg.data.document_mask,
+        layer=size(block), active_layer=size(block) - _idle_expert_params(cfg.model),
+        first=size(parts.take("first", leaves)),
+        last=size(parts.take("last", leaves)), stages=size(stages),
+        optimizer=optimizer_bytes(stages) + cfg.model.num_layers * optimizer_bytes(block),
+        accelerator=not machine.compute_on_host,
+        stages_state=4 * size(stages) + optimizer_bytes(stages),
+        layer_state=4 * size(block) + optimizer_bytes(block),
+        host_shards=cfg.distributed.num_processes if cfg.distributed.shard_optimizer else 1)
+
+
+def tokens_to_hide(model: ModelConfig, counts: Counts, seq: int, machine: Machine,
+                   offload: bool) -> int:
+    """Tokens per step (all micro-batches pass a layer while its weights are there) for which a
+    layer's compute takes as long as its transfers, in both directions and both passes, at
+    ASSUMED_MFU of the bf16 peak. Per token and layer: forward 2 FLOPs per active parameter (a
+    mixture of experts' routed experts, not all of them) plus causal
+    attention (attention_flops); backward 6 per parameter (the block's
+    recompute 2, its gradients 4) plus 3.5x the forward's attention (recompute 2 matmuls,
+    flash backward 5). Transfers per layer: its weights in, each pass; in the backward its
+    gradient out; offloaded activations out in the forward and in in the backward.
+    0: nothing crosses a bus; -1: no number of tokens hides them."""
+    if not counts.accelerator:
+        return 0
+    # The cheapest layer binds: a sliding one, unless model.layer_types makes every layer full.
+    slides = not model.layer_types or "sliding_attention" in model.layer_types
+    attention = attention_flops(model, seq, sliding=slides)
+    flops_per_byte = machine.bf16_tflops * 1e12 * ASSUMED_MFU / (machine.host_device_gbps * 1e9)
+    act = counts.hidden * counts.compute if offload else 0  # bytes per token
+    forward = 2 * counts.active_layer + attention
+    backward = 6 * counts.active_layer + 3.5 * attention
+    weights, grads = counts.layer * counts.compute, counts.layer * counts.grad
+    needed = 0.0
+    # (bytes per layer, bytes per token, FLOPs per token) for each pass and direction
+    for fixed, per_token, flops in [(weights, 0, forward), (0, act, forward),
+                                    (weights, act, backward), (grads, 0, backward)]:
+        spare = flops - per_token * flops_per_byte
+        if spare <= 0:
+            return -1
+        needed = max(needed, fixed * flops_per_byte / spare)
+    return int(np.ceil(needed))

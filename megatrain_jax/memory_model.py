@@ -1,0 +1,177 @@
+"""The memory model: the bytes a step holds at each moment of the engine's schedule, on the host
+by kind and on the compute device by phase and kind, and each phase's working space.
+
+It models what the engine does, not an idealisation of it (engine/step.py, stream.py, host.py):
+the bytes held follow from the units' parameter counts (megatrain_jax.flops.Counts), and each
+phase's working space is the compiled temp size (`memory_analysis()`) of the engine's own jitted
+function for that phase, lowered on abstract arguments. tests/test_plan.py checks both against a
+real engine.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from megatrain_jax.engine import schedule
+from megatrain_jax.engine.functions import DeviceFunctions
+from megatrain_jax.flops import Counts, abstract_units
+from megatrain_jax.machines import GB, Machine
+from megatrain_jax.model import Execution, ModelConfig
+
+# XLA:CPU computes bf16 math in fp32: it converts bf16 operands to fp32, and its loop-invariant
+# code motion then hoists whole-sequence fp32 copies (of a block's input, of K and V) out of the
+# tile loops, which XLA:GPU, computing in bf16, has no reason to make. The bf16 estimate of a
+# workspace is XLA:CPU's with that pass off: fp32 copies stay one tile in size.
+_HOISTING_PASS = "while-loop-invariant-code-motion"
+PHASES = ("embed", "forward", "loss", "backward", "embed backward")
+DEVICE_KINDS = ("inputs", "weights", "gradients", "activations", "cotangents", "workspace")
+
+
+# -----------------------------------------------------------------------------
+# the engine's functions, abstractly
+
+
+@functools.lru_cache(maxsize=8)
+def _device_functions(model: ModelConfig, execution: Execution, grad_dtype: str):
+    stages_def, stages, block_def, _, parts = abstract_units(model, execution)
+    return DeviceFunctions(stages_def, jax.tree.structure(stages), parts, block_def,
+                           jnp.dtype(grad_dtype))
+
+
+@functools.lru_cache(maxsize=64)
+def workspace_bytes(model: ModelConfig, execution: Execution, compute_dtype: str, grad_dtype: str,
+                    batch: int, seq: int, document_mask: bool, device,
+                    hoisting: bool = False) -> dict:
+    """Phase -> temp bytes of the engine's jitted function for that phase on one micro-batch of
+    (batch, seq), compiled for `device` with the argument shapes and dtypes the step passes.
+    On XLA:CPU, LLVM's optimisation level does not change buffer assignment: it is turned off,
+    halving the compile time; so is loop-invariant code motion unless `hoisting` (the bf16
+    estimate, see _HOISTING_PASS)."""
+    _, stages, _, block, parts = abstract_units(model, execution)
+    f = _device_functions(model, execution, grad_dtype)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    like = lambda tree, dtype: jax.tree.map(lambda p: sds(p.shape, dtype), tree)
+    c = jnp.dtype(compute_dtype)
+    leaves = jax.tree.leaves(stages)
+    first, last = parts.take("first", leaves), parts.take("last", leaves)
+    tokens, x = sds((batch, seq), jnp.int32), sds((batch, seq, model.hidden_size), c)
+    context = {"segment_ids": tokens, "positions": tokens} if document_mask else None
+    w = like(block, c)
+    calls = {"embed": (f.embed, (like(first, c), tokens)),
+             "forward": (f.block_fwd, (w, x, context)),
+             "loss": (f.head, (like(last, c), x, tokens, like(last, jnp.float32))),
+             "backward": (f.block_bwd, (w, x, context, x, like(block, jnp.float32))),
+             "embed backward": (f.embed_bwd, (like(first, c), tokens, x, like(first, jnp.float32)))}
+    options = {}
+    if device.platform == "cpu":
+        options = {"xla_backend_optimization_level": 0,
+                   **({} if hoisting else {"xla_disable_hlo_passes": _HOISTING_PASS})}
+    return {phase: fn.lower(*args).compile(compiler_options=options).memory_analysis()
+            .temp_size_in_bytes for phase, (fn, args) in calls.items()}
+
+
+def compile_device(platform: str):
+    """A local device of `platform` to compile for, else the CPU."""
+    return next((d for d in jax.local_devices() if d.platform == platform),
+                jax.local_devices(backend="cpu")[0])
+
+
+# -----------------------------------------------------------------------------
+# bytes at each moment of a step
+
+
+def host_bytes(c: Counts, tokens: int, offload: bool) -> dict:
+    """Kind -> bytes of host RAM at the end of a step, `tokens` per micro-batch.
+
+    The bus copies and the step's gradients are both counted: on a GPU the bus copies (and
+    offloaded activations) live in XLA's pinned host pool, a BFC allocator that keeps what it
+    has grown to. (On a CPU-only run the released bus copies make room for the gradients.)"""
+    params = c.stages + c.layers * c.layer
+    bus_is_master = not c.accelerator and c.compute == 4
+    share = lambda n: -(-n // c.host_shards)  # this process's rows of the state
+    return {
+        "master": share(4 * params),
+        "optimizer": share(c.optimizer),
+        "bus": 0 if bus_is_master else share(c.compute * params),
+        # every unit's, waiting for the global norm; the stages' first and last parts, then
+        # their merged sum
+        "gradients": share(c.grad * (c.layers * c.layer + c.first + c.last + c.stages)),
+        "staging": share(c.compute * (c.stages + c.layer)) if c.accelerator else 0,
+        "activations": c.layers * activation_bytes(c, tokens) if offload else 0,
+    }
+
+
+def host_bytes_on_disk(c: Counts, tokens: int, offload: bool, read_ahead: int) -> dict:
+    """`host_bytes` with offload.tier=disk (engine/tier.py): no master weights or optax state in
+    RAM, a bus copy even in fp32, and the units in flight: read_ahead read buffers, the unit
+    being updated (its read buffer, which its arrays alias, and the update's outputs) and up
+    to read_ahead written behind (at least 1), the buffers from one pool; the stages' own
+    buffers (one read, one written) stay pooled besides their arrays while they are
+    updated."""
+    params = c.stages + c.layers * c.layer
+    return {**host_bytes(c, tokens, offload), "master": 0, "optimizer": 0,
+            "bus": c.compute * params,
+            "tier buffers": 3 * c.stages_state
+            + (read_ahead + max(1, read_ahead) + 2) * c.layer_state}
+
+
+def activation_bytes(c: Counts, tokens: int) -> int:
+    """One layer's activations (input or output) for all micro-batches."""
+    return c.micro_batches * tokens * c.hidden * c.compute
+
+
+def device_bytes(c: Counts, tokens: int, offload: bool, workspace: dict) -> dict:
+    """Phase -> kind -> bytes on the compute device at the phase's peak, `tokens` per
+    micro-batch: the arrays the step holds right after its largest call in the phase, plus that
+    call's compiled temp bytes (workspace)."""
+    L, p, act = c.layers, c.prefetch, activation_bytes(c, tokens)
+    weights = lambda params: params * c.compute if c.accelerator else 0  # no copy
+    inputs = c.micro_batches * tokens * 4 * (4 if c.context else 2)  # int32
+
+    def moment(phase=None, **kinds):
+        kinds = {"inputs": inputs, **kinds, "workspace": workspace[phase] if phase else 0}
+        return {k: int(kinds.get(k, 0)) for k in DEVICE_KINDS}
+
+    # The head's fp32 gradient stays on the device from the loss until the stages' gradient
+    # is merged after the embedding's backward. Layers resident: engine/schedule.py's.
+    head = 4 * c.last
+    out = 4 * c.layer + (c.layer * c.grad if c.grad != 4 else 0)  # a layer's
+    forward, backward = [], []
+    resident, overlapped = schedule.resident(L, p), schedule.overlapped(L, p)
+    for pos in range(L):
+        n = resident[pos]
+        # saved: every earlier layer's input and this one's, plus its outputs; offloaded:
+        # this layer's inputs and outputs, and the one before's inputs until it retires
+        forward.append(moment("forward", weights=n * weights(c.layer),
+                              activations=(2 + overlapped[pos] if offload else pos + 2) * act))
+        # saved: this layer's inputs and every earlier one's; offloaded: those fetched back
+        backward.append(moment("backward", weights=n * weights(c.layer),
+                               # the layer's, and the one before's (with its cast for the
+                               # host) while it goes out
+                               gradients=4 * c.layer + overlapped[pos] * out + head,
+                               activations=(n if offload else L - pos + overlapped[pos]) * act,
+                               cotangents=act))
+    return {
+        "embed": moment("embed", weights=weights(c.first), activations=act),
+        "forward": max(forward, key=lambda m: sum(m.values())),
+        "loss": moment("loss", weights=weights(c.last), gradients=4 * c.last,
+                       activations=(1 if offload else L + 1) * act, cotangents=act),
+        "backward": max(backward, key=lambda m: sum(m.values())),
+        "embed backward": moment("embed backward", weights=weights(c.first),
+                                 gradients=4 * (c.first + c.last), cotangents=act),
+    }
+
+
+def peak_bytes(device: dict) -> int:
+    """The largest phase's total of device_bytes' result."""
+    return max(sum(kinds.values()) for kinds in device.values())
+
+
+def fits(host_total: int, device_peak: int, machine: Machine) -> bool:
+    """Whether host RAM and the device peak fit the machine (one memory on a CPU-only run)."""
+    if machine.compute_on_host:  # one memory for both
+        return host_total + device_peak <= machine.host_memory_gb * GB
+    return (host_total <= machine.host_memory_gb * GB
+            and device_peak <= machine.device_memory_gb * GB)

@@ -1,0 +1,215 @@
+"""A memory plan's figures and their text: `Plan` (what megatrain_jax.plan.plan returns), its
+one-line verdict, the two lines a run logs (`summary`), the whole report as tables (`report`)
+and plain data for JSON (`to_dict`)."""
+
+import dataclasses
+import functools
+from typing import Callable
+
+import numpy as np
+
+from megatrain_jax.flops import ASSUMED_MFU, Counts
+from megatrain_jax.machines import GB, Machine
+from megatrain_jax.memory_model import DEVICE_KINDS, PHASES, fits
+from megatrain_jax.model import Execution
+
+_UNITS = (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1))
+
+
+def _unit(n: float) -> tuple[str, float]:
+    return next((u, s) for u, s in _UNITS if abs(n) >= s or s == 1)
+
+
+def format_bytes(n: float) -> str:
+    unit, size = _unit(n)
+    return f"{n / size:.2f} {unit}"
+
+
+def layer_line(c: Counts) -> str:
+    """What one layer streams: its weights (every expert of a MoE layer), and what a token
+    computes with (the routed experts: the FLOPs of tokens_to_hide_transfers)."""
+    active = ("" if c.active_layer == c.layer else
+              f"; {c.active_layer / 1e6:,.2f}M active per token (routed experts)")
+    return (f"per layer: {c.layer / 1e6:,.2f}M parameters, "
+            f"{format_bytes(c.layer * c.compute)} over the bus per pass{active}")
+
+
+@dataclasses.dataclass
+class Plan:
+    """A config's predicted memory on a machine, in bytes: `host[kind]`, `device[phase][kind]` (at
+    the phase's peak), `workspace[phase]` (the compiled temp bytes of the phase's function, part of
+    `device`). `largest_batch` and `largest_seq_len` are worked out on first use: they compile the
+    step's functions at two more shapes (see megatrain_jax.plan's search)."""
+    host: dict
+    device: dict
+    offload_activations: bool  # resolved
+    offload_reason: str
+    attention: str  # the resolved implementation
+    attention_reason: str
+    execution: Execution  # the model's, as the engine will run it
+    machine: Machine
+    workspace: dict
+    micro_batch: tuple  # (micro-batches, batch, seq_len)
+    tokens_to_hide_transfers: int  # 0: nothing crosses a bus; -1: no number of tokens does it
+    notes: tuple  # what the figures rest on, where it matters
+    counts: Counts = dataclasses.field(repr=False, compare=False)  # parameter counts per unit
+    _largest: Callable = dataclasses.field(repr=False, compare=False)
+    # offload.tier, and what each tier takes: host RAM (bytes, {"ram": .., "disk": ..}), the disk
+    # tier's files, and the disk read + write GB/s a step needs to hide them under its compute
+    # (every unit read and written once per step, at ASSUMED_MFU; 0 where unknown)
+    tier: str = "ram"
+    host_by_tier: dict = dataclasses.field(default_factory=dict)
+    disk_bytes: int = 0
+    disk_gbps_to_hide: float = 0.0
+    # () -> phase -> XLA:CPU's temp bytes as it compiles by default (its fp32 copies of bf16
+    # operands hoisted out of loops), beside `workspace`, the bf16 estimate the plan uses
+    # (memory_model's hoisting pass); {} where the workspaces were compiled for the device itself
+    _cpu_compiled: Callable = dataclasses.field(default=dict, repr=False, compare=False)
+
+    @functools.cached_property
+    def workspace_cpu_compiled(self) -> dict:
+        """Compiled on first use (five more compiles)."""
+        return self._cpu_compiled()
+
+    @functools.cached_property
+    def largest_batch(self) -> int:
+        return self._largest("batch")
+
+    @functools.cached_property
+    def largest_seq_len(self) -> int:
+        return self._largest("seq")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return int(np.prod(self.micro_batch))
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.device, key=lambda phase: sum(self.device[phase].values()))
+
+    @property
+    def device_peak(self) -> int:
+        return sum(self.device[self.peak_phase].values())
+
+    @property
+    def fits(self) -> bool:
+        return fits(self.host_total, self.device_peak, self.machine)
+
+    def verdict(self) -> str:
+        """"fits", or what does not and by how much."""
+        if self.fits:
+            return "fits"
+        m, host, dev = self.machine, self.host_total, self.device_peak
+        if m.compute_on_host:
+            return (f"DOES NOT FIT: host + device {format_bytes(host + dev)} > "
+                    f"{format_bytes(m.host_memory_gb * GB)} of RAM")
+        return "DOES NOT FIT: " + "; ".join(
+            f"{what} {format_bytes(need)} > {format_bytes(have * GB)} available"
+            for what, need, have in [("host RAM", host, m.host_memory_gb),
+                                     ("device peak", dev, m.device_memory_gb)] if need > have * GB)
+
+    def summary(self) -> str:
+        """Two lines for a run's log: predicted against available, what was chosen, the verdict."""
+        m = self.machine
+        kinds = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.host.items() if v)
+        return (f"plan ({m.name}): host RAM {format_bytes(self.host_total)} of "
+                f"{format_bytes(m.host_memory_gb * GB)} ({kinds}); device peak "
+                f"{format_bytes(self.device_peak)} of {format_bytes(m.device_memory_gb * GB)} "
+                f"in the {self.peak_phase}\n"
+                f"plan: offload activations {'on' if self.offload_activations else 'off'} "
+                f"({self.offload_reason}), attention {self.attention} ({self.attention_reason}); "
+                f"{self.verdict()}")
+
+    def report(self) -> str:
+        """The whole plan as text tables."""
+        m, (M, B, T) = self.machine, self.micro_batch
+        lines = [f"machine: {m.name}: device {format_bytes(m.device_memory_gb * GB)} usable, host "
+                 f"{format_bytes(m.host_memory_gb * GB)}, {m.bf16_tflops:g} bf16 TFLOPS, "
+                 f"{m.host_device_gbps:g} GB/s each way",
+                 f"step: {M} micro-batch(es) of {B} x {T:,} tokens = {self.tokens_per_step:,}; "
+                 f"attention {self.attention} ({self.attention_reason}); offload activations "
+                 f"{'on' if self.offload_activations else 'off'} ({self.offload_reason})",
+                 layer_line(self.counts), "", *self.tables(), "", self.verdict(),
+                 f"largest that fits: batch {self.largest_batch:,} at seq_len {T:,}; "
+                 f"seq_len {self.largest_seq_len:,} at batch {B}",
+                 f"tokens per step for compute to hide the transfers at {ASSUMED_MFU:.0%} MFU: "
+                 f"{self.hide_text()}", self.tier_line()]
+        lines += [line for line in (self.activations_line(), self.workspace_line()) if line]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def tables(self) -> list:
+        """The host RAM by kind, and the device's bytes by phase and kind with the peak."""
+        m = self.machine
+        host_unit, host_size = _unit(self.host_total)
+        unit, size = _unit(self.device_peak)
+        lines = [f"host RAM ({host_unit})"]
+        lines += [f"  {kind:<14}{v / host_size:>12.2f}" for kind, v in self.host.items()]
+        lines += [f"  {'total':<14}{self.host_total / host_size:>12.2f} of "
+                  f"{format_bytes(m.host_memory_gb * GB)}", "",
+                  f"{'device (' + unit + ')':<16}" + "".join(f"{k:>12}" for k in DEVICE_KINDS)
+                  + f"{'total':>12}"]
+        for phase, kinds in self.device.items():
+            lines.append(f"  {phase:<14}" + "".join(f"{kinds[k] / size:>12.2f}"
+                                                    for k in DEVICE_KINDS)
+                         + f"{sum(kinds.values()) / size:>12.2f}")
+        lines.append(f"  {'peak':<14}{self.device_peak / size:>{12 * len(DEVICE_KINDS) + 12}.2f} "
+                     f"of {format_bytes(m.device_memory_gb * GB)}, in the {self.peak_phase}")
+        return lines
+
+    def hide_text(self) -> str:
+        """tokens_to_hide_transfers in words, against this step's tokens."""
+        hide = self.tokens_to_hide_transfers
+        return {0: "none cross a bus", -1: "none: the bus is slower per token than compute"}.get(
+            hide, f"{hide:,} (this step has {self.tokens_per_step:,}: "
+                  f"{'hidden' if self.tokens_per_step >= hide else 'exposed'})")
+
+    def tier_line(self) -> str:
+        """Host RAM with each offload.tier, the disk tier's bytes and the bandwidth it needs."""
+        hide = (f"; hiding its I/O under a step's compute needs {self.disk_gbps_to_hide:.2f} GB/s "
+                f"of disk reads + writes" if self.disk_gbps_to_hide else "")
+        ram, disk = self.host_by_tier.get("ram", 0), self.host_by_tier.get("disk", 0)
+        return (f"offload.tier={self.tier}: host RAM {format_bytes(ram)} with the ram tier, "
+                f"{format_bytes(disk)} with the disk tier, which puts {format_bytes(self.disk_bytes)} "
+                f"on disk{hide}")
+
+    def activations_line(self) -> str:
+        """What offloaded activations take of host RAM, what a host then needs, and whether the
+        disk tier could take them (it cannot): "" without offloading."""
+        c, acts = self.counts, self.host.get("activations", 0)
+        if not acts:
+            return ""
+        ram, disk = self.host_by_tier.get("ram", 0), self.host_by_tier.get("disk", 0)
+        return (f"offloaded activations: {format_bytes(acts)} of host RAM ({c.layers} layers' "
+                f"inputs, {format_bytes(acts / c.layers)} each); a host needs "
+                f"{format_bytes(ram)} with offload.tier=ram, {format_bytes(disk)} with "
+                f"offload.tier=disk, which moves the master weights and optimizer state to disk "
+                f"but not the activations: they stay in host RAM either way")
+
+    def workspace_line(self) -> str:
+        """Each phase's workspace as XLA:CPU compiles it and as the plan estimates it in bf16
+        (its figure): "" where the device compiled them itself."""
+        if not self.workspace_cpu_compiled:
+            return ""
+        both = ", ".join(f"{phase} {format_bytes(self.workspace_cpu_compiled[phase])} / "
+                         f"{format_bytes(self.workspace[phase])}" for phase in PHASES)
+        return (f"workspace, XLA:CPU as compiled / bf16 estimate (XLA:CPU without hoisting its fp32 "
+                f"copies out of loops; the plan and `fits` use the estimate): {both}")
+
+    def to_dict(self) -> dict:
+        """Plain data, for JSON."""
+        names = ("host", "host_total", "device", "device_peak", "peak_phase", "fits",
+                 "offload_activations", "offload_reason", "attention", "attention_reason",
+                 "workspace", "largest_batch", "largest_seq_len", "tokens_per_step",
+                 "tokens_to_hide_transfers", "tier", "host_by_tier", "disk_bytes",
+                 "disk_gbps_to_hide", "workspace_cpu_compiled")
+        return {"machine": dataclasses.asdict(self.machine), "micro_batch": list(self.micro_batch),
+                "execution": dataclasses.asdict(self.execution), "notes": list(self.notes),
+                "layer_params": self.counts.layer, "layer_bus_bytes":
+                self.counts.layer * self.counts.compute,
+                "active_layer_params": self.counts.active_layer,
+                **{name: getattr(self, name) for name in names}}
