@@ -581,7 +581,7 @@ def _idle_expert_params(model: ModelConfig) -> int:
 
 
 def _counts(cfg: Config, execution: Execution, machine: Machine) -> _Counts:
-    from megatrain_jax.train import build_optimizer  # lazy: train imports this module
+    from megatrain_jax.recipes import build_optimizer  # the run's own optimizer
 
     stages, block, parts, _ = _abstract(cfg.model, execution, cfg.train.grad_dtype)
     size = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
@@ -607,7 +607,7 @@ def _counts(cfg: Config, execution: Execution, machine: Machine) -> _Counts:
 def plan(cfg: Config, machine: Machine) -> Plan:
     """The plan of `cfg` on `machine`. Compiles the step's five device functions for the
     configured micro-batch shape (seconds for an 8B model on a CPU); allocates nothing."""
-    from megatrain_jax.train import execution_for  # the engine's own: lazy, train imports us
+    from megatrain_jax.recipes import execution_for  # the run's own execution options
 
     execution, attention_reason = execution_for(cfg, machine.platform)
     device = _compile_device(machine.platform)

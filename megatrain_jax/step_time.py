@@ -310,7 +310,7 @@ def simulate(shape: StepShape, rates: Rates, steps: int = 4) -> Prediction:
 def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True) -> StepShape:
     """The shape of one step of `cfg` on an accelerator (`offload`: activations offloaded)."""
     from megatrain_jax.plan import MACHINES, _counts, flops_per_token  # lazy: plan imports
-    from megatrain_jax.train import execution_for  # the model
+    from megatrain_jax.recipes import execution_for  # the model
     execution, _ = execution_for(cfg, "gpu")
     c = _counts(cfg, execution, MACHINES["h100"])
     model, (M, B, T) = cfg.model, (cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len)

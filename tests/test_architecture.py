@@ -10,9 +10,6 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = "megatrain_jax"
 ENGINE = f"{PACKAGE}.engine"
-# The cycle that the recipes module (issue 26 item 1) removes: plan.py imports train lazily for
-# its builders, while train imports plan and advice, and advice imports plan.
-KNOWN_CYCLE = {f"{PACKAGE}.train", f"{PACKAGE}.plan", f"{PACKAGE}.advice"}
 MAX_FUNCTION_LINES = 60
 SHORT_MODULES = ("train.py", "config.py", "plan.py")
 
@@ -117,16 +114,8 @@ def test_the_cycle_finder_sees_lazy_submodule_and_relative_imports(tmp_path):
     assert cycles(graph) == [["p.a", "p.sub.b"], ["p.c", "p.sub"]]
 
 
-@pytest.mark.xfail(strict=True, reason="the recipes module (issue 26 item 1) removes it")
 def test_no_import_cycle_in_the_package():
     assert cycles(import_graph(module_sources())) == []
-
-
-def test_no_import_cycle_but_the_known_one():
-    """Until the recipes module lands (the test above then passes and loses its mark), no cycle
-    other than {train, plan, advice}, and that one no larger."""
-    found = cycles(import_graph(module_sources()))
-    assert [c for c in found if not set(c) <= KNOWN_CYCLE] == []
 
 
 def test_the_engine_imports_nothing_of_the_package_outside_itself():

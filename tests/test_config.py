@@ -11,7 +11,7 @@ import pytest
 
 from megatrain_jax.config import (SCHEDULES, Config, ConfigError, OptimizerConfig, load_config,
                                   resume_changes, resume_keys, to_dict)
-from megatrain_jax.train import build_optimizer, build_schedule
+from megatrain_jax.recipes import build_optimizer, build_schedule
 
 LR, RATIO, WARMUP, STEPS = 2e-3, 0.1, 10, 100
 END = LR * RATIO

@@ -18,7 +18,7 @@ from megatrain_jax.data import document_context
 from megatrain_jax.engine import StreamedEngine
 from megatrain_jax.model import ModelConfig, make_block, make_stages
 from megatrain_jax.plan import GB, PHASES, Machine, format_bytes, plan
-from megatrain_jax.train import build_optimizer
+from megatrain_jax.recipes import build_optimizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
