@@ -101,7 +101,7 @@ def _idle_expert_params(model: ModelConfig) -> int:
 
 def counts(cfg: Config, execution: Execution, machine: Machine) -> Counts:
     """The Counts of `cfg` run with `execution` on `machine`."""
-    from megatrain_jax.train import build_optimizer  # lazy: train imports this module
+    from megatrain_jax.recipes import build_optimizer  # the run's own optimizer
 
     _, stages, _, block, parts = abstract_units(cfg.model, execution)
     size = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))

@@ -183,7 +183,7 @@ def decoder(model: Model, max_len: int, *, compute_dtype=None, compute_device=No
             host_device=None) -> StreamedDecoder:
     """The StreamedDecoder of `model` with caches of `max_len` positions, computing in
     compute_dtype (default: the run's train.compute_dtype)."""
-    from megatrain_jax.train import execution_for
+    from megatrain_jax.recipes import execution_for
     compute = compute_device or jax.devices()[0]
     dtype = jnp.dtype(compute_dtype or model.cfg.train.compute_dtype)
     train_cfg = dataclasses.replace(model.cfg.train, compute_dtype=dtype.name)

@@ -35,7 +35,7 @@ LARGEST_SEQ_TOLERANCE = 0.02
 def plan(cfg: Config, machine: Machine) -> Plan:
     """The plan of `cfg` on `machine`. Compiles the step's five device functions for the
     configured micro-batch shape (seconds for an 8B model on a CPU); allocates nothing."""
-    from megatrain_jax.train import execution_for  # the engine's own: lazy, train imports us
+    from megatrain_jax.recipes import execution_for  # the engine's own: lazy, train imports us
 
     execution, attention_reason = execution_for(cfg, machine.platform)
     device = compile_device(machine.platform)

@@ -317,7 +317,7 @@ def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True) -> StepSh
     # lazy: jax and the model (`megatrain --help` stays quick)
     from megatrain_jax.flops import attention_flops, counts, flops_per_token
     from megatrain_jax.machines import MACHINES
-    from megatrain_jax.train import execution_for  # the model
+    from megatrain_jax.recipes import execution_for  # the model
     execution, _ = execution_for(cfg, "gpu")
     c = counts(cfg, execution, MACHINES["h100"])
     model, (M, B, T) = cfg.model, (cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len)

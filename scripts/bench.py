@@ -187,7 +187,7 @@ def measure_matmul(jax, dev, dtype, n, iters=10) -> dict:
 def run_streamed(cfg, batches, warmup, dev, keep_init):
     import jax
     import numpy as np
-    from megatrain_jax.train import build_engine
+    from megatrain_jax.recipes import build_engine
     t0 = time.perf_counter()
     engine = build_engine(cfg)
     out = {"build_s": time.perf_counter() - t0}
@@ -318,7 +318,7 @@ def time_baseline(name, cfg, graphdefs, params, batches, warmup, dev) -> dict:
     import jax.numpy as jnp
     import optax
     from flax import nnx
-    from megatrain_jax.train import build_optimizer
+    from megatrain_jax.recipes import build_optimizer
 
     stages_def, block_def = graphdefs
     cdt = jnp.dtype(cfg.train.compute_dtype)

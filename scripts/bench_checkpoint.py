@@ -32,7 +32,7 @@ def child(args):
 
     from megatrain_jax import checkpoint, hostmem
     from megatrain_jax.config import load_config
-    from megatrain_jax.train import build_engine, load_dataset
+    from megatrain_jax.recipes import build_engine, load_dataset
 
     cfg = load_config(None, [
         f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}",

@@ -11,7 +11,7 @@ while training batches stream from it.
    `tokenizers` encode_batch in batches of the same size (ids discarded): the ratio ours /
    raw is the figure (target >= 0.8).
 2. Streaming: for each --stream-gb size, a corpus of that many GB of uint16 token ids on disk,
-   read as training does (train.load_data: each batch's windows read with pread, the next batch's
+   read as training does (recipes.load_data: each batch's windows read with pread, the next batch's
    on a thread ahead) for --batches batches in a child process: its RSS after (VmRSS) and peak
    (VmHWM). Flat across sizes: host RAM does not grow with the corpus.
 
@@ -99,7 +99,7 @@ def child_raw(args) -> dict:
 def child_stream(args) -> dict:
     from megatrain_jax import hostmem
     from megatrain_jax.config import load_config
-    from megatrain_jax.train import load_data
+    from megatrain_jax.recipes import load_data
 
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
         f"data.path={args.corpus}", "model.vocab_size=32000", "data.seq_len=1024",

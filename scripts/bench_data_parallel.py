@@ -54,7 +54,7 @@ def child(out_dir: str, steps: int, overrides: list):
     from megatrain_jax.config import load_config
     from megatrain_jax.engine.transfer import nbytes
     from megatrain_jax.hostmem import rss_bytes
-    from megatrain_jax.train import build_engine, load_dataset
+    from megatrain_jax.recipes import build_engine, load_dataset
 
     cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"), [*BENCH, *overrides])
     distributed.initialize(cfg.distributed)

@@ -100,7 +100,7 @@ def child(args) -> dict:
     from megatrain_jax.engine import StreamedEngine
     from megatrain_jax.engine.tier import DiskTierOptions
     from megatrain_jax.model import make_block, make_stages
-    from megatrain_jax.train import build_optimizer
+    from megatrain_jax.recipes import build_optimizer
 
     cfg = model_config(args.params, args.smoke)
     rss_before = hostmem.rss_bytes()

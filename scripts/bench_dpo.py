@@ -5,7 +5,7 @@
 
 The trainer's own path on the bundled preference pairs (configs/dpo_tiny.yaml's data and
 tokenizer) with a Llama-shaped model of --layers layers of width --hidden: the engine is built
-(train.build_engine), then the reference pass runs (dpo.prepare_reference: one streamed forward
+(recipes.build_engine), then the reference pass runs (dpo.prepare_reference: one streamed forward
 pass of the starting weights, no second copy of the model), then --steps training steps. VmHWM
 (the kernel's peak RSS) is reset before each phase and read after it; RSS before the engine is
 built is the baseline (Python, JAX, the data). The reference pass holds the engine's host state
@@ -28,7 +28,7 @@ def run(args) -> dict:
     jax.config.update("jax_num_cpu_devices", 2)  # before the backend starts (CPU only)
     from megatrain_jax import dpo, hostmem
     from megatrain_jax.config import load_config
-    from megatrain_jax.train import build_engine, load_data
+    from megatrain_jax.recipes import build_engine, load_data
 
     hostmem.set_mmap_threshold(1 << 20)  # as train() sets it
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

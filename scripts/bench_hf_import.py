@@ -7,7 +7,7 @@ numpy only, no torch), then measures each mode in a fresh process: after jax is 
 CPU backend started, the kernel's peak-RSS counter is reset (/proc/self/clear_refs), then
 
     params only     hf.load_stages + hf.load_block for every layer, all kept (the fp32 params)
-    engine (HF)     train.build_engine with model.from_hf: params + AdamW state + bus copies
+    engine (HF)     recipes.build_engine with model.from_hf: params + AdamW state + bus copies
     engine (random) the same engine with random init: the baseline the HF import should match
 
 extra = VmHWM - VmRSS before; held = VmRSS after (minus before); state = bytes the result holds.
@@ -61,7 +61,7 @@ def child(args):
 
     from megatrain_jax import hf, hostmem
     from megatrain_jax.config import load_config
-    from megatrain_jax.train import build_engine
+    from megatrain_jax.recipes import build_engine
 
     jax.devices()  # start the CPU backend before the baseline
     cfg = load_config(None, [f"model.from_hf={args.model_dir}", "train.compute_dtype=bfloat16"])

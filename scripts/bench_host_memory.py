@@ -54,7 +54,7 @@ def child(args):
     from megatrain_jax.config import OptimizerConfig
     from megatrain_jax.engine import StreamedEngine
     from megatrain_jax.model import make_block, make_stages
-    from megatrain_jax.train import build_optimizer
+    from megatrain_jax.recipes import build_optimizer
 
     compute, host = jax.devices("cpu")[:2]
     cfg = model_config(args.hidden, args.layers)

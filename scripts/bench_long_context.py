@@ -6,7 +6,7 @@
     PYTHONPATH=. python3 scripts/bench_long_context.py --config configs/llama3_8b.yaml \
         --seq-len 131072 --compute-dtype bfloat16 --attention auto model.num_layers=4
 
-Builds the engine through the library (`train.build_engine`) for a small Llama-shaped model (by
+Builds the engine through the library (`recipes.build_engine`) for a small Llama-shaped model (by
 default hidden 64, 2 layers, vocab 65536) at one long sequence (default 32768 tokens, batch 1) with
 the long-context execution: fp32 compute, blockwise attention, the block's MLP in tiles, the
 cross-entropy in chunks of tokens and of the vocabulary, and the saved activations offloaded to
@@ -118,7 +118,7 @@ def bench(args):
 
     from megatrain_jax import plan as plan_lib
     from megatrain_jax.machines import machine_from_device
-    from megatrain_jax.train import build_engine
+    from megatrain_jax.recipes import build_engine
 
     rss = {"start": maxrss_bytes()}
     dev = jax.devices()[0]
@@ -193,7 +193,7 @@ def bench(args):
             json.dump(record, f, indent=1)
         print(f"wrote {args.json}")
     if args.max_rss_gb is not None and rss["after_steps"] > args.max_rss_gb * GB:
-        from megatrain_jax.train import TrainingError
+        from megatrain_jax.errors import TrainingError
         raise TrainingError(f"peak RSS {rss['after_steps'] / GB:.3f} GB exceeds --max-rss-gb "
                             f"{args.max_rss_gb:g}")
 

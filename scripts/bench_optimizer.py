@@ -43,8 +43,8 @@ parser.add_argument("--grad-dtype", default="float32", choices=["float32", "bflo
                     help="the engine's gradient store (train.grad_dtype)")
 parser.add_argument("--optax", action="store_true",
                     help="the engine runs plain optax.adamw (XLA's loops) instead of the fused update "
-                         "(train.build_optimizer's); CXX=/nonexistent runs the fused update's JAX "
-                         "fallback instead of its kernel")
+                         "(recipes.build_optimizer's); CXX=/nonexistent runs the fused update's "
+                         "JAX fallback instead of its kernel")
 parser.add_argument("--no-one-core", action="store_true", help="skip the one-core child run")
 parser.add_argument("--child-json", default="", help=argparse.SUPPRESS)  # the one-core child
 parser.add_argument("--json", default="", help="also write the results here")
@@ -66,7 +66,7 @@ import optax  # noqa: E402
 from megatrain_jax.config import OptimizerConfig  # noqa: E402
 from megatrain_jax.engine import StreamedEngine, fused_adamw  # noqa: E402
 from megatrain_jax.model import ModelConfig, make_block, make_stages  # noqa: E402
-from megatrain_jax.train import build_optimizer  # noqa: E402
+from megatrain_jax.recipes import build_optimizer  # noqa: E402
 
 try:
     import torch

@@ -10,11 +10,6 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = "megatrain_jax"
 ENGINE = f"{PACKAGE}.engine"
-# The cycle that the recipes module (issue 26 item 1) removes: plan.py and flops.py import train
-# lazily for its builders, while train imports plan, flops and advice, and advice imports plan;
-# memory_model and plan_report (plan's parts) import flops and are imported by plan.
-KNOWN_CYCLE = {f"{PACKAGE}.{m}" for m in ("train", "plan", "advice", "flops", "memory_model",
-                                          "plan_report")}
 MAX_FUNCTION_LINES = 60
 SHORT_MODULES = ("train.py", "config.py", "plan.py")
 
@@ -119,16 +114,8 @@ def test_the_cycle_finder_sees_lazy_submodule_and_relative_imports(tmp_path):
     assert cycles(graph) == [["p.a", "p.sub.b"], ["p.c", "p.sub"]]
 
 
-@pytest.mark.xfail(strict=True, reason="the recipes module (issue 26 item 1) removes it")
 def test_no_import_cycle_in_the_package():
     assert cycles(import_graph(module_sources())) == []
-
-
-def test_no_import_cycle_but_the_known_one():
-    """Until the recipes module lands (the test above then passes and loses its mark), no cycle
-    other than KNOWN_CYCLE's, and that one no larger."""
-    found = cycles(import_graph(module_sources()))
-    assert [c for c in found if not set(c) <= KNOWN_CYCLE] == []
 
 
 def test_the_engine_imports_nothing_of_the_package_outside_itself():
@@ -172,8 +159,8 @@ def test_longest_function_measures_lines():
     assert longest_function(source) == (4, "f")
 
 
-@pytest.mark.xfail(strict=True, reason="the longest functions are 185 lines (train._train_locked) "
-                   "and 163 (config._check); issue 26 items 1-3 shorten them")
+@pytest.mark.xfail(strict=True, reason="the longest functions are 163 lines (config._check) and "
+                   "89 (plan.plan); train.py's is 51; issue 26 item 3 shortens them")
 def test_functions_of_the_modules_around_the_engine_are_short():
     lengths = {name: longest_function((ROOT / PACKAGE / name).read_text())
                for name in SHORT_MODULES}

@@ -22,7 +22,8 @@ from toy_model import Embed, Head
 from megatrain_jax import StreamedEngine, checkpoint
 from megatrain_jax.cli import run_cli
 from megatrain_jax.config import load_config
-from megatrain_jax.train import build_engine, train
+from megatrain_jax.recipes import build_engine
+from megatrain_jax.train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 6

@@ -15,7 +15,7 @@ from megatrain_jax import commands
 from megatrain_jax.config import (SCHEDULES, Config, ConfigError, DiskTier, OptimizerConfig,
                                   RamTier, from_dict, load_config, resume_changes, resume_keys,
                                   to_dict)
-from megatrain_jax.train import build_optimizer, build_schedule
+from megatrain_jax.recipes import build_optimizer, build_schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LR, RATIO, WARMUP, STEPS = 2e-3, 0.1, 10, 100

@@ -382,7 +382,7 @@ def test_bad_npy_files(tmp_path):
 
 def test_load_dataset_checks_against_model_vocab_size(tmp_path):
     from megatrain_jax.config import load_config
-    from megatrain_jax.train import load_dataset
+    from megatrain_jax.recipes import load_dataset
 
     p = tmp_path / "x.bin"
     ids = np.arange(5000, dtype=np.uint16) % 257

@@ -10,7 +10,7 @@ import pytest
 
 from megatrain_jax.engine import StreamedEngine
 from megatrain_jax.model import ModelConfig, make_block, make_stages
-from megatrain_jax.train import build_optimizer
+from megatrain_jax.recipes import build_optimizer
 from test_engine import OPT, STEPS, assert_trees_close, count_compiles
 
 CFG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,

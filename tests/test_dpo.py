@@ -226,7 +226,7 @@ def preference_cfg(tmp_path, data, *overrides, model_dir=None):
 
 def build(cfg):
     """(the PreferenceDataset of cfg, its engine on the two CPU devices)."""
-    from megatrain_jax.train import build_engine, load_data
+    from megatrain_jax.recipes import build_engine, load_data
     dataset, _ = load_data(cfg)
     engine = build_engine(cfg, compute_device=jax.devices("cpu")[0],
                           host_device=jax.devices("cpu")[1])

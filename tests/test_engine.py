@@ -14,7 +14,7 @@ from megatrain_jax.data import document_context
 from megatrain_jax.engine import StreamedEngine
 from megatrain_jax.loss import IGNORE_ID
 from megatrain_jax.model import Execution, ModelConfig, make_block, make_stages
-from megatrain_jax.train import build_optimizer
+from megatrain_jax.recipes import build_optimizer
 from megatrain_jax.config import OptimizerConfig
 
 CFG = ModelConfig(vocab_size=61, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4,

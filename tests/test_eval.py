@@ -16,7 +16,8 @@ from megatrain_jax import commands
 from megatrain_jax import train as train_lib
 from megatrain_jax import data as data_lib
 from megatrain_jax.config import Config, load_config, resume_changes, to_dict
-from megatrain_jax.train import build_engine, load_data, train
+from megatrain_jax.recipes import build_engine, load_data
+from megatrain_jax.train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # One tiny model for every test here (the engine tests and the train() runs share compilations):

@@ -16,7 +16,8 @@ from megatrain_jax.config import ConfigError, load_config
 from megatrain_jax.data import DataError
 from megatrain_jax.engine import tier as tier_lib
 from megatrain_jax.runlock import LockedError, RunLock
-from megatrain_jax.train import TrainingError, train
+from megatrain_jax.errors import TrainingError
+from megatrain_jax.train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")

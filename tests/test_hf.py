@@ -25,7 +25,7 @@ from megatrain_jax import hf  # noqa: E402
 from megatrain_jax.cli import run_cli  # noqa: E402
 from megatrain_jax.config import Config, DataConfig, load_config, to_dict  # noqa: E402
 from megatrain_jax.engine import StreamedEngine  # noqa: E402
-from megatrain_jax.train import decay_mask  # noqa: E402
+from megatrain_jax.recipes import decay_mask  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V = 101
@@ -577,7 +577,8 @@ def test_finetune_from_hf_on_jsonl_starts_at_the_hf_models_loss(hf_dirs, tmp_pat
     the first step's loss is transformers' loss on the same batch (the weights were imported)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from megatrain_jax.train import load_dataset, train
+    from megatrain_jax.recipes import load_dataset
+    from megatrain_jax.train import train
 
     words = [f"w{i}" for i in range(90)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["</s>", "<unk>", *words])},

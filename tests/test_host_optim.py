@@ -17,7 +17,7 @@ from megatrain_jax import StreamedEngine
 from megatrain_jax.engine import fused_adamw, transfer
 from megatrain_jax.config import ConfigError, OptimizerConfig, load_config
 from megatrain_jax.model import ModelConfig, make_block, make_stages
-from megatrain_jax.train import build_engine, build_optimizer
+from megatrain_jax.recipes import build_engine, build_optimizer
 
 D, V, L = 32, 11, 3
 

@@ -25,7 +25,7 @@ from megatrain_jax.cli import run_cli  # noqa: E402
 from megatrain_jax.config import load_config  # noqa: E402
 from megatrain_jax.engine import StreamedEngine  # noqa: E402
 from megatrain_jax.model import Block, Execution, ModelConfig  # noqa: E402
-from megatrain_jax.train import decay_mask  # noqa: E402
+from megatrain_jax.recipes import decay_mask  # noqa: E402
 from test_engine import count_compiles  # noqa: E402
 from test_hf import (assert_close, eager_fp32_perturbed, export, hf_engine,  # noqa: E402
                      save_checkpoint)

@@ -21,7 +21,7 @@ from megatrain_jax.machines import GB, Machine
 from megatrain_jax.memory_model import PHASES
 from megatrain_jax.plan import plan
 from megatrain_jax.plan_report import format_bytes
-from megatrain_jax.train import build_optimizer
+from megatrain_jax.recipes import build_optimizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,

@@ -274,7 +274,7 @@ def test_packing_is_deterministic_and_resumable(bundled):
 
 
 def test_eval_fraction_holds_out_the_last_conversations():
-    from megatrain_jax.train import load_data
+    from megatrain_jax.recipes import load_data
 
     cfg = load_config(os.path.join(ROOT, "configs", "sft_tiny.yaml"),
                       ["data.eval_fraction=0.25", "train.eval_batches=100"])

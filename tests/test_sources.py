@@ -21,7 +21,7 @@ from megatrain_jax.sources.files import resolve
 from megatrain_jax.sources.mixture import MixtureDataset
 from megatrain_jax.sources.prefetch import ReadAhead
 from megatrain_jax.sources.tokenfile import TokenFile
-from megatrain_jax.train import load_data
+from megatrain_jax.recipes import load_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")

@@ -130,7 +130,7 @@ def test_a_configs_shape_moves_the_bytes_the_engine_counts(tied):
     import numpy as np
     from megatrain_jax.config import load_config
     from megatrain_jax.step_time import step_shape
-    from megatrain_jax.train import build_engine
+    from megatrain_jax.recipes import build_engine
     cfg = load_config("configs/tiny.yaml", [
         "model.num_layers=2", "data.seq_len=16", "data.batch_size=1", "data.micro_batches=2",
         "train.compute_dtype=bfloat16", "train.grad_dtype=bfloat16",

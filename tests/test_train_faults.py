@@ -11,7 +11,9 @@ import pytest
 
 from megatrain_jax import StreamedEngine, checkpoint
 from megatrain_jax.config import ConfigError, load_config
-from megatrain_jax.train import TrainingError, build_engine, train
+from megatrain_jax.errors import TrainingError
+from megatrain_jax.recipes import build_engine
+from megatrain_jax.train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")

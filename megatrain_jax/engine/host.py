@@ -76,7 +76,7 @@ class HostState:
         # Adam moments read, and XLA:CPU gives it a fresh temporary (~3 B/param, page-faulted each
         # step). An fp32 gradient is therefore prepared first, in place, by its own pass; a bf16
         # one is upcast, so it has no fp32 buffer to work in and is prepared inside the update.
-        # AdamW made by fused_adamw.adamw (train.build_optimizer's) runs as one pass per leaf
+        # AdamW made by fused_adamw.adamw (recipes.build_optimizer's) runs as one pass per leaf
         # that also scales and clips the gradient (fused_adamw.py); any other optimizer, optax.
         self.fused = optimizer.hyper if isinstance(optimizer, fused_adamw.AdamW) else None
         self._native = self.fused is not None and fused_adamw.native()
