@@ -21,7 +21,9 @@ import numpy as np
 
 from megatrain_jax.data import DataError, WindowOrder, share_of_batch
 from megatrain_jax.loss import IGNORE_ID
+from megatrain_jax.sources.cache import default_cache_dir
 from megatrain_jax.sources.files import BadRows, records, resolve
+from megatrain_jax.sources.sequences import open_sequences
 
 ROLES = ("system", "user", "assistant")
 OVERLONG = ("truncate", "skip")  # data.overlong
@@ -359,6 +361,24 @@ def load_examples(path: str, tokenizer, template: ChatTemplate, *, seq_len: int,
     return out
 
 
+def cached_examples(path: str, tokenizer, template: ChatTemplate, *, seq_len: int,
+                    overlong: str, vocab_size: int | None, cache_dir: str, key: str = "data.path",
+                    log=print) -> Examples:
+    """load_examples's examples, tokenized once: read from their cache in `cache_dir`
+    (sources/sequences.py), which load_examples builds when it is missing or stale."""
+    def build():
+        ex = load_examples(path, tokenizer, template, seq_len=seq_len, overlong=overlong,
+                           vocab_size=vocab_size, key=key)
+        counts = {"conversations": ex.conversations, "truncated": ex.truncated,
+                  "skipped": ex.skipped}
+        return ex.ids, ex.labels, counts
+
+    settings = {"seq_len": seq_len, "overlong": overlong, "vocab_size": vocab_size}
+    ids, labels, counts = open_sequences(resolve(path, key), tokenizer, template, cache_dir,
+                                         build, kind="sft", settings=settings, log=log)
+    return Examples(path, ids, labels, **counts)
+
+
 # -----------------------------------------------------------------------------
 # packing
 
@@ -481,15 +501,16 @@ def eval_batches(rows: dict, *, batch_size: int, num_micro_batches: int, num_bat
                    batch_size) for b in range(min(num_batches, num_rows // per_batch))]
 
 
-def load_sft(d, tokenizer, *, vocab_size: int, seed: int, num_eval_batches: int) -> tuple:
+def load_sft(d, tokenizer, *, vocab_size: int, seed: int, num_eval_batches: int,
+             log=print) -> tuple:
     """(the training SFTDataset, the held-out eval batches or None) for a DataConfig `d` with
     format sft: data.path's conversations (without the last data.eval_fraction of them, held out),
-    or data.eval_path's for evaluation. The dataset's `summary` says what was truncated, skipped
-    and packed."""
+    or data.eval_path's for evaluation, each tokenized once into data.cache_dir (`log` says when
+    it is built). The dataset's `summary` says what was truncated, skipped and packed."""
     template = ChatTemplate.for_tokenizer(tokenizer.path)
-    load = lambda path, key="data.path": load_examples(
+    load = lambda path, key="data.path": cached_examples(
         path, tokenizer, template, seq_len=d.seq_len, overlong=d.overlong, vocab_size=vocab_size,
-        key=key)
+        cache_dir=d.cache_dir or default_cache_dir(), key=key, log=log)
     examples = load(d.path)
     lines = [f"sft data: {examples.report(d.seq_len, d.overlong)}"]
     held_out, what = None, None

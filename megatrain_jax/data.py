@@ -11,6 +11,7 @@ import os
 import numpy as np
 
 from megatrain_jax.errors import DataError
+from megatrain_jax.sources.tokenfile import TokenFile
 
 
 # -----------------------------------------------------------------------------
@@ -139,16 +140,6 @@ def _jsonl_docs(path: str, tokenizer, text_field: str):
             yield tokenizer.encode(obj[text_field])
 
 
-def _read_chunk(tokens, start: int, stop: int) -> np.ndarray:
-    """tokens[start:stop]; from a whole np.memmap's file with a plain read, so that a scan of the
-    corpus leaves none of its pages mapped into this process (its RSS stays the same)."""
-    if isinstance(tokens, np.memmap) and isinstance(tokens.base, mmap.mmap):  # not a slice
-        stop = min(stop, len(tokens))
-        return np.fromfile(tokens.filename, dtype=tokens.dtype, count=max(stop - start, 0),
-                           offset=tokens.offset + start * tokens.dtype.itemsize)
-    return np.asarray(tokens[start:stop])
-
-
 def check_token_ids(tokens, vocab_size: int, path: str, vocab_key: str = "model.vocab_size"):
     """Raises DataError at the first id < 0 or >= vocab_size, naming its offset (token index).
 
@@ -162,8 +153,12 @@ def check_token_ids(tokens, vocab_size: int, path: str, vocab_key: str = "model.
     # viewed as unsigned, negative ids are >= 2**(bits - 1), so that bound also catches them
     bound = vocab_size if dtype.kind == "u" else min(vocab_size, np.iinfo(dtype).max + 1)
     unsigned = np.dtype(f"u{dtype.itemsize}")
+    # a whole np.memmap is read with pread (TokenFile), so that the scan leaves none of the
+    # corpus's pages mapped into this process (its RSS stays the same)
+    whole_map = isinstance(tokens, np.memmap) and isinstance(tokens.base, mmap.mmap)
+    source = TokenFile.of(tokens) if whole_map else tokens
     for start in range(0, len(tokens), SCAN_CHUNK):
-        chunk = _read_chunk(tokens, start, start + SCAN_CHUNK).view(unsigned)
+        chunk = np.asarray(source[start:start + SCAN_CHUNK]).view(unsigned)
         if chunk.max() < bound:
             continue
         offset = start + int(np.argmax(chunk >= bound))

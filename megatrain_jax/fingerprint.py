@@ -1,9 +1,10 @@
-"""The identity of a run's data files, saved with each checkpoint and compared on resume, so that
-a corpus edited in place between a run and its resume is noticed (train.py).
+"""The identity of data files: what a token cache was built from (sources/cache.py), and what a
+run's checkpoints record and compare on resume, so that a corpus edited in place between a run
+and its resume is noticed (train.py).
 
-Each file is known by its size and a hash of its head: cheap for any size, and a file cut short,
-grown, or rewritten at its start differs. Takes a list of files, so a data source of several
-shards passes them all.
+Each file is known by its size, its mtime and a hash of its head: cheap for any size, and a file
+cut short, grown, or rewritten at its start differs. A resume compares the size and the head only
+(a corpus copied or touched is the same data); a cache is stale when any of the three changed.
 """
 
 import hashlib
@@ -12,15 +13,18 @@ import os
 HEAD_BYTES = 1 << 20  # hashed from each file's start
 
 
+def file_identity(path: str) -> dict:
+    """{"file", "bytes", "mtime_ns", "head_sha256"} of the regular file `path`."""
+    with open(path, "rb") as f:
+        head = hashlib.sha256(f.read(HEAD_BYTES)).hexdigest()
+        st = os.fstat(f.fileno())
+    return {"file": os.path.abspath(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "head_sha256": head}
+
+
 def files_identity(paths: list[str]) -> list[dict]:
-    """[{"file", "bytes", "head_sha256"}] of each of `paths` (regular files), in the given order."""
-    out = []
-    for path in paths:
-        with open(path, "rb") as f:
-            head = hashlib.sha256(f.read(HEAD_BYTES)).hexdigest()
-        out.append({"file": os.path.abspath(path), "bytes": os.path.getsize(path),
-                    "head_sha256": head})
-    return out
+    """file_identity of each of `paths`, in the given order."""
+    return [file_identity(path) for path in paths]
 
 
 def first_change(saved: list[dict], now: list[dict]) -> str | None:

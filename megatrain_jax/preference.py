@@ -25,7 +25,9 @@ from megatrain_jax.chat import (ChatTemplate, PADDING_SEGMENT, ROLES, encode_con
                                 read_records)
 from megatrain_jax.data import DataError, WindowOrder
 from megatrain_jax.loss import IGNORE_ID
-from megatrain_jax.sources.files import BadRows
+from megatrain_jax.sources.cache import default_cache_dir
+from megatrain_jax.sources.files import BadRows, resolve
+from megatrain_jax.sources.sequences import open_sequences
 
 FIELDS = ("prompt", "chosen", "rejected")
 
@@ -162,6 +164,23 @@ def load_pairs(path: str, tokenizer, template: ChatTemplate, *, seq_len: int,
     return out
 
 
+def cached_pairs(path: str, tokenizer, template: ChatTemplate, *, seq_len: int, overlong: str,
+                 vocab_size: int | None, cache_dir: str, log=print) -> Pairs:
+    """load_pairs's pairs, tokenized once: read from their cache in `cache_dir`
+    (sources/sequences.py), which load_pairs builds when it is missing or stale."""
+    def build():
+        p = load_pairs(path, tokenizer, template, seq_len=seq_len, overlong=overlong,
+                       vocab_size=vocab_size)
+        counts = {"lines": p.lines, "truncated": p.truncated, "skipped": p.skipped,
+                  "identical": p.identical}
+        return p.ids, p.labels, counts
+
+    settings = {"seq_len": seq_len, "overlong": overlong, "vocab_size": vocab_size}
+    ids, labels, counts = open_sequences(resolve(path), tokenizer, template, cache_dir, build,
+                                         kind="preference", settings=settings, log=log)
+    return Pairs(path, ids, labels, **counts)
+
+
 def rows(pairs: Pairs, seq_len: int) -> dict:
     """One row of seq_len positions per sequence: {"inputs", "targets", "segment_ids",
     "positions"} (2N, seq_len) int32 and "reference" (2N,) fp32 (zeros until the reference pass
@@ -225,12 +244,14 @@ class PreferenceDataset:
         self.order.restore(state)
 
 
-def load_preference(d, tokenizer, *, vocab_size: int, seed: int) -> PreferenceDataset:
+def load_preference(d, tokenizer, *, vocab_size: int, seed: int, log=print) -> PreferenceDataset:
     """The training PreferenceDataset of a DataConfig `d` with format preference (reference
-    log-probs not yet filled in); its `summary` says what was truncated or skipped."""
+    log-probs not yet filled in), its pairs tokenized once into data.cache_dir (`log` says when
+    it is built); its `summary` says what was truncated or skipped."""
     template = ChatTemplate.for_tokenizer(tokenizer.path, f"data.format={d.format}")
-    pairs = load_pairs(d.path, tokenizer, template, seq_len=d.seq_len, overlong=d.overlong,
-                       vocab_size=vocab_size)
+    pairs = cached_pairs(d.path, tokenizer, template, seq_len=d.seq_len, overlong=d.overlong,
+                         vocab_size=vocab_size, cache_dir=d.cache_dir or default_cache_dir(),
+                         log=log)
     table = rows(pairs, d.seq_len)
     used = sum(len(ids) - 1 for ids in pairs.ids) / table["targets"].size
     trained = np.count_nonzero(table["targets"] != IGNORE_ID) / table["targets"].size

@@ -157,10 +157,10 @@ def load_data(cfg: Config, log=print) -> tuple:
                           f"tokenizer's ({tokenizer.vocab_size}, data.tokenizer={d.tokenizer})")
     if d.format == "sft":  # contexts from the conversations' boundaries, not from EOS
         return chat.load_sft(d, tokenizer, vocab_size=cfg.model.vocab_size, seed=cfg.train.seed,
-                             num_eval_batches=cfg.train.eval_batches)
+                             num_eval_batches=cfg.train.eval_batches, log=log)
     if d.format == "preference":  # reference log-probs filled in by the reference pass
         return preference.load_preference(d, tokenizer, vocab_size=cfg.model.vocab_size,
-                                          seed=cfg.train.seed), None
+                                          seed=cfg.train.seed, log=log), None
     cache_dir = d.cache_dir or default_cache_dir()
     load = lambda path, key, field="", dtype="": source_tokens(
         path, tokenizer, cache_dir, key=key, text_field=field or d.text_field,

@@ -3,6 +3,7 @@ while training batches stream from it.
 
     python scripts/bench_data.py --tokenize-mb 1000 --stream-gb 1 4 --json out.json
     python scripts/bench_data.py --tokenize-mb 2 --stream-gb 0.01 0.02   # a smoke run
+    python scripts/bench_data.py --tokenize-mb 1000 --stream-gb   # tokenizing only
 
 1. Tokenizing: a synthetic JSONL corpus of --tokenize-mb MB (documents of random words) is
    tokenized into a fresh cache by sources.cache.open_cache (the path a run takes), in a child
@@ -119,11 +120,14 @@ def run_child(role: str, **kw) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", role]
     for k, v in kw.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
+    load_before = os.getloadavg()[0]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=ROOT))
     if proc.returncode:
         raise SystemExit(f"bench_data: the {role} child failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    # the machine's 1-minute load average as the child started and as it ended
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]),
+            "load_average": [load_before, os.getloadavg()[0]]}
 
 
 def main(argv=None):
@@ -157,8 +161,6 @@ def main(argv=None):
 
 
 def bench(args, work: str) -> dict:
-    import platform
-
     corpus = os.path.join(work, "corpus.jsonl")
     write_corpus(corpus, args.tokenize_mb)
     size = os.path.getsize(corpus)
@@ -178,8 +180,11 @@ def bench(args, work: str) -> dict:
                     ("raw tokenizers encode_batch", raw)):
         print(f"  {name:34s} {r['seconds']:9.2f} {r['tokens'] / r['seconds']:12,.0f} "
               f"{size / 1e6 / r['seconds']:8.2f} {r['peak_rss_bytes'] / 1e9:12.3f}")
-    print(f"  ours / raw tokens/s: {tok['ratio']:.2f}x (target >= 0.8)")
+    print(f"  ours / raw tokens/s: {tok['ratio']:.2f}x (target >= 0.8); load average "
+          f"{ours['load_average'][0]:.1f} -> {raw['load_average'][1]:.1f}")
     streams = []
+    if not args.stream_gb:
+        return {"tokenize": tok, "stream": streams, "batches": args.batches, **_machine()}
     print(f"streaming {args.batches} batches of 4 x 8 x 1024 tokens (load_data, read ahead):")
     print(f"  {'corpus GB':>9s} {'RSS before GB':>14s} {'RSS after GB':>13s} {'peak GB':>8s} "
           f"{'batches/s':>10s}")
@@ -193,8 +198,13 @@ def bench(args, work: str) -> dict:
         streams.append(r)
         print(f"  {gb:9.2f} {r['rss_before_bytes'] / 1e9:14.3f} {r['rss_after_bytes'] / 1e9:13.3f} "
               f"{r['peak_rss_bytes'] / 1e9:8.3f} {r['batches_per_s']:10.1f}")
-    return {"tokenize": tok, "stream": streams, "batches": args.batches,
-            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+    return {"tokenize": tok, "stream": streams, "batches": args.batches, **_machine()}
+
+
+def _machine() -> dict:
+    import platform
+
+    return {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d", time.gmtime())}
 
 

@@ -159,8 +159,6 @@ def test_longest_function_measures_lines():
     assert longest_function(source) == (4, "f")
 
 
-@pytest.mark.xfail(strict=True, reason="the longest functions are 163 lines (config._check) and "
-                   "89 (plan.plan); train.py's is 51; issue 26 item 3 shortens them")
 def test_functions_of_the_modules_around_the_engine_are_short():
     lengths = {name: longest_function((ROOT / PACKAGE / name).read_text())
                for name in SHORT_MODULES}

@@ -26,7 +26,15 @@ def test_bench_data_tiny(tmp_path):
     for s in r["stream"]:
         assert s["tokens"] == int(s["corpus_gb"] * 1e9) // 2
         assert 0 < s["rss_before_bytes"] <= s["peak_rss_bytes"] and s["batches_per_s"] > 0
+    assert all(len(tok[side]["load_average"]) == 2 for side in ("ours", "raw"))
     assert os.listdir(tmp_path / "work") == []  # corpus files removed as it goes
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_data.py"),
+                           "--tokenize-mb", "0.05", "--stream-gb", "--json", str(out)],
+                          capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ours / raw tokens/s" in proc.stdout and "streaming" not in proc.stdout
+    assert json.loads(out.read_text())["stream"] == []  # tokenizing only
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_data.py"),
                            "--tokenize-mb", "0"], capture_output=True, text=True, cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=ROOT), timeout=60)

@@ -4,6 +4,7 @@ prepared ahead, SFT and preference data from Parquet, and bad input as one line,
 
 import json
 import os
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -16,7 +17,7 @@ from megatrain_jax.config import ConfigError, load_config
 from megatrain_jax.data import DataError, PackedDataset, load_tokenizer
 from megatrain_jax.preference import load_pairs
 from megatrain_jax.sources import files
-from megatrain_jax.sources.cache import cache_key, open_cache, source_tokens
+from megatrain_jax.sources.cache import fingerprint, open_cache, source_tokens
 from megatrain_jax.sources.files import resolve
 from megatrain_jax.sources.mixture import MixtureDataset
 from megatrain_jax.sources.prefetch import ReadAhead
@@ -137,12 +138,12 @@ def test_stale_cache_is_rebuilt(tmp_path):
     path = tmp_path / "a.jsonl"
     _jsonl(path, [{"text": d} for d in DOCS[:5]])
     source, cache = resolve(str(path)), str(tmp_path / "cache")
-    before = cache_key(source, BYTE)
+    before = fingerprint(source, BYTE)
     tokens, directory = open_cache(source, BYTE, cache, log=lambda *a: None)
     assert np.asarray(tokens).tolist() == _packed(DOCS[:5])
     _jsonl(path, [{"text": d} for d in DOCS[:6]])  # the source changed
     os.utime(path, ns=(1, 1))
-    assert cache_key(source, BYTE) != before
+    assert fingerprint(source, BYTE) != before
     lines = []
     tokens, again = open_cache(source, BYTE, cache, log=lines.append)
     assert again == directory and "stale" in lines[0] and str(path) in lines[0]
@@ -360,13 +361,19 @@ def test_read_ahead_gives_the_same_batches_and_state(tmp_path):
     np.testing.assert_array_equal(ahead.next_batch()[0], plain.next_batch()[0])
 
 
-def test_mixture_read_ahead_gives_the_same_batches():
+def test_mixture_read_ahead_gives_the_same_batches_each_planned_once():
     a, b = np.arange(1000, dtype=np.uint16), np.arange(5000, 5090, dtype=np.uint16)
     plain, ahead = _mixture([a, b]), _mixture([a, b])
     ahead.read_ahead = ReadAhead(ahead.read_windows)
+    planned, plan = [], ahead.plan
+    ahead.plan = lambda batch, positions: planned.append(batch) or plan(batch, positions)
     for _ in range(40):
         np.testing.assert_array_equal(ahead.next_batch()[0], plain.next_batch()[0])
         assert ahead.state() == plain.state()
+    assert planned == list(range(41))  # each batch once: taken as read ahead (40: ahead only)
+    ahead.restore({**ahead.state(), "batch": 7})  # not the batch read ahead: planned anew
+    ahead.next_batch()
+    assert planned[41:] == [7, 8]
 
 
 # -- SFT and preference data through the same sources -------------------------
@@ -424,3 +431,176 @@ def test_token_file_reads_what_a_memmap_would(tmp_path):
     np.testing.assert_array_equal(np.asarray(tokens[10:20]), ids[10:20])
     with pytest.raises(IndexError):
         tokens[np.array([[995, 996, 997, 998, 999, 1000]])]
+
+
+def _chat_data(tmp_path, fmt) -> str:
+    if fmt == "sft":
+        _jsonl(tmp_path / "c.jsonl", [{"messages": m} for m in CONVERSATIONS])
+    else:
+        _jsonl(tmp_path / "c.jsonl", [{"prompt": f"q{i}", "chosen": f"good {i} " * (1 + i % 4),
+                                       "rejected": f"bad {i}"} for i in range(9)])
+    return str(tmp_path / "c.jsonl")
+
+
+@pytest.mark.parametrize("fmt", ["sft", "preference"])
+def test_sft_and_preference_tokenized_once_reused_and_rebuilt_when_stale(tmp_path, monkeypatch,
+                                                                         fmt):
+    from megatrain_jax import chat, preference
+
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tok_dir / name).write_bytes(open(os.path.join(os.path.dirname(BUNDLED_TOKENIZER),
+                                                       name), "rb").read())
+    path, cache = _chat_data(tmp_path, fmt), tmp_path / "cache"
+    cfg = load_config(TINY, [f"data.format={fmt}", f"data.path={path}", f"data.cache_dir={cache}",
+                             f"data.tokenizer={tok_dir}/tokenizer.json", "model.vocab_size=512",
+                             "data.seq_len=48", "data.batch_size=2", "data.overlong=truncate",
+                             f"run_dir={tmp_path}/run"])
+    tok, template = load_tokenizer(cfg.data.tokenizer), ChatTemplate.for_tokenizer(cfg.data.tokenizer)
+    if fmt == "sft":  # what loading without a cache gives
+        want = chat.pack(load_examples(path, tok, template, seq_len=48, vocab_size=512), 48)
+    else:
+        want = preference.rows(load_pairs(path, tok, template, seq_len=48, vocab_size=512), 48)
+    lines = []
+    dataset, _ = load_data(cfg, log=lines.append)
+    assert [line.split()[0] for line in lines] == ["tokenizing", "tokenized"]
+    assert [d.split("-")[0] for d in os.listdir(cache)] == [fmt]
+    for key, value in want.items():
+        np.testing.assert_array_equal(dataset.rows[key], value)
+    assert "truncated" in dataset.summary
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("tokenized again")
+    monkeypatch.setattr(chat, "encode_conversation", refuse)
+    monkeypatch.setattr(preference, "encode_conversation", refuse)
+    lines.clear()
+    again, _ = load_data(cfg, log=lines.append)  # a resume: nothing rendered or tokenized
+    assert lines == [] and again.summary == dataset.summary
+    for key, value in want.items():
+        np.testing.assert_array_equal(again.rows[key], value)
+    monkeypatch.undo()
+
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{# edited #}" + config["chat_template"]
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    load_data(cfg, log=lines.append)
+    assert "stale (the chat template file changed" in lines[0], lines
+    with open(path, "a") as f:  # one more record
+        f.write(open(path).readline())
+    lines.clear()
+    grown, _ = load_data(cfg, log=lines.append)
+    assert f"stale ({path} changed" in lines[0], lines
+    assert (getattr(grown, "num_pairs", None) or grown.num_windows) >= \
+        (getattr(dataset, "num_pairs", None) or dataset.num_windows)
+    assert len(os.listdir(cache)) == 1  # rebuilt in place: no temporary or old cache left
+
+
+PAIRS = [{"prompt": f"q{i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(7)]
+
+
+def _chat_shards(tmp_path, fmt, records) -> str:
+    """`records` in 2 shards of format `fmt`; the data path to give (a glob or the directory)."""
+    parts = [records[:3], records[3:]]
+    d = tmp_path / fmt
+    tmp_path.mkdir(exist_ok=True)
+    if fmt == "datasets":
+        _datasets_dir(d, [pa.Table.from_pylist(p) for p in parts])
+        return str(d)
+    d.mkdir()
+    for i, part in enumerate(parts):
+        if fmt == "jsonl":
+            _jsonl(d / f"part-{i}.jsonl", part)
+        elif fmt == "parquet":
+            pq.write_table(pa.Table.from_pylist(part), d / f"part-{i}.parquet")
+        else:
+            _arrow(d / f"part-{i}.arrow", pa.Table.from_pylist(part), stream=fmt == "arrow-stream")
+    return str(d / "part-*") if fmt == "jsonl" else str(d)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "arrow-file", "arrow-stream", "datasets"])
+def test_sft_and_preference_from_every_record_format_and_bad_rows_counted(tmp_path, fmt):
+    tok = load_tokenizer(BUNDLED_TOKENIZER)
+    template = ChatTemplate.for_tokenizer(BUNDLED_TOKENIZER)
+    conversations = [{"messages": m} for m in CONVERSATIONS]
+    _jsonl(tmp_path / "c.jsonl", conversations)
+    _jsonl(tmp_path / "p.jsonl", PAIRS)
+    for load, records, want in (
+            (load_examples, conversations, load_examples(str(tmp_path / "c.jsonl"), tok, template,
+                                                         seq_len=64)),
+            (load_pairs, PAIRS, load_pairs(str(tmp_path / "p.jsonl"), tok, template, seq_len=64))):
+        got = load(_chat_shards(tmp_path / load.__name__, fmt, records), tok, template, seq_len=64)
+        assert len(got.ids) == len(want.ids) == len(records) * (1 + (load is load_pairs))
+        for g, w in zip(got.ids + got.labels, want.ids + want.labels):
+            np.testing.assert_array_equal(g, w)
+    bad = [{"messages": m} for m in CONVERSATIONS[:5]]
+    bad[1]["messages"] = bad[4]["messages"] = [{"role": "user", "content": "no answer"}]
+    path = _chat_shards(tmp_path / "bad", fmt, bad)
+    first = "part-0.jsonl:2" if fmt == "jsonl" else "[row 1]"
+    with pytest.raises(DataError, match=rf"{re.escape(first)}: no assistant message.*"
+                                        rf"\(and 1 more bad rows in "):
+        load_examples(path, tok, template, seq_len=64)
+
+
+def test_sft_data_of_token_ids_is_refused(tmp_path):
+    np.arange(10, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    with pytest.raises(DataError, match=r"t.bin: bin files hold no conversations; give .jsonl"):
+        load_examples(str(tmp_path / "t.bin"), load_tokenizer(BUNDLED_TOKENIZER),
+                      ChatTemplate.for_tokenizer(BUNDLED_TOKENIZER), seq_len=64)
+
+
+@pytest.mark.parametrize("fmt", ["sft", "preference"])
+def test_sources_mixture_with_sft_or_preference_is_one_line_exit_2(tmp_path, capsys, fmt):
+    _jsonl(tmp_path / "a.jsonl", PAIRS)
+    code = commands.train(["--config", TINY, f"data.format={fmt}", "data.path=''",
+                           f"data.sources=[{{path: {tmp_path}/a.jsonl}}]",
+                           f"data.tokenizer={BUNDLED_TOKENIZER}", f"run_dir={tmp_path}/run"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and lines == [f"error: data.sources (a mixture) is for data.format=text, got "
+                                   f"data.format={fmt}; give data.path"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_readme_mixture_recipe_loads(tmp_path, monkeypatch):
+    """README's data.sources block as written: Parquet shards by a glob and a directory of JSONL
+    whose field is `content`, mixed 3:1."""
+    import yaml
+
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    block = readme.split("`data.sources` mixes several such paths by weight:")[1]
+    block = block.split("```yaml")[1].split("```")[0]
+    (tmp_path / "datasets/fineweb-edu/data").mkdir(parents=True)
+    for k in range(2):
+        pq.write_table(pa.table({"text": DOCS[k::2]}), tmp_path / f"datasets/fineweb-edu/data/"
+                                                                  f"train-{k}.parquet")
+    (tmp_path / "datasets/code").mkdir()
+    _jsonl(tmp_path / "datasets/code/a.jsonl", [{"content": d} for d in DOCS])
+    config = yaml.safe_load(open(TINY)) | yaml.safe_load(block)
+    config["data"] = yaml.safe_load(open(TINY))["data"] | config["data"]
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.chdir(tmp_path)  # the recipe's relative paths
+    cfg = load_config(str(tmp_path / "c.yaml"), [f"data.cache_dir={tmp_path}/cache",
+                                                 "data.seq_len=16", "data.batch_size=2"])
+    assert [(s.path, s.weight) for s in cfg.data.sources] == [
+        ("datasets/fineweb-edu/data/*.parquet", 3.0), ("datasets/code", 1.0)]
+    dataset, _ = load_data(cfg, log=lambda *a: None)
+    for _ in range(20):
+        dataset.next_batch()
+    tokens = dataset.state()["tokens"]
+    assert tokens[0] > tokens[1] > 0 and sum(tokens) == 20 * 2 * 16
+
+
+def test_a_resume_compares_the_files_size_and_head_not_their_mtime(tmp_path):
+    from megatrain_jax.fingerprint import files_identity, first_change
+
+    path = tmp_path / "a.jsonl"
+    _jsonl(path, [{"text": d} for d in DOCS])
+    saved = files_identity([str(path)])
+    os.utime(path, ns=(1, 1))  # copied or touched: the same data
+    now = files_identity([str(path)])
+    assert now[0]["mtime_ns"] != saved[0]["mtime_ns"] and first_change(saved, now) is None
+    older = [{k: v for k, v in s.items() if k != "mtime_ns"} for s in saved]  # older checkpoints
+    assert first_change(older, now) is None
+    _jsonl(path, [{"text": d} for d in DOCS[1:]])
+    change = first_change(saved, files_identity([str(path)]))
+    assert change == f"{path} is 1,814 bytes, 1,839 when the checkpoint was saved"

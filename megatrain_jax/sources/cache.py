@@ -1,19 +1,24 @@
-"""Tokenize once: a text corpus as one memory-mapped file of token ids, reused by every later run.
+"""Tokenize once: a corpus's token ids in a cache directory, built once and reused by every later
+run (a resume never re-tokenizes).
 
-A source (sources.files.Source) is tokenized into `<cache_dir>/tokens-<id>/`:
+A text source (sources.files.Source) is tokenized into `<cache_dir>/tokens-<id>/`:
 
     manifest.json   what the cache holds: its identity (the source files' absolute paths, the
-                    tokenizer, its EOS id, the field and settings) and the fingerprint they had
-                    when it was built (each file's size, mtime and a hash of its first 64 KiB,
-                    a hash of the tokenizer file), the dtype and the tokens of each file
+                    tokenizer, its EOS id, the field and settings), the fingerprint they had when
+                    it was built (each file's size, mtime and a hash of its head, as
+                    fingerprint.file_identity gives them, and a hash of the tokenizer file), the
+                    dtype, the tokens of each file and the size of each file of the cache
     tokens.bin      every document's ids followed by EOS, file by file, as uint16 (a vocabulary
                     up to 65536) or uint32
 
-<id> hashes the identity. A cache whose identity matches and whose fingerprint and size match is
-used as is (a resume never re-tokenizes); one whose fingerprint differs (a source file or the
-tokenizer changed) is stale and rebuilt; a directory of that name that is not a cache of this very
-data is refused and left alone. A build writes a temporary directory and renames it into place,
-so a killed build leaves no half cache; processes building the same cache at once keep one.
+SFT and preference data have a layout of their own (sources/sequences.py) built and checked by
+the same `build_or_open`.
+
+<id> hashes the identity. A cache whose identity matches and whose fingerprint and file sizes
+match is used as is; one whose fingerprint differs (a source file or the tokenizer changed) is
+stale and rebuilt; a directory of that name that is not a cache of this very data is refused and
+left alone. A build writes a temporary directory and renames it into place, so a killed build
+leaves no half cache; processes building the same cache at once keep one.
 """
 
 import hashlib
@@ -26,12 +31,12 @@ import uuid
 import numpy as np
 
 from megatrain_jax.data import DataError, jsonl_objects, load_tokens, read_text
+from megatrain_jax.fingerprint import files_identity
 from megatrain_jax.sources.files import TOKEN_KINDS, BadRows, resolve, table_rows
 from megatrain_jax.sources.tokenfile import TokenFile
 
 CACHE_FORMAT = "megatrain_jax token cache"
-VERSION = 1
-HEAD_BYTES = 1 << 16  # hashed of each source file (64 KiB), with its size and mtime
+VERSION = 2  # 2: the files' fingerprint as fingerprint.file_identity's, the cache's file sizes
 DOC_BATCH = 2048  # documents per encode_batch call
 COPY_CHUNK = 1 << 24  # tokens per chunk copied from a .bin/.npy shard
 
@@ -43,25 +48,12 @@ def default_cache_dir() -> str:
     return os.path.join(base, "megatrain_jax", "tokens")
 
 
-def _sha256_file(path: str, limit: int | None = None) -> str:
+def _sha256_file(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        left = limit
-        while left is None or left > 0:
-            chunk = f.read(1 << 20 if left is None else min(1 << 20, left))
-            if not chunk:
-                break
+        for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
-            left = None if left is None else left - len(chunk)
     return digest.hexdigest()
-
-
-def file_fingerprint(path: str) -> dict:
-    """{"path", "size", "mtime_ns", "head_sha256"} of a source file: what a stale cache differs
-    in. Also what a checkpoint can record as the data it was trained on."""
-    st = os.stat(path)
-    return {"path": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "head_sha256": _sha256_file(path, HEAD_BYTES)}
 
 
 def _tokenizer_name(tokenizer) -> str:
@@ -69,11 +61,17 @@ def _tokenizer_name(tokenizer) -> str:
     return os.path.abspath(path) if path else "byte"
 
 
+def base_identity(source, tokenizer, kind: str) -> dict:
+    """The identity every cache of `source` shares: the format, the data's kind, the files, the
+    tokenizer and its EOS id."""
+    return {"format": CACHE_FORMAT, "version": VERSION, "kind": kind,
+            "files": [os.path.abspath(f) for f in source.files],
+            "tokenizer": _tokenizer_name(tokenizer), "eos_id": int(tokenizer.eos_id)}
+
+
 def identity(source, tokenizer, *, text_field: str, token_dtype: str) -> dict:
-    """What a cache of `source` is a cache of (its directory name hashes this)."""
-    out = {"format": CACHE_FORMAT, "version": VERSION, "kind": source.kind,
-           "files": [os.path.abspath(f) for f in source.files],
-           "tokenizer": _tokenizer_name(tokenizer), "eos_id": int(tokenizer.eos_id)}
+    """What a token cache of `source` is a cache of (its directory name hashes this)."""
+    out = base_identity(source, tokenizer, source.kind)
     if source.kind in TOKEN_KINDS:
         out["token_dtype"] = token_dtype
     elif source.kind != "text":
@@ -82,17 +80,10 @@ def identity(source, tokenizer, *, text_field: str, token_dtype: str) -> dict:
 
 
 def fingerprint(source, tokenizer) -> dict:
+    """What the data of a cache was when it was built: a stale cache differs in it."""
     path = getattr(tokenizer, "path", None)
-    return {"files": [file_fingerprint(f) for f in source.files],
+    return {"files": files_identity(source.files),
             "tokenizer_sha256": _sha256_file(path) if path else "byte"}
-
-
-def cache_key(source, tokenizer, *, text_field: str = "text", token_dtype: str = "uint16") -> str:
-    """The 64-hex-digit key of the data a cache holds: its identity and fingerprint. Equal keys:
-    the same files, unchanged, tokenized the same way (a checkpoint's data identity)."""
-    both = {"identity": identity(source, tokenizer, text_field=text_field, token_dtype=token_dtype),
-            "fingerprint": fingerprint(source, tokenizer)}
-    return hashlib.sha256(json.dumps(both, sort_keys=True).encode()).hexdigest()
 
 
 # -----------------------------------------------------------------------------
@@ -221,19 +212,24 @@ def _check_writable(cache_dir: str):
 
 def _stale_reason(manifest: dict, directory: str, expected: dict) -> str | None:
     """Why a cache of this data cannot be used as is (None: it can)."""
-    if manifest.get("fingerprint") != expected:
-        old = {f["path"]: f for f in manifest.get("fingerprint", {}).get("files", [])}
+    was = manifest.get("fingerprint") or {}
+    if was != expected:
+        old = {f.get("file"): f for f in was.get("files", [])}
         for f in expected["files"]:
-            if old.get(f["path"]) != f:
-                return f"{f['path']} changed since the cache was built"
-        return "the tokenizer file changed since the cache was built"
-    want = int(manifest["tokens"]) * np.dtype(manifest["dtype"]).itemsize
-    try:
-        size = os.path.getsize(os.path.join(directory, "tokens.bin"))
-    except OSError:
-        size = None
-    if size != want:
-        return f"its tokens.bin is {size} bytes, the manifest says {want}"
+            if old.get(f["file"]) != f:
+                return f"{f['file']} changed since the cache was built"
+        changed = next((k for k in expected if k != "files" and was.get(k) != expected[k]), None)
+        if changed is None:
+            return "its fingerprint is not of this version"
+        what = changed.removesuffix("_sha256").replace("_", " ")
+        return f"the {what} file changed since the cache was built"
+    for name, want in manifest.get("sizes", {}).items():
+        try:
+            size = os.path.getsize(os.path.join(directory, name))
+        except OSError:
+            size = None
+        if size != want:
+            return f"its {name} is {size} bytes, the manifest says {want}"
     return None
 
 
@@ -243,61 +239,55 @@ def _existing(directory: str, ident: dict, expected: dict, path: str):
     if not os.path.exists(directory):
         return None
     manifest = _read_manifest(directory)
-    if manifest is None or manifest.get("identity") != ident:
+    if manifest is None or manifest.get("identity") != ident or "sizes" not in manifest:
         raise DataError(f"{directory}: exists but is not a token cache of {path} (no "
                         f"manifest.json of this data); it is left as is: move it away or set "
                         f"data.cache_dir to another directory")
     return manifest, _stale_reason(manifest, directory, expected)
 
 
-def _opened(manifest: dict, directory: str) -> tuple:
-    return np.memmap(os.path.join(directory, "tokens.bin"), dtype=manifest["dtype"],
-                     mode="r"), directory
-
-
-def open_cache(source, tokenizer, cache_dir: str, *, text_field: str = "text",
-               token_dtype: str = "uint16", vocab_size: int | None = None, log=print) -> tuple:
-    """(tokens, directory): the token ids of `source` (memory-mapped, read-only) from its cache
-    in `cache_dir`, built first when missing or stale. Raises DataError for a bad row (file, row,
-    field), an unwritable cache_dir when a build is needed, or a directory in the cache's place
-    that is not a cache of this data."""
-    vocab_size = max(vocab_size or 0, tokenizer.vocab_size)
-    dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
-    ident = identity(source, tokenizer, text_field=text_field, token_dtype=token_dtype)
-    name = "tokens-" + hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+def build_or_open(source, cache_dir: str, ident: dict, expected: dict, build, *, prefix: str,
+                  log=print) -> tuple:
+    """(manifest, directory) of the cache in `cache_dir` of the data `ident` names (its
+    directory: `prefix`-<hash of ident>), whose data is now `expected` (fingerprint's, with any
+    other key a change of which makes the cache stale). Built first when missing or stale:
+    `build(directory)` writes the cache's files into the (temporary) directory and returns the
+    manifest's other fields, with "tokens" (how many it wrote). Raises DataError as build does
+    (no cache is left), for an unwritable cache_dir when a build is needed, or for a directory in
+    the cache's place that is not a cache of this data."""
+    name = f"{prefix}-" + hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     directory = os.path.join(cache_dir, name)
-    expected = fingerprint(source, tokenizer)
     found = _existing(directory, ident, expected, source.path)
     if found is not None:
         manifest, reason = found
         if reason is None:
-            return _opened(manifest, directory)
+            return manifest, directory
         log(f"token cache {directory} is stale ({reason}): rebuilding it")
     _check_writable(cache_dir)
     tmp = f"{directory}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     os.makedirs(tmp)
     try:
         log(f"tokenizing {source.path} ({len(source.files)} files, "
-            f"{sum(f['size'] for f in expected['files']) / 1e6:,.1f} MB) into {directory}")
+            f"{sum(f['bytes'] for f in expected['files']) / 1e6:,.1f} MB) into {directory}")
         t0 = time.perf_counter()
-        with open(os.path.join(tmp, "tokens.bin"), "wb") as out:
-            counts = _write_tokens(source, tokenizer, out, dtype=dtype, text_field=text_field,
-                                   token_dtype=token_dtype, vocab_size=vocab_size)
+        fields = build(tmp)
         seconds = time.perf_counter() - t0
-        manifest = {"identity": ident, "fingerprint": expected, "dtype": dtype.name,
-                    "tokens": sum(counts), "file_tokens": counts, "seconds": round(seconds, 3)}
+        sizes = {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
+        manifest = {"identity": ident, "fingerprint": expected, **fields, "sizes": sizes,
+                    "seconds": round(seconds, 3)}
         with open(os.path.join(tmp, "manifest.json"), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1)
         found = _existing(directory, ident, expected, source.path)
         if found is not None and found[1] is None:  # another process built it meanwhile
-            return _opened(found[0], directory)
+            return found[0], directory
         _replace(tmp, directory)
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp)
-    log(f"tokenized {sum(counts):,} tokens in {seconds:.1f} s "
-        f"({sum(counts) / max(seconds, 1e-9):,.0f} tokens/s)")
-    return _opened(manifest, directory)
+    tokens = manifest["tokens"]
+    log(f"tokenized {tokens:,} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):,.0f} "
+        f"tokens/s)")
+    return manifest, directory
 
 
 def _replace(tmp: str, directory: str):
@@ -314,6 +304,33 @@ def _replace(tmp: str, directory: str):
             raise
     if old:
         shutil.rmtree(old)
+
+
+def token_dtype_for(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned dtype that holds ids below `vocab_size`."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def open_cache(source, tokenizer, cache_dir: str, *, text_field: str = "text",
+               token_dtype: str = "uint16", vocab_size: int | None = None, log=print) -> tuple:
+    """(tokens, directory): the token ids of `source` (memory-mapped, read-only) from its cache
+    in `cache_dir`, built first when missing or stale. Raises DataError for a bad row (file, row,
+    field), an unwritable cache_dir when a build is needed, or a directory in the cache's place
+    that is not a cache of this data."""
+    vocab_size = max(vocab_size or 0, tokenizer.vocab_size)
+    dtype = token_dtype_for(vocab_size)
+
+    def build(directory: str) -> dict:
+        with open(os.path.join(directory, "tokens.bin"), "wb") as out:
+            counts = _write_tokens(source, tokenizer, out, dtype=dtype, text_field=text_field,
+                                   token_dtype=token_dtype, vocab_size=vocab_size)
+        return {"dtype": dtype.name, "tokens": sum(counts), "file_tokens": counts}
+
+    ident = identity(source, tokenizer, text_field=text_field, token_dtype=token_dtype)
+    manifest, directory = build_or_open(source, cache_dir, ident, fingerprint(source, tokenizer),
+                                        build, prefix="tokens", log=log)
+    return np.memmap(os.path.join(directory, "tokens.bin"), dtype=manifest["dtype"],
+                     mode="r"), directory
 
 
 def source_tokens(path: str, tokenizer, cache_dir: str, *, key: str = "data.path",

@@ -198,7 +198,7 @@ class BadRows:
 
 def data_files(d) -> list:
     """Every file a DataConfig `d` reads (data.path or each of data.sources, then data.eval_path),
-    resolved: what the data of a run is (cache.file_fingerprint says what each one is now)."""
+    resolved: what the data of a run is (fingerprint.files_identity says what each one is now)."""
     paths = [(s.path, f"data.sources.{i}.path") for i, s in enumerate(d.sources)] or \
         [(d.path, "data.path")]
     if d.eval_path:

@@ -72,6 +72,7 @@ class MixtureDataset:
                         for s, (t, n) in enumerate(zip(streams, names))]
         self.share = (0, 1)  # as PackedDataset's: this process's part of each micro-batch's rows
         self.read_ahead = None  # sources.prefetch.ReadAhead: the next batch read on a thread
+        self._last_plan = None  # (key, plan) of planned()
         self.restore({"batch": 0, "epochs": [0] * len(streams), "indices": [0] * len(streams),
                       "tokens": [0] * len(streams)})
 
@@ -79,7 +80,15 @@ class MixtureDataset:
     def tokens_per_batch(self) -> int:
         return self.windows_per_batch * self.seq_len
 
-    def _plan(self, batch: int, positions: list) -> tuple:
+    def planned(self, batch: int, positions: list) -> tuple:
+        """(key, plan(batch, positions)): the last plan made is kept, so the batch read ahead is
+        not planned again when it is taken. key: the batch, positions and share it is of."""
+        key = (batch, tuple(positions), self.share)
+        if self._last_plan is None or self._last_plan[0] != key:
+            self._last_plan = (key, self.plan(batch, positions))
+        return self._last_plan
+
+    def plan(self, batch: int, positions: list) -> tuple:
         """(plan of batch `batch` from the sources' `positions`, their positions after it, the
         windows each source gives). plan: (this process's slots, [(source, slots, windows)])."""
         rng = np.random.default_rng((self.seed, batch))
@@ -105,16 +114,14 @@ class MixtureDataset:
 
     def next_batch(self):
         """(inputs, targets), int32 (num_micro_batches, rows, seq_len): this process's rows."""
-        key = (self.batch, tuple(self.positions), self.share)
-        plan, self.positions, counts = self._plan(self.batch, self.positions)
+        key, (plan, self.positions, counts) = self.planned(self.batch, self.positions)
         self.tokens_given = [t + n * self.seq_len for t, n in zip(self.tokens_given, counts)]
         self.batch += 1
         if self.read_ahead is None:
             windows = self.read_windows(plan)
         else:  # the batch after this one is read on a thread while this one trains
-            next_key = (self.batch, tuple(self.positions), self.share)
-            windows = self.read_ahead.get(key, plan, next_key,
-                                          self._plan(self.batch, self.positions)[0])
+            next_key, (next_plan, _, _) = self.planned(self.batch, self.positions)
+            windows = self.read_ahead.get(key, plan, next_key, next_plan)
         windows = windows.reshape(self.num_micro_batches, -1, self.seq_len + 1)
         return np.ascontiguousarray(windows[..., :-1]), np.ascontiguousarray(windows[..., 1:])
 
