@@ -372,7 +372,8 @@ def test_fused_adamw_is_optax_adamw_to_rounding(native, grad_dtype, max_grad_nor
     tx = fused_adamw.adamw(schedule, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
                            mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
     rng = np.random.default_rng(7)
-    params = {"w": jnp.asarray(rng.normal(size=(300, 1000)), jnp.float32),  # two kernel threads
+    # 601,000 elements: two kernel threads where two cores are free, the cut inside "w"
+    params = {"w": jnp.asarray(rng.normal(size=(600, 1000)), jnp.float32),
               "b": jnp.asarray(rng.normal(size=(1000,)), jnp.float32)}
     state = tx.init(params)
     update = jax.jit(lambda p, s, g, n, k: fused_adamw.update(
@@ -405,3 +406,20 @@ def test_fused_adamw_is_optax_adamw_to_rounding(native, grad_dtype, max_grad_nor
         assert int(new_s[0].count) == step + 1 and int(new_s[2].count) == step + 1
         params, state = new_p, new_s
     assert clipped or max_grad_norm is None
+
+
+@pytest.mark.parametrize("bus_dtype", [jnp.bfloat16, None], ids=["bus", "nobus"])
+def test_fused_adamw_is_one_kernel_call_per_unit(bus_dtype):
+    """All of a unit's leaves go through one kernel call, which spreads them over the cores: XLA:CPU
+    runs independent custom calls concurrently, so one call per leaf ran several leaves at once,
+    each over every core (more threads than cores)."""
+    if not fused_adamw.native():
+        pytest.skip("no C++ compiler: the kernel is not built")
+    tx = fused_adamw.adamw(1e-3, weight_decay=0.1,
+                           mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
+    params = {"w": jnp.ones((64, 32)), "b": jnp.ones(32), "n": jnp.ones(32)}
+    bus = None if bus_dtype is None else jax.tree.map(lambda p: p.astype(bus_dtype), params)
+    update = jax.jit(lambda p, s, g, b: fused_adamw.update(
+        tx.hyper, p, s, g, b, jnp.float32(1), jnp.float32(1), None, bus_dtype, True))
+    text = update.lower(params, tx.init(params), params, bus).as_text()
+    assert text.count("@megatrain_FusedAdamw") == 1, text
