@@ -295,14 +295,25 @@ def test_update_takes_no_fresh_memory(devices):
     for _ in range(3):  # the first compiles
         args = jax.block_until_ready(jax.device_put(  # copies: the update takes them over
             (grads, jnp.float32(0.5), jnp.float32(1.0)), host, may_alias=False))
+        # Staged, the refreshed bus copy goes to a fresh pinned buffer each update (the old one
+        # goes back to the pinned pool at release_bus): on the CPU backend a plain allocation,
+        # page-faulted in (2 B/param, 2,561 faults here) unless the allocator hands back the old
+        # copy's memory, which depends on the process's allocation history (it flaked after a
+        # merge). Kept alive here, the old copy never is: the worst case, every time.
+        old_bus = engine.host.units[1].bus if devices == "staged" else None
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         engine.host.release_bus(1)  # as the step does
         engine.host.submit(1, *args)
         engine.wait()
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        del old_bus
     state_pages = 3 * 4 * 160 * 1024 * D // 4096  # params, mu, nu
+    # The update's own writes (params, optax state, the staging buffer, whose reuse
+    # test_update_reuses_buffers pins) fault in nothing; the staged refresh its bus copy's pages.
+    # 710187a's fresh optax state was 8 B/param: ~4x this allowance.
+    bus_pages = 2 * 160 * 1024 * D // 4096 if devices == "staged" else 0
     engine.close()
-    assert max(faults[1:]) < state_pages // 100, (faults, state_pages)
+    assert max(faults[1:]) < state_pages // 100 + bus_pages, (faults, state_pages, bus_pages)
 
 
 # ----------------------------------------------------------------------------- a failed update
