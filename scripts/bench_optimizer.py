@@ -16,8 +16,13 @@ process under `taskset -c` one core (XLA:CPU and the fused kernel size their thr
 affinity mask; torch gets `set_num_threads`). Bytes an update touches: the engine 24 B/param (read
 param, m, v; write them) + the gradient (4 B, 2 with --grad-dtype bfloat16) + the bf16 bus copy
 it writes (2 B); torch 28 B/param (fp32 gradient, no bus copy). Page faults: minor faults of the
-process per update. Last line: `update_vs_torch_fused: R`, the engine's update time over torch
-fused's at all cores (<= 1: the engine is as fast).
+process per update. CPU ms: CPU time of the whole process per update (all its threads; on a
+machine shared with other jobs, the one-thread rows' CPU time is what a neighbour's load disturbs
+least: wall time there also counts the time the core ran someone else; at several threads it also
+counts threads spinning while they wait, torch's OpenMP pool's among them). The line before last:
+the engine's update over torch fused's at one thread, wall and CPU time. Last line:
+`update_vs_torch_fused: R`, the engine's update time over torch fused's at all cores (<= 1: the
+engine is as fast).
 """
 
 import argparse
@@ -103,10 +108,12 @@ def make_torch(sizes, opt_cfg, mode):
 
 
 def timed(fn):
+    """(wall seconds, CPU seconds of the whole process, minor page faults) of one call."""
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return (time.perf_counter() - t0, time.process_time() - c0,
+            resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
 
 
 def measure() -> dict:
@@ -160,13 +167,12 @@ def measure() -> dict:
     for fn in runs.values():
         fn()
     # Interleaved, so a neighbour's load on this shared machine hits every run alike.
-    out = {k: {"seconds": [], "faults": []} for k in ["update", *runs]}
+    out = {k: {"seconds": [], "cpu_seconds": [], "faults": []} for k in ["update", *runs]}
     for _ in range(args.reps):
         send_grads()
         for k, fn in [("update", update), *runs.items()]:
-            t, f = timed(fn)
-            out[k]["seconds"].append(t)
-            out[k]["faults"].append(f)
+            for key, x in zip(("seconds", "cpu_seconds", "faults"), timed(fn)):
+                out[k][key].append(x)
     pool.shutdown()
     engine.close()
     return {"params": sum(leaf_sizes), "units": len(units), "layer_params": sum(
@@ -211,19 +217,24 @@ def main():
           f"{'accelerator path (staging + pinned copy)' if args.accelerator_path else 'bus in place'}"
           f" | median of {args.reps}, interleaved")
     print(f"{'measurement':26s} {'threads':>7s} {'B/param':>7s} {'time ms':>9s} {'GB/s':>7s} "
-          f"{'Mparams/s':>10s} {'page faults':>12s}")
+          f"{'Mparams/s':>10s} {'page faults':>12s} {'CPU ms':>8s}")
     table = []
     for threads, res in sorted(results.items(), reverse=True):
         for k, run in res["runs"].items():
             sec = float(np.median(run["seconds"]))
             row = {"measurement": k, "threads": threads, "bytes_per_param": bytes_per_param[k],
                    "ms": sec * 1e3, "gb_s": bytes_per_param[k] * n / sec / 1e9,
-                   "mparams_per_s": n / sec / 1e6, "page_faults": int(np.median(run["faults"]))}
+                   "mparams_per_s": n / sec / 1e6, "page_faults": int(np.median(run["faults"])),
+                   "cpu_ms": float(np.median(run["cpu_seconds"])) * 1e3}
             table.append(row)
             print(f"{names[k]:26s} {threads:7d} {row['bytes_per_param']:7d} {row['ms']:9.1f} "
-                  f"{row['gb_s']:7.2f} {row['mparams_per_s']:10.0f} {row['page_faults']:12d}")
+                  f"{row['gb_s']:7.2f} {row['mparams_per_s']:10.0f} {row['page_faults']:12d} "
+                  f"{row['cpu_ms']:8.1f}")
     ms = {(row["measurement"], row["threads"]): row["ms"] for row in table}
     ratio = ms[("update", THREADS)] / ms.get(("torch_fused", THREADS), float("nan"))
+    cpu = {(row["measurement"], row["threads"]): row["cpu_ms"] for row in table}
+    ratio_1 = ms.get(("update", 1), float("nan")) / ms.get(("torch_fused", 1), float("nan"))
+    cpu_ratio_1 = cpu.get(("update", 1), float("nan")) / cpu.get(("torch_fused", 1), float("nan"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"params": n, "units": r["units"], "layer_params": r["layer_params"],
@@ -232,8 +243,10 @@ def main():
                        / 1e9, "bytes_per_param_touched": bytes_per_param["update"],
                        "native_kernel": r["native_kernel"], "optax": args.optax, "clip": args.clip,
                        "accelerator_path": args.accelerator_path, "grad_dtype": args.grad_dtype,
-                       "update_vs_torch_fused": ratio, "jax": jax.__version__,
+                       "update_vs_torch_fused": ratio, "update_vs_torch_fused_1": ratio_1,
+                       "update_vs_torch_fused_1_cpu": cpu_ratio_1, "jax": jax.__version__,
                        "torch": torch.__version__ if torch else None}, f, indent=1)
+    print(f"at one thread, update / torch fused: {ratio_1:.3f} (wall), {cpu_ratio_1:.3f} (CPU)")
     print(f"update_vs_torch_fused: {ratio:.3f}")
 
 
