@@ -50,6 +50,9 @@ parser.add_argument("--optax", action="store_true",
                     help="the engine runs plain optax.adamw (XLA's loops) instead of the fused update "
                          "(train.build_optimizer's); CXX=/nonexistent runs the fused update's JAX "
                          "fallback instead of its kernel")
+parser.add_argument("--mmap-threshold", type=float, default=0,
+                    help="glibc's mmap threshold in MiB, set before the state is made, as train() "
+                         "sets it (1) (hostmem.set_mmap_threshold; 0: glibc's default, adaptive)")
 parser.add_argument("--no-one-core", action="store_true", help="skip the one-core child run")
 parser.add_argument("--child-json", default="", help=argparse.SUPPRESS)  # the one-core child
 parser.add_argument("--json", default="", help="also write the results here")
@@ -68,6 +71,7 @@ if args.accelerator_path:
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from megatrain_jax import hostmem  # noqa: E402
 from megatrain_jax.config import OptimizerConfig  # noqa: E402
 from megatrain_jax.engine import StreamedEngine, fused_adamw  # noqa: E402
 from megatrain_jax.model import ModelConfig, make_block, make_stages  # noqa: E402
@@ -118,6 +122,8 @@ def timed(fn):
 
 def measure() -> dict:
     """Every measurement at this process's cores: {name: {"seconds": [...], "faults": [...]}}."""
+    if args.mmap_threshold:
+        hostmem.set_mmap_threshold(int(args.mmap_threshold * 2**20))
     cfg = model_config(args.params, args.hidden)
     compute, host = jax.devices("cpu")[:2] if args.accelerator_path else [jax.devices("cpu")[0]] * 2
     opt_cfg = OptimizerConfig()
@@ -177,7 +183,8 @@ def measure() -> dict:
     engine.close()
     return {"params": sum(leaf_sizes), "units": len(units), "layer_params": sum(
         x.size for x in jax.tree.leaves(units[1].params)), "runs": out,
-        "native_kernel": not args.optax and fused_adamw.native()}
+        "native_kernel": not args.optax and fused_adamw.native(),
+        "mmap_threshold_mib": args.mmap_threshold}
 
 
 def one_core() -> dict:
@@ -187,7 +194,7 @@ def one_core() -> dict:
         argv = [f"--params={args.params}", f"--hidden={args.hidden}", f"--reps={args.reps}",
                 f"--grad-dtype={args.grad_dtype}", *(["--clip"] if args.clip else []),
                 *(["--accelerator-path"] if args.accelerator_path else []),
-                *(["--optax"] if args.optax else [])]
+                *(["--optax"] if args.optax else []), f"--mmap-threshold={args.mmap_threshold}"]
         cmd = ["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable,
                os.path.abspath(__file__), *argv, "--child-json", out]
         subprocess.run(cmd, check=True)
@@ -215,6 +222,7 @@ def main():
           f"AdamW ({path}), bf16 bus copy, "
           f"{args.grad_dtype} gradients, clipping {'on' if args.clip else 'off'}, "
           f"{'accelerator path (staging + pinned copy)' if args.accelerator_path else 'bus in place'}"
+          f"{f', mmap threshold {args.mmap_threshold:g} MiB' if args.mmap_threshold else ''}"
           f" | median of {args.reps}, interleaved")
     print(f"{'measurement':26s} {'threads':>7s} {'B/param':>7s} {'time ms':>9s} {'GB/s':>7s} "
           f"{'Mparams/s':>10s} {'page faults':>12s} {'CPU ms':>8s}")
@@ -243,6 +251,7 @@ def main():
                        / 1e9, "bytes_per_param_touched": bytes_per_param["update"],
                        "native_kernel": r["native_kernel"], "optax": args.optax, "clip": args.clip,
                        "accelerator_path": args.accelerator_path, "grad_dtype": args.grad_dtype,
+                       "mmap_threshold_mib": args.mmap_threshold,
                        "update_vs_torch_fused": ratio, "update_vs_torch_fused_1": ratio_1,
                        "update_vs_torch_fused_1_cpu": cpu_ratio_1, "jax": jax.__version__,
                        "torch": torch.__version__ if torch else None}, f, indent=1)
