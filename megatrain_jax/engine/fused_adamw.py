@@ -5,8 +5,9 @@ host update (engine/host.py) runs it here instead: the gradient's scale and glob
 moments, the weight and its bf16 bus copy in one loop that reads and writes each once (30 B/param
 with a bf16 bus copy), where XLA runs optax as several loops over the same arrays.
 
-The loop is a small C++ kernel (fused_adamw.cc) called through `jax.ffi`, built with the system's
-C++ compiler on first use and cached; without a compiler (or when the build fails) the same
+The loop is a small C++ kernel (fused_adamw.cc) called through `jax.ffi`, once per unit for all
+of its leaves (spread over the cores there), built with the system's C++ compiler on first use and
+cached per CPU feature set; without a compiler (or when the build fails) the same
 arithmetic runs in JAX, operation for operation, and the log says so once. Any other optimizer
 runs through optax as before.
 """
