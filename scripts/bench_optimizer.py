@@ -16,8 +16,13 @@ process under `taskset -c` one core (XLA:CPU and the fused kernel size their thr
 affinity mask; torch gets `set_num_threads`). Bytes an update touches: the engine 24 B/param (read
 param, m, v; write them) + the gradient (4 B, 2 with --grad-dtype bfloat16) + the bf16 bus copy
 it writes (2 B); torch 28 B/param (fp32 gradient, no bus copy). Page faults: minor faults of the
-process per update. Last line: `update_vs_torch_fused: R`, the engine's update time over torch
-fused's at all cores (<= 1: the engine is as fast).
+process per update. CPU ms: CPU time of the whole process per update (all its threads; on a
+machine shared with other jobs, the one-thread rows' CPU time is what a neighbour's load disturbs
+least: wall time there also counts the time the core ran someone else; at several threads it also
+counts threads spinning while they wait, torch's OpenMP pool's among them). The line before last:
+the engine's update over torch fused's at one thread, wall and CPU time. Last line:
+`update_vs_torch_fused: R`, the engine's update time over torch fused's at all cores (<= 1: the
+engine is as fast).
 """
 
 import argparse
@@ -43,8 +48,11 @@ parser.add_argument("--grad-dtype", default="float32", choices=["float32", "bflo
                     help="the engine's gradient store (train.grad_dtype)")
 parser.add_argument("--optax", action="store_true",
                     help="the engine runs plain optax.adamw (XLA's loops) instead of the fused update "
-                         "(recipes.build_optimizer's); CXX=/nonexistent runs the fused update's "
-                         "JAX fallback instead of its kernel")
+                         "(recipes.build_optimizer's); CXX=/nonexistent runs the fused update's JAX "
+                         "fallback instead of its kernel")
+parser.add_argument("--mmap-threshold", type=float, default=0,
+                    help="glibc's mmap threshold in MiB, set before the state is made, as train() "
+                         "sets it (1) (hostmem.set_mmap_threshold; 0: glibc's default, adaptive)")
 parser.add_argument("--no-one-core", action="store_true", help="skip the one-core child run")
 parser.add_argument("--child-json", default="", help=argparse.SUPPRESS)  # the one-core child
 parser.add_argument("--json", default="", help="also write the results here")
@@ -63,6 +71,7 @@ if args.accelerator_path:
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from megatrain_jax import hostmem  # noqa: E402
 from megatrain_jax.config import OptimizerConfig  # noqa: E402
 from megatrain_jax.engine import StreamedEngine, fused_adamw  # noqa: E402
 from megatrain_jax.model import ModelConfig, make_block, make_stages  # noqa: E402
@@ -103,14 +112,18 @@ def make_torch(sizes, opt_cfg, mode):
 
 
 def timed(fn):
+    """(wall seconds, CPU seconds of the whole process, minor page faults) of one call."""
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return (time.perf_counter() - t0, time.process_time() - c0,
+            resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
 
 
 def measure() -> dict:
     """Every measurement at this process's cores: {name: {"seconds": [...], "faults": [...]}}."""
+    if args.mmap_threshold:
+        hostmem.set_mmap_threshold(int(args.mmap_threshold * 2**20))
     cfg = model_config(args.params, args.hidden)
     compute, host = jax.devices("cpu")[:2] if args.accelerator_path else [jax.devices("cpu")[0]] * 2
     opt_cfg = OptimizerConfig()
@@ -160,18 +173,18 @@ def measure() -> dict:
     for fn in runs.values():
         fn()
     # Interleaved, so a neighbour's load on this shared machine hits every run alike.
-    out = {k: {"seconds": [], "faults": []} for k in ["update", *runs]}
+    out = {k: {"seconds": [], "cpu_seconds": [], "faults": []} for k in ["update", *runs]}
     for _ in range(args.reps):
         send_grads()
         for k, fn in [("update", update), *runs.items()]:
-            t, f = timed(fn)
-            out[k]["seconds"].append(t)
-            out[k]["faults"].append(f)
+            for key, x in zip(("seconds", "cpu_seconds", "faults"), timed(fn)):
+                out[k][key].append(x)
     pool.shutdown()
     engine.close()
     return {"params": sum(leaf_sizes), "units": len(units), "layer_params": sum(
         x.size for x in jax.tree.leaves(units[1].params)), "runs": out,
-        "native_kernel": not args.optax and fused_adamw.native()}
+        "native_kernel": not args.optax and fused_adamw.native(),
+        "mmap_threshold_mib": args.mmap_threshold}
 
 
 def one_core() -> dict:
@@ -181,7 +194,7 @@ def one_core() -> dict:
         argv = [f"--params={args.params}", f"--hidden={args.hidden}", f"--reps={args.reps}",
                 f"--grad-dtype={args.grad_dtype}", *(["--clip"] if args.clip else []),
                 *(["--accelerator-path"] if args.accelerator_path else []),
-                *(["--optax"] if args.optax else [])]
+                *(["--optax"] if args.optax else []), f"--mmap-threshold={args.mmap_threshold}"]
         cmd = ["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable,
                os.path.abspath(__file__), *argv, "--child-json", out]
         subprocess.run(cmd, check=True)
@@ -209,21 +222,27 @@ def main():
           f"AdamW ({path}), bf16 bus copy, "
           f"{args.grad_dtype} gradients, clipping {'on' if args.clip else 'off'}, "
           f"{'accelerator path (staging + pinned copy)' if args.accelerator_path else 'bus in place'}"
+          f"{f', mmap threshold {args.mmap_threshold:g} MiB' if args.mmap_threshold else ''}"
           f" | median of {args.reps}, interleaved")
     print(f"{'measurement':26s} {'threads':>7s} {'B/param':>7s} {'time ms':>9s} {'GB/s':>7s} "
-          f"{'Mparams/s':>10s} {'page faults':>12s}")
+          f"{'Mparams/s':>10s} {'page faults':>12s} {'CPU ms':>8s}")
     table = []
     for threads, res in sorted(results.items(), reverse=True):
         for k, run in res["runs"].items():
             sec = float(np.median(run["seconds"]))
             row = {"measurement": k, "threads": threads, "bytes_per_param": bytes_per_param[k],
                    "ms": sec * 1e3, "gb_s": bytes_per_param[k] * n / sec / 1e9,
-                   "mparams_per_s": n / sec / 1e6, "page_faults": int(np.median(run["faults"]))}
+                   "mparams_per_s": n / sec / 1e6, "page_faults": int(np.median(run["faults"])),
+                   "cpu_ms": float(np.median(run["cpu_seconds"])) * 1e3}
             table.append(row)
             print(f"{names[k]:26s} {threads:7d} {row['bytes_per_param']:7d} {row['ms']:9.1f} "
-                  f"{row['gb_s']:7.2f} {row['mparams_per_s']:10.0f} {row['page_faults']:12d}")
+                  f"{row['gb_s']:7.2f} {row['mparams_per_s']:10.0f} {row['page_faults']:12d} "
+                  f"{row['cpu_ms']:8.1f}")
     ms = {(row["measurement"], row["threads"]): row["ms"] for row in table}
     ratio = ms[("update", THREADS)] / ms.get(("torch_fused", THREADS), float("nan"))
+    cpu = {(row["measurement"], row["threads"]): row["cpu_ms"] for row in table}
+    ratio_1 = ms.get(("update", 1), float("nan")) / ms.get(("torch_fused", 1), float("nan"))
+    cpu_ratio_1 = cpu.get(("update", 1), float("nan")) / cpu.get(("torch_fused", 1), float("nan"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"params": n, "units": r["units"], "layer_params": r["layer_params"],
@@ -232,8 +251,11 @@ def main():
                        / 1e9, "bytes_per_param_touched": bytes_per_param["update"],
                        "native_kernel": r["native_kernel"], "optax": args.optax, "clip": args.clip,
                        "accelerator_path": args.accelerator_path, "grad_dtype": args.grad_dtype,
-                       "update_vs_torch_fused": ratio, "jax": jax.__version__,
+                       "mmap_threshold_mib": args.mmap_threshold,
+                       "update_vs_torch_fused": ratio, "update_vs_torch_fused_1": ratio_1,
+                       "update_vs_torch_fused_1_cpu": cpu_ratio_1, "jax": jax.__version__,
                        "torch": torch.__version__ if torch else None}, f, indent=1)
+    print(f"at one thread, update / torch fused: {ratio_1:.3f} (wall), {cpu_ratio_1:.3f} (CPU)")
     print(f"update_vs_torch_fused: {ratio:.3f}")
 
 

@@ -116,10 +116,10 @@ def test_bench_transfer_tiny_buffer(tmp_path):
 
 def test_bench_optimizer_tiny(tmp_path):
     """The engine's update, torch fused and foreach and a copy, at all cores and (a child under
-    taskset) at one, each with its time, GB/s and page faults."""
+    taskset) at one, each with its time, GB/s, page faults and CPU time."""
     out = tmp_path / "opt.json"
-    proc = run("bench_optimizer.py", "--params", "1", "--hidden", "256", "--reps", "1", "--json",
-               str(out))
+    proc = run("bench_optimizer.py", "--params", "1", "--hidden", "256", "--reps", "1",
+               "--mmap-threshold", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     key, value = proc.stdout.strip().splitlines()[-1].split(": ")
     assert key == "update_vs_torch_fused" and positive(float(value))
@@ -129,8 +129,10 @@ def test_bench_optimizer_tiny(tmp_path):
     assert set(rows) == {(m, t) for m in ("update", "torch_fused", "torch_foreach", "copy")
                          for t in threads}
     assert all(positive(row["ms"]) and positive(row["gb_s"]) and row["page_faults"] >= 0
-               for row in rows.values())
+               and positive(row["cpu_ms"]) for row in rows.values())
     assert positive(r["update_gb_s"]) and r["bytes_per_param_touched"] == 30
+    assert positive(r["update_vs_torch_fused_1"]) and positive(r["update_vs_torch_fused_1_cpu"])
+    assert r["mmap_threshold_mib"] == 1 and r["results"]["1"]["mmap_threshold_mib"] == 1
 
 
 def test_bench_long_context_tiny(tmp_path):

@@ -1,9 +1,18 @@
-// AdamW over one leaf in one pass, in place: the gradient scaled and clipped, both moments, the
-// weight and its compute-dtype (bf16) copy, each read and written once. Built and loaded by
-// engine/fused_adamw.py, whose JAX fallback does the same operations in the same order: keep the
-// two in step. (Neither is bit-identical to optax: XLA contracts multiply-adds into FMAs as it
-// fuses, and so may the compiler here; tests/test_host_optim.py bounds both against float64.)
+// AdamW over every leaf of a unit in one call, in place: the gradient scaled and clipped, both
+// moments, the weight and its compute-dtype (bf16) copy, each read and written once. Built and
+// loaded by engine/fused_adamw.py, whose JAX fallback does the same operations in the same order:
+// keep the two in step. (Neither is bit-identical to optax: XLA contracts multiply-adds into FMAs
+// as it fuses, and so may the compiler here; tests/test_host_optim.py bounds both against float64.)
+//
+// One call per unit, not per leaf: XLA:CPU runs independent custom calls concurrently on its own
+// threads, so one call per leaf ran several leaves at once, each over its own threads, more
+// threads than cores. Here the unit's leaves, laid end to end, are cut into one contiguous range
+// per thread (cuts on cache-line boundaries of every array), so each core streams its share once.
 #include <sched.h>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -18,9 +27,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// The per-call scalars (engine/fused_adamw.py SCALARS), in this order.
-enum { kScale, kClip, kNorm, kMaxNorm, kStep, kBc1, kBc2, kDecay, kWd, kB1, kC1, kB2, kC2, kEps,
-       kNumScalars };
+// The per-call scalars (engine/fused_adamw.py SCALARS), in this order; then one decay flag a leaf.
+enum { kScale, kClip, kNorm, kMaxNorm, kStep, kBc1, kBc2, kWd, kB1, kC1, kB2, kC2, kEps, kNumScalars };
 
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = uint32_t(h) << 16;
@@ -36,10 +44,13 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
   return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t((u >> 16) | 0x40u) : rounded;
 }
 
-// The loop, one variant per (gradient type, clip, decay, bus): no branch inside, so it vectorizes.
+// Elements [lo, hi): params and moments updated in place, the new weights' bf16 copy written to
+// out[i - lo] (kBus). One variant per (gradient type, clip, decay, bus): no branch inside, so the
+// compiler vectorizes it.
 template <typename G, bool kClip, bool kDecay, bool kBus>
-void Run(const float* s, float* __restrict__ p, float* __restrict__ m, float* __restrict__ v,
-         const G* __restrict__ g, uint16_t* __restrict__ bus, size_t lo, size_t hi) {
+inline void Span(const float* s, float* __restrict__ p, float* __restrict__ m,
+                 float* __restrict__ v, const G* __restrict__ g, uint16_t* __restrict__ out,
+                 size_t lo, size_t hi) {
   const float scale = s[kScale], norm = s[kNorm], max_norm = s[kMaxNorm], step = s[kStep];
   const float bc1 = s[kBc1], bc2 = s[kBc2], wd = s[kWd], b1 = s[kB1], c1 = s[kC1], b2 = s[kB2];
   const float c2 = s[kC2], eps = s[kEps], r1 = 1.0f / bc1, r2 = 1.0f / bc2;
@@ -60,7 +71,52 @@ void Run(const float* s, float* __restrict__ p, float* __restrict__ m, float* __
     m[i] = mi;
     v[i] = vi;
     p[i] = pi;
-    if constexpr (kBus) bus[i] = f32_to_bf16(pi);
+    if constexpr (kBus) out[i - lo] = f32_to_bf16(pi);
+  }
+}
+
+constexpr size_t kLine = 32;  // bf16 elements in a 64-byte cache line
+
+// One 64-byte line to `to` (64-byte aligned) with a non-temporal store: the line is only written,
+// so it skips the read for ownership a plain store makes (2 B/param less memory traffic).
+inline void StreamLine(uint16_t* to, const uint16_t* line) {
+#if defined(__AVX512F__)
+  _mm512_stream_si512(reinterpret_cast<__m512i*>(to), _mm512_load_si512(line));
+#elif defined(__AVX__)
+  for (int k = 0; k < 2; ++k) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(to) + k,
+                        _mm256_load_si256(reinterpret_cast<const __m256i*>(line) + k));
+  }
+#elif defined(__SSE2__)
+  for (int k = 0; k < 4; ++k) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(to) + k,
+                     _mm_load_si128(reinterpret_cast<const __m128i*>(line) + k));
+  }
+#else
+  std::memcpy(to, line, 64);
+#endif
+}
+
+// Elements [lo, hi) of one leaf; the bf16 copy streamed out a line at a time, then fenced (the
+// thread that joins this one reads it next).
+template <typename G, bool kClip, bool kDecay, bool kBus>
+void Run(const float* s, float* p, float* m, float* v, const G* g, uint16_t* bus, size_t lo,
+         size_t hi) {
+  if constexpr (!kBus) {
+    Span<G, kClip, kDecay, false>(s, p, m, v, g, nullptr, lo, hi);
+  } else {
+    const size_t to_line = ((64 - reinterpret_cast<uintptr_t>(bus + lo) % 64) % 64) / 2;
+    size_t i = std::min(hi, lo + to_line);
+    Span<G, kClip, kDecay, true>(s, p, m, v, g, bus + lo, lo, i);
+    for (; i + kLine <= hi; i += kLine) {
+      alignas(64) uint16_t line[kLine];
+      Span<G, kClip, kDecay, true>(s, p, m, v, g, line, i, i + kLine);
+      StreamLine(bus + i, line);
+    }
+    Span<G, kClip, kDecay, true>(s, p, m, v, g, bus + i, i, hi);
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
   }
 }
 
@@ -83,91 +139,148 @@ Loop Pick(bool clip, bool decay, bool bus) {
   return loops[4 * clip + 2 * decay + bus];
 }
 
+// One leaf: its buffers (outputs; the inputs when XLA could not alias them, to copy from first).
+struct Leaf {
+  float *p, *m, *v;
+  const float *p_in, *m_in, *v_in;
+  const void* g;
+  uint16_t* bus;
+  size_t n;
+  Loop loop;
+};
+
+// Elements [lo, hi) of a leaf: copied from the inputs where not aliased, then updated.
+void RunLeaf(const float* s, const Leaf& x, size_t lo, size_t hi) {
+  if (lo >= hi) return;
+  const size_t bytes = 4 * (hi - lo);
+  if (x.p != x.p_in) std::memcpy(x.p + lo, x.p_in + lo, bytes);
+  if (x.m != x.m_in) std::memcpy(x.m + lo, x.m_in + lo, bytes);
+  if (x.v != x.v_in) std::memcpy(x.v + lo, x.v_in + lo, bytes);
+  x.loop(s, x.p, x.m, x.v, x.g, x.bus, lo, hi);
+}
+
 int Threads() {
   cpu_set_t set;
   return sched_getaffinity(0, sizeof(set), &set) == 0 ? std::max(1, CPU_COUNT(&set)) : 1;
 }
 
-void Split(Loop loop, const float* s, float* p, float* m, float* v, const void* g,
-           uint16_t* bus, size_t n) {
+// A position in the leaves laid end to end: leaf `leaf`, element `i` of it.
+struct Cut {
+  size_t leaf, i;
+};
+
+// The leaves cut into k ranges of about equal length; a cut inside a leaf falls on a multiple of
+// 32 elements (a 64-byte line of the bf16 copy, whole lines of the fp32 arrays).
+std::vector<Cut> Cuts(const std::vector<Leaf>& leaves, size_t total, int k) {
+  std::vector<Cut> cuts = {{0, 0}};
+  size_t leaf = 0, start = 0;  // start: the global index of leaf's first element
+  for (int t = 1; t < k; ++t) {
+    const size_t at = total / k * t;
+    while (start + leaves[leaf].n <= at) start += leaves[leaf++].n;
+    cuts.push_back({leaf, std::max(cuts.back().leaf == leaf ? cuts.back().i : size_t(0),
+                                   (at - start) & ~size_t(31))});
+  }
+  cuts.push_back({leaves.size(), 0});
+  return cuts;
+}
+
+// Leaves [from.leaf, to.leaf], from element from.i of the first to element to.i of the last.
+void RunRange(const float* s, const std::vector<Leaf>& leaves, Cut from, Cut to) {
+  for (size_t l = from.leaf; l < leaves.size() && l <= to.leaf; ++l) {
+    RunLeaf(s, leaves[l], l == from.leaf ? from.i : 0, l == to.leaf ? to.i : leaves[l].n);
+  }
+}
+
+void Parallel(const float* s, const std::vector<Leaf>& leaves) {
   static const int threads = Threads();
+  size_t total = 0;
+  for (const Leaf& x : leaves) total += x.n;
   const size_t min_chunk = size_t(1) << 18;  // below this, a thread costs more than it saves
-  const int k = int(std::min<size_t>(threads, std::max<size_t>(1, n / min_chunk)));
-  const size_t chunk = (n / k + 15) & ~size_t(15);
+  const int k = int(std::min<size_t>(threads, std::max<size_t>(1, total / min_chunk)));
+  const std::vector<Cut> cuts = Cuts(leaves, total, k);
   std::vector<std::thread> pool;
   for (int t = 1; t < k; ++t) {
-    const size_t lo = std::min(n, t * chunk), hi = t == k - 1 ? n : std::min(n, lo + chunk);
-    pool.emplace_back([=] { loop(s, p, m, v, g, bus, lo, hi); });
+    pool.emplace_back([&, t] { RunRange(s, leaves, cuts[t], cuts[t + 1]); });
   }
-  loop(s, p, m, v, g, bus, 0, k == 1 ? n : std::min(n, chunk));
+  RunRange(s, leaves, cuts[0], cuts[1]);
   for (auto& t : pool) t.join();
 }
 
-ffi::Error Update(ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> m, ffi::Buffer<ffi::F32> v,
-                  ffi::AnyBuffer g, ffi::Buffer<ffi::F32> s, uint16_t* bus,
-                  ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBuffer<ffi::F32> m_out,
-                  ffi::ResultBuffer<ffi::F32> v_out) {
-  if (s.element_count() != kNumScalars) {
-    return ffi::Error::InvalidArgument("fused_adamw: wrong number of scalars");
+template <typename T>
+T* Data(ffi::AnyBuffer b) {
+  return static_cast<T*>(b.untyped_data());
+}
+
+// Arguments: the scalars (SCALARS, then one decay flag per leaf), then per leaf in groups:
+// params, m, v, gradients (f32 or bf16)[, the old bf16 copy]. Results: params, m, v[, bf16 copy],
+// aliased to the matching arguments.
+ffi::Error Update(ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
+                  ffi::RemainingRets rets, bool with_bus) {
+  const size_t groups = with_bus ? 5 : 4, n_leaves = args.size() / groups;
+  if (args.size() != groups * n_leaves || rets.size() != (groups - 1) * n_leaves ||
+      scalars.element_count() != kNumScalars + n_leaves) {
+    return ffi::Error::InvalidArgument("fused_adamw: wrong number of arguments");
   }
-  const size_t n = p.element_count();
-  float *po = p_out->typed_data(), *mo = m_out->typed_data(), *vo = v_out->typed_data();
-  // Aliased (donated) outputs are the inputs; otherwise (the disk tier's loaned buffers) copy.
-  if (po != p.typed_data()) std::memcpy(po, p.typed_data(), 4 * n);
-  if (mo != m.typed_data()) std::memcpy(mo, m.typed_data(), 4 * n);
-  if (vo != v.typed_data()) std::memcpy(vo, v.typed_data(), 4 * n);
-  const float* sc = s.typed_data();
-  const bool clip = sc[kClip] != 0.0f, decay = sc[kDecay] != 0.0f;
-  Loop loop;
-  if (g.element_type() == ffi::DataType::F32) {
-    loop = Pick<float>(clip, decay, bus != nullptr);
-  } else if (g.element_type() == ffi::DataType::BF16) {
-    loop = Pick<uint16_t>(clip, decay, bus != nullptr);
-  } else {
-    return ffi::Error::InvalidArgument("fused_adamw: the gradient must be float32 or bfloat16");
+  const float* s = scalars.typed_data();
+  std::vector<Leaf> leaves;
+  for (size_t l = 0; l < n_leaves; ++l) {
+    // (The arguments' count was checked above: every index is in range.)
+    auto arg = [&](size_t group) { return *args.get<ffi::AnyBuffer>(group * n_leaves + l); };
+    auto ret = [&](size_t group) { return **rets.get<ffi::AnyBuffer>(group * n_leaves + l); };
+    const ffi::AnyBuffer in[4] = {arg(0), arg(1), arg(2), arg(3)};
+    const ffi::AnyBuffer out[3] = {ret(0), ret(1), ret(2)};
+    const size_t n = in[0].element_count();
+    for (int j = 0; j < 3; ++j) {
+      if (in[j].element_type() != ffi::DataType::F32 || in[j].element_count() != n ||
+          out[j].element_type() != ffi::DataType::F32 || out[j].element_count() != n) {
+        return ffi::Error::InvalidArgument("fused_adamw: params and moments must be float32 alike");
+      }
+    }
+    uint16_t* bus = nullptr;
+    if (with_bus) {
+      const ffi::AnyBuffer b = ret(3);
+      if (b.element_type() != ffi::DataType::BF16 || b.element_count() != n) {
+        return ffi::Error::InvalidArgument("fused_adamw: the bus copy must be bfloat16");
+      }
+      bus = Data<uint16_t>(b);
+    }
+    const bool clip = s[kClip] != 0.0f, decay = s[kNumScalars + l] != 0.0f;
+    Loop loop;
+    if (in[3].element_count() != n) {
+      return ffi::Error::InvalidArgument("fused_adamw: a gradient's size differs from its param's");
+    } else if (in[3].element_type() == ffi::DataType::F32) {
+      loop = Pick<float>(clip, decay, with_bus);
+    } else if (in[3].element_type() == ffi::DataType::BF16) {
+      loop = Pick<uint16_t>(clip, decay, with_bus);
+    } else {
+      return ffi::Error::InvalidArgument("fused_adamw: the gradient must be float32 or bfloat16");
+    }
+    leaves.push_back({Data<float>(out[0]), Data<float>(out[1]), Data<float>(out[2]),
+                      Data<float>(in[0]), Data<float>(in[1]), Data<float>(in[2]),
+                      in[3].untyped_data(), bus, n, loop});
   }
-  Split(loop, sc, po, mo, vo, g.untyped_data(), bus, n);
+  Parallel(s, leaves);
   return ffi::Error::Success();
 }
 
-ffi::Error UpdateWithBus(ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> m,
-                         ffi::Buffer<ffi::F32> v, ffi::AnyBuffer g, ffi::Buffer<ffi::F32> s,
-                         ffi::Buffer<ffi::BF16>, ffi::ResultBuffer<ffi::F32> p_out,
-                         ffi::ResultBuffer<ffi::F32> m_out, ffi::ResultBuffer<ffi::F32> v_out,
-                         ffi::ResultBuffer<ffi::BF16> bus_out) {
-  return Update(p, m, v, g, s, reinterpret_cast<uint16_t*>(bus_out->typed_data()), p_out, m_out,
-                v_out);
+ffi::Error UpdateWithBus(ffi::Buffer<ffi::F32> s, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  return Update(s, args, rets, true);
 }
 
-ffi::Error UpdateNoBus(ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> m, ffi::Buffer<ffi::F32> v,
-                       ffi::AnyBuffer g, ffi::Buffer<ffi::F32> s, ffi::ResultBuffer<ffi::F32> p_out,
-                       ffi::ResultBuffer<ffi::F32> m_out, ffi::ResultBuffer<ffi::F32> v_out) {
-  return Update(p, m, v, g, s, nullptr, p_out, m_out, v_out);
-}
-
-// Both take param, m, v, the gradient (f32 or bf16) and the scalars; the bus variant then the old
-// bus copy (written over). They return param, m, v (and the bus copy) into the inputs' buffers.
-auto Inputs() {
-  return ffi::Ffi::Bind()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::F32>>();
+ffi::Error UpdateNoBus(ffi::Buffer<ffi::F32> s, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  return Update(s, args, rets, false);
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedAdamwBus, UpdateWithBus,
-                              Inputs()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>());
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedAdamw, UpdateNoBus,
-                              Inputs()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());

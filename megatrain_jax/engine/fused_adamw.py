@@ -5,8 +5,9 @@ host update (engine/host.py) runs it here instead: the gradient's scale and glob
 moments, the weight and its bf16 bus copy in one loop that reads and writes each once (30 B/param
 with a bf16 bus copy), where XLA runs optax as several loops over the same arrays.
 
-The loop is a small C++ kernel (fused_adamw.cc) called through `jax.ffi`, built with the system's
-C++ compiler on first use and cached; without a compiler (or when the build fails) the same
+The loop is a small C++ kernel (fused_adamw.cc) called through `jax.ffi`, once per unit for all
+of its leaves (spread over the cores there), built with the system's C++ compiler on first use and
+cached per CPU feature set; without a compiler (or when the build fails) the same
 arithmetic runs in JAX, operation for operation, and the log says so once. Any other optimizer
 runs through optax as before.
 """
@@ -100,8 +101,8 @@ def native() -> bool:
 
 
 # ----------------------------------------------------------------------------- the update
-SCALARS = ("scale", "clip", "norm", "max_norm", "step", "bc1", "bc2", "decay", "wd", "b1", "c1",
-           "b2", "c2", "eps")  # fused_adamw.cc's order
+SCALARS = ("scale", "clip", "norm", "max_norm", "step", "bc1", "bc2", "wd", "b1", "c1", "b2", "c2",
+           "eps")  # fused_adamw.cc's order; then the leaves' decay flags
 
 
 def _leaf_jax(s: dict, p, m, v, g):
@@ -116,18 +117,25 @@ def _leaf_jax(s: dict, p, m, v, g):
     return p + s["step"] * u, m, v
 
 
-def _leaf_native(s: dict, p, m, v, g, bus):
-    """One leaf through the kernel; its outputs are its inputs' buffers (donated by the caller)."""
-    scalars = jnp.stack([s[k] for k in SCALARS])
-    f32 = jax.ShapeDtypeStruct(p.shape, jnp.float32)
-    if bus is None:
-        call = jax.ffi.ffi_call("megatrain_FusedAdamw", (f32, f32, f32),
-                                input_output_aliases={0: 0, 1: 1, 2: 2})
-        return (*call(p, m, v, g, scalars), None)
-    bf16 = jax.ShapeDtypeStruct(p.shape, jnp.bfloat16)
-    call = jax.ffi.ffi_call("megatrain_FusedAdamwBus", (f32, f32, f32, bf16),
-                            input_output_aliases={0: 0, 1: 1, 2: 2, 5: 3})
-    return call(p, m, v, g, scalars, bus)
+def _unit_native(s: dict, decays: list, ps, ms, vs, gs, buses):
+    """Every leaf through one kernel call (one call, so XLA does not run leaves concurrently, each
+    over all cores); the outputs are the inputs' buffers (donated by the caller). `buses`: the old
+    bf16 copies, or None (no bus copy)."""
+    scalars = jnp.stack([s[k] for k in SCALARS] + [jnp.float32(d) for d in decays])
+    shapes = lambda xs, dtype: [jax.ShapeDtypeStruct(x.shape, dtype) for x in xs]
+    results = [*shapes(ps, jnp.float32), *shapes(ms, jnp.float32), *shapes(vs, jnp.float32)]
+    inputs = [*ps, *ms, *vs, *gs]
+    if buses is not None:
+        results += shapes(ps, jnp.bfloat16)
+        inputs += buses
+    n = len(ps)
+    aliases = {1 + i: i for i in range(3 * n)}  # (argument 0: the scalars)
+    if buses is not None:
+        aliases.update({1 + 4 * n + i: 3 * n + i for i in range(n)})
+    name = "megatrain_FusedAdamwBus" if buses is not None else "megatrain_FusedAdamw"
+    out = jax.ffi.ffi_call(name, results, input_output_aliases=aliases)(scalars, *inputs)
+    p, m, v, *bus = [out[i * n:(i + 1) * n] for i in range(len(results) // n)]
+    return p, m, v, bus[0] if bus else None
 
 
 def update(hyper: Hyper, params, opt_state, grads, old_bus, grad_norm, scale, max_grad_norm,
@@ -154,21 +162,20 @@ def update(hyper: Hyper, params, opt_state, grads, old_bus, grad_norm, scale, ma
     mask = hyper.mask(params) if callable(hyper.mask) else hyper.mask
     decays = (jax.tree.map(lambda _: True, params) if mask is None else mask)
     leaves, treedef = jax.tree.flatten(params)
+    decays = [bool(d) for _, d in zip(leaves, jax.tree.leaves(decays), strict=True)]
     fused_bus = use_native and jnp.dtype(bus_dtype or jnp.float32) == jnp.bfloat16
-    buses = (jax.tree.leaves(old_bus) if old_bus is not None and fused_bus
-             else [None] * len(leaves))
-    out = []
-    for p, m, v, g, d, b in zip(leaves, jax.tree.leaves(adam.mu), jax.tree.leaves(adam.nu),
-                                jax.tree.leaves(grads), jax.tree.leaves(decays), buses,
-                                strict=True):
-        s_leaf = {**s, "decay": jnp.float32(bool(d))}
-        if not use_native:
-            out.append((*_leaf_jax(s_leaf, p, m, v, g), None))
-            continue
-        if fused_bus and b is None:  # (no old copy to write into)
-            b = jnp.empty(p.shape, jnp.bfloat16)
-        out.append(_leaf_native(s_leaf, p, m, v, g, b if fused_bus else None))
-    new = [jax.tree.unflatten(treedef, [o[i] for o in out]) for i in range(4)]
+    state = (leaves, jax.tree.leaves(adam.mu), jax.tree.leaves(adam.nu), jax.tree.leaves(grads))
+    if use_native:
+        buses = None
+        if fused_bus:  # (no old copy to write into: fresh ones)
+            buses = (jax.tree.leaves(old_bus) if old_bus is not None
+                     else [jnp.empty(p.shape, jnp.bfloat16) for p in leaves])
+        out = _unit_native(s, decays, *state, buses)
+    else:
+        rows = [_leaf_jax({**s, "decay": jnp.float32(d)}, p, m, v, g)
+                for p, m, v, g, d in zip(*state, decays, strict=True)]
+        out = [[row[i] for row in rows] for i in range(3)] + [None]
+    new = [None if o is None else jax.tree.unflatten(treedef, list(o)) for o in out]
     params = new[0]
     if bus_dtype is None:
         bus = None
