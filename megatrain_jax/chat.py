@@ -338,8 +338,7 @@ def load_examples(path: str, tokenizer, template: ChatTemplate, *, seq_len: int,
         if bad.count:  # the load fails at the end, naming the first and counting them all
             continue
         ids, assistant = encode_conversation(template, tokenizer, messages, where)
-        if vocab_size is not None and len(ids) and ids.max() >= vocab_size:
-            raise DataError(f"{where}: token id {int(ids.max())} >= model.vocab_size ({vocab_size})")
+        check_vocab(ids, vocab_size, where)
         labels = np.where(assistant, ids, IGNORE_ID).astype(np.int32)
         if len(ids) > seq_len + 1:
             if overlong == "skip":
@@ -355,9 +354,21 @@ def load_examples(path: str, tokenizer, template: ChatTemplate, *, seq_len: int,
             continue
         out.ids.append(ids)
         out.labels.append(labels)
+    return loaded(out, bad, "example", seq_len, overlong)
+
+
+def check_vocab(ids: np.ndarray, vocab_size: int | None, where: str):
+    """Raises DataError naming `where` for a token id the model has no row for."""
+    if vocab_size is not None and len(ids) and ids.max() >= vocab_size:
+        raise DataError(f"{where}: token id {int(ids.max())} >= model.vocab_size ({vocab_size})")
+
+
+def loaded(out, bad: BadRows, what: str, seq_len: int, overlong: str):
+    """`out` (Examples, or preference.Pairs) once its file is read: DataError naming the file if a
+    row was bad (the first, and how many) or no `what` is usable."""
     bad.check()
     if not out.ids:
-        raise DataError(f"{path}: no usable example ({out.report(seq_len, overlong)})")
+        raise DataError(f"{out.path}: no usable {what} ({out.report(seq_len, overlong)})")
     return out
 
 

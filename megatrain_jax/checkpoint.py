@@ -382,18 +382,24 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None,
             target["layers"][which] = abstract
         restore_args = jax.tree.map(
             lambda x: ocp.PLACEHOLDER if x is ocp.PLACEHOLDER else _restore_args(x), target)
-        try:
-            state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                item=target, restore_args=restore_args)))["state"]
-        except Exception as e:
-            raise unreadable(manager, step, e) from None
-        loaded = state["stages"] if which == "stages" else state["layers"][which]
+        loaded = _read_unit(manager, step, which, target, restore_args)
         # This process's block (sharded), or the saved rows cut to the model's (replicated, read
         # as numpy with several processes: a sharded save's padding rows are cut off here).
         mine = lambda r, x: (r.addressable_data(0) if sharded else
                              r[:x.shape[0]] if np.ndim(x) and r.shape != x.shape else r)
         engine.load_unit(which, jax.tree.map(mine, loaded, unit))
     return meta
+
+
+def _read_unit(manager: ocp.CheckpointManager, step: int, which, target, restore_args):
+    """Unit `which` ("stages" or a layer index) of checkpoint `step`, read into `target` (the
+    state's tree, ocp.PLACEHOLDER where nothing is read); a failure is named as `unreadable`."""
+    try:
+        state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=target, restore_args=restore_args)))["state"]
+    except Exception as e:
+        raise unreadable(manager, step, e) from None
+    return state["stages"] if which == "stages" else state["layers"][which]
 
 
 def _restore_args(x):
@@ -433,11 +439,6 @@ def read_params(manager: ocp.CheckpointManager, step: int, tree_metadata, which,
         if path_str(p).startswith(prefix) else ocp.PLACEHOLDER, tree)
     restore_args = jax.tree.map(lambda leaf: ocp.PLACEHOLDER if leaf is ocp.PLACEHOLDER
                                 else ocp.RestoreArgs(restore_type=np.ndarray), target)
-    try:
-        state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=target, restore_args=restore_args)))["state"]
-    except Exception as e:
-        raise unreadable(manager, step, e) from None
-    unit = state["stages"] if which == "stages" else state["layers"][which]
+    unit = _read_unit(manager, step, which, target, restore_args)
     return jax.tree_util.tree_map_with_path(
         lambda p, x: cut_padding(meta or {}, prefix + path_str(p), x), unit["params"])

@@ -21,8 +21,8 @@ import dataclasses
 
 import numpy as np
 
-from megatrain_jax.chat import (ChatTemplate, PADDING_SEGMENT, ROLES, encode_conversation,
-                                read_records)
+from megatrain_jax.chat import (PADDING_SEGMENT, ROLES, ChatTemplate, check_vocab,
+                                encode_conversation, loaded, read_records)
 from megatrain_jax.data import DataError, WindowOrder
 from megatrain_jax.loss import IGNORE_ID
 from megatrain_jax.sources.cache import default_cache_dir
@@ -134,9 +134,7 @@ def load_pairs(path: str, tokenizer, template: ChatTemplate, *, seq_len: int,
         for completion in (chosen, rejected):
             ids, mask = encode_conversation(template, tokenizer, prompt + completion, where,
                                             train_from=len(prompt))
-            if vocab_size is not None and len(ids) and ids.max() >= vocab_size:
-                raise DataError(f"{where}: token id {int(ids.max())} >= model.vocab_size "
-                                f"({vocab_size})")
+            check_vocab(ids, vocab_size, where)
             if not mask.any():
                 raise DataError(f"{where}: a completion renders to no token")
             first = int(np.argmax(mask))  # the prompt's tokens come before it
@@ -155,13 +153,9 @@ def load_pairs(path: str, tokenizer, template: ChatTemplate, *, seq_len: int,
                                                                        rejected_labels):
             out.identical += 1
             continue
-        for ids, labels in sequences:
-            out.ids.append(ids)
-            out.labels.append(labels)
-    bad.check()
-    if not out.ids:
-        raise DataError(f"{path}: no usable pair ({out.report(seq_len, overlong)})")
-    return out
+        out.ids += [ids for ids, _ in sequences]
+        out.labels += [labels for _, labels in sequences]
+    return loaded(out, bad, "pair", seq_len, overlong)
 
 
 def cached_pairs(path: str, tokenizer, template: ChatTemplate, *, seq_len: int, overlong: str,
