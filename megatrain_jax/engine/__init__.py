@@ -22,6 +22,8 @@ Modules, by concern:
   parallel.py   placement: one device, or data parallel over a mesh of devices and processes
   shard.py      the sharded host layout: which rows of every leaf a process keeps
   stage_units.py  the stages' two units, split from and merged into a checkpoint's one
+  lookup.py     the host lookup: an untied embedding's rows gathered on the host, its table never
+                crossing; the rows' gradient scatter-added into the table's there
 """
 
 from megatrain_jax.engine.decode import StreamedDecoder

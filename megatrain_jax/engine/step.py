@@ -162,7 +162,8 @@ def run(engine, inputs, targets, contexts) -> dict:
                                       lookup.held(host, host.last), host.grad_dtype, None)
         last_squares = f.leaf_squares(leaves)
         last_out, _ = out(stage_units.fill(host.stage_units[host.last][0], leaves))
-        delete(last_grads)  # (its fp32 sum; the cast leaves are freed once they are out)
+        delete(last_grads)  # its fp32 sum; the cast leaves are freed once they are out
+        del leaves
     aux_loss, daux = None, None
     if auxs:  # every layer's gets the same cotangent: the gradient at the total
         aux_loss, daux = f.aux_grad(f.tree_total(auxs), f.total(weights))

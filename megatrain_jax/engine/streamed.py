@@ -100,7 +100,7 @@ class StreamedEngine:
                  compute_device=None, host_device=None, grad_dtype=jnp.float32,
                  offload_activations: bool = False, aux_loss: Optional[Callable] = None,
                  disk_tier: Optional[DiskTierOptions] = None, compute_devices=None,
-                 shard_host_state: bool = False, host_lookup: bool = False):
+                 shard_host_state: bool = False, host_lookup: bool = True):
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         if prefetch < 0:
