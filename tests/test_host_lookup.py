@@ -64,9 +64,24 @@ def test_the_embedding_table_never_crosses():
 
 
 def test_tied_embeddings_keep_the_device_path_and_the_log_says_why(caplog):
-    engine = engine_for(dataclasses.replace(CFG, tie_embeddings=True))
+    engine = engine_for(dataclasses.replace(CFG, tie_embeddings=True), host_lookup=True)
     with caplog.at_level(logging.INFO, logger="megatrain_jax.engine.streamed"):
         float(engine.train_step(*batch(CFG))["loss"])
     engine.close()
     assert not engine.host_lookup
     assert "host lookup off: the first and last stages share a variable" in caplog.text
+
+
+def test_by_default_only_where_it_moves_fewer_bytes(caplog):
+    """host_lookup=None: a step of 2 x 2 x 16 tokens against a 64-row table uses the lookup; a
+    step of 8 x 4 x 16 tokens, whose rows outweigh the table twice over, fetches the table."""
+    for num_micro, rows, expected in ((2, 2, True), (8, 4, False)):
+        engine = engine_for(CFG, compute_dtype=jnp.bfloat16)
+        toks = np.random.default_rng(0).integers(0, CFG.vocab_size, (num_micro, rows, 17),
+                                                 np.int32)
+        with caplog.at_level(logging.INFO, logger="megatrain_jax.engine.streamed"):
+            float(engine.train_step(toks[..., :-1], toks[..., 1:])["loss"])
+        engine.close()
+        assert engine.host_lookup == expected
+    assert "host lookup off: its rows and their gradient (65,536 bytes a step) outweigh" in (
+        caplog.text)

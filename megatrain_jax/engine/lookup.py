@@ -13,7 +13,9 @@ row's weight and moments decay, as optax does.
 """
 
 import concurrent.futures
+import math
 
+import jax
 import jax.numpy as jnp
 
 from megatrain_jax.engine import stage_units, transfer
@@ -29,6 +31,23 @@ def serves(engine, parts) -> str:
     if not set(parts.first) <= set(engine.host.stage_leaves(0)):
         return "the first stage reads the last stage's variables"
     return ""
+
+
+def costs_more(engine, micro_batch, num_micro: int) -> str:
+    """Why the host lookup would move more bytes a step than the device path ('' when it moves
+    fewer): its rows in and their gradient out (compute dtype) against the first stage's weights
+    fetched twice (compute dtype) and their gradient out (train.grad_dtype). `micro_batch`: one
+    micro-batch's inputs (a jax.ShapeDtypeStruct)."""
+    host, first = engine.host, [engine.host.shapes[0][i] for i in engine.parts.first]
+    weights = [jax.ShapeDtypeStruct(shape, host.compute_dtype) for shape in first]
+    rows = jax.eval_shape(engine.functions.host_embed, weights, micro_batch)
+    rows_bytes = 2 * num_micro * math.prod(rows.shape) * rows.dtype.itemsize
+    table = sum(math.prod(shape) for shape in first)
+    table_bytes = table * (2 * host.compute_dtype.itemsize + host.grad_dtype.itemsize)
+    if rows_bytes < table_bytes:
+        return ""
+    return (f"its rows and their gradient ({rows_bytes:,} bytes a step) outweigh the first "
+            f"stage's weights fetched twice and their gradient ({table_bytes:,})")
 
 
 def held(host, u: int) -> tuple:

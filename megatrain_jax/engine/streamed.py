@@ -87,8 +87,10 @@ class StreamedEngine:
       host_lookup: run the first stage on the host device when it shares no variable with the
         last (an untied embedding) and there is one compute device (engine/lookup.py): the
         embedding's rows cross, its table never does, and only the rows' gradient comes back.
-        Where it cannot serve (tied, data parallel) the first stage runs on the device, and the
-        log says why. Training equals the device path.
+        None (default): where that moves fewer bytes a step than the table's two fetches and its
+        gradient (decided at the first step, from its shapes); True: wherever it serves; False:
+        never. Where it does not run the first stage runs on the device, and the log says why.
+        Training equals the device path.
 
     A step whose gradient is not finite changes nothing (see `train_step`); a step that raises
     leaves the state as it was before it.
@@ -100,7 +102,7 @@ class StreamedEngine:
                  compute_device=None, host_device=None, grad_dtype=jnp.float32,
                  offload_activations: bool = False, aux_loss: Optional[Callable] = None,
                  disk_tier: Optional[DiskTierOptions] = None, compute_devices=None,
-                 shard_host_state: bool = False, host_lookup: bool = True):
+                 shard_host_state: bool = False, host_lookup: Optional[bool] = None):
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         if prefetch < 0:
@@ -155,7 +157,8 @@ class StreamedEngine:
         # where the plan counts them: bus copies in the compute device's pinned host memory
         self.transfers.check(self.host.units[1].bus, self.host.bus_sharding.memory_kind)
         self.parts = self.functions = None  # built at the first step, from its shapes
-        self._host_lookup, self.host_lookup = host_lookup, False  # wanted; decided with them
+        # asked for (None: where it saves bytes); decided at the first step (_choose_lookup)
+        self._host_lookup, self.host_lookup, self._lookup_chosen = host_lookup, False, False
         self.unit_sq = None
         self._broken = None
         self.aux_loss = aux_loss
@@ -170,13 +173,21 @@ class StreamedEngine:
             self.functions = DeviceFunctions(self._stages_def, jax.tree.structure(stages),
                                              self.parts, self._block_def, self.host.grad_dtype,
                                              self.aux_loss, self.placement)
-            why = lookup.serves(self, self.parts) if self._host_lookup else ""
-            self.host_lookup = self._host_lookup and not why
-            if self.host_lookup:
-                self.host.keep_bus_on_host(0)
-            elif why:
-                log.info("host lookup off: %s; the first stage runs on the device", why)
         return self.functions
+
+    def _choose_lookup(self, micro_batch, num_micro: int):
+        """Whether the first stage runs on the host (engine/lookup.py), for the whole run."""
+        self._lookup_chosen = True
+        if self._host_lookup is False:
+            return
+        why = lookup.serves(self, self.parts)
+        if not why and self._host_lookup is None:
+            why = lookup.costs_more(self, micro_batch, num_micro)
+        self.host_lookup = not why
+        if self.host_lookup:
+            self.host.keep_bus_on_host(0)
+        else:
+            log.info("host lookup off: %s; the first stage runs on the device", why)
 
     def train_step(self, inputs, targets, context=None) -> dict:
         """One optimizer step over M micro-batches: `inputs`, `targets` are (M, ...) arrays;
@@ -226,6 +237,8 @@ class StreamedEngine:
         self.host.on_update = self.on_event and self._update_event
         shape = lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype)  # of a micro-batch
         self.device_functions(shape(inputs), jax.tree.map(shape, targets))
+        if not self._lookup_chosen:
+            self._choose_lookup(shape(inputs), len(inputs))
         inputs, targets, contexts = self._put_batch(inputs, targets, context)
         try:
             return schedule(self, inputs, targets, contexts)
