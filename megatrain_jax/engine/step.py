@@ -189,8 +189,9 @@ def run(engine, inputs, targets, contexts) -> dict:
         hook("backward", i)
 
     # ---- embed backward
-    total_weight, local = f.total(weights), engine.placement.local
+    local = engine.placement.local
     if engine.host_lookup:  # on the host thread, from the rows' gradient (engine/lookup.py)
+        total_weight = f.total(weights)
         scalars = (f.total(layer_sq), last_squares, total_weight)
         backward = lookup.HostBackward(engine, host.stage_bus(engine.parts.first), inputs,
                                        engine.transfers.grads_out(dxs),
@@ -202,6 +203,7 @@ def run(engine, inputs, targets, contexts) -> dict:
         for x, dx in zip(inputs, dxs):
             acc = f.embed_bwd(w, x, dx, acc)
         delete(fetched(w))
+        total_weight = f.total(weights)
         held, sharding = _stage_shapes(engine)
         stage_grads = stage_units.gradient(f.reduce(acc), last_grads, engine.parts.first,
                                            engine.parts.last, held, host.grad_dtype, sharding)
