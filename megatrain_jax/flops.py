@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from megatrain_jax.config import Config
+from megatrain_jax.engine import stage_units
 from megatrain_jax.engine.functions import stage_parts
 from megatrain_jax.machines import Machine
 from megatrain_jax.model import Execution, ModelConfig, make_block, make_stages
@@ -117,7 +118,9 @@ def counts(cfg: Config, execution: Execution, machine: Machine) -> Counts:
         layer=size(block), active_layer=size(block) - _idle_expert_params(cfg.model),
         first=size(parts.take("first", leaves)),
         last=size(parts.take("last", leaves)), stages=size(stages),
-        optimizer=optimizer_bytes(stages) + cfg.model.num_layers * optimizer_bytes(block),
+        # the stages as the engine's two units (each with its own scalar state, e.g. a count)
+        optimizer=sum(map(optimizer_bytes, stage_units.split(stages)))
+        + cfg.model.num_layers * optimizer_bytes(block),
         accelerator=not machine.compute_on_host,
         stages_state=4 * size(stages) + optimizer_bytes(stages),
         layer_state=4 * size(block) + optimizer_bytes(block),

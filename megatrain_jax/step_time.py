@@ -20,7 +20,7 @@ given work:
                recompute and its gradients: 6 / parameter / token + 3.5x the forward's
                attention), the loss head (6 * vocab * hidden / token), the global norm.
   host update  the optimizer thread: one unit after another in the order the next forward needs
-               them (stages, layer 0, 1, ...), each once its gradient and the global norm are on
+               them (the first stage's, layer 0, 1, ..., the last stage's), each once its gradient and the global norm are on
                the host (the norm needs every unit's sum of squares: exact clipping, and a
                non-finite norm must change nothing), its bytes including the gradient's hop from
                the compute device's pinned memory to the CPU client. The next step's fetch of a
@@ -94,13 +94,15 @@ class StepShape:
     layer_fwd_flops: float
     layer_bwd_flops: float
     head_flops: float  # the loss head's forward and backward
-    stages_update_bytes: int  # bytes the host update of the stages unit touches
+    stages_update_bytes: int  # bytes the host updates of the two stage units touch
     layer_update_bytes: int  # of one layer's
     model_flops: float  # useful FLOPs per step (for MFU): flops.flops_per_token's (causal
     # attention, windows), never more than the device executes
     updates_wait_for_norm: bool = True  # the engine's schedule. False: each unit's update is
     # submitted as soon as its gradient is on the host, during the backward (no exact clipping,
     # no non-finite check: not the engine's; a what-if for hiding the update)
+    head_update_bytes: int = 0  # the part of stages_update_bytes that is the last stage's own
+    # unit (final norm, untied head), updated last; the rest is the first stage's, updated first
 
     @property
     def h2d_bytes(self) -> int:
@@ -246,7 +248,7 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
     _stream(t, range(s.layers), lambda i: fetch(1 + i, s.layer_bytes), forward, s.prefetch)
 
     # loss: the head's gradient stays on the device until the embedding's backward
-    w = fetch(0, s.last_bytes)
+    w = fetch(s.layers + 1, s.last_bytes)
     for _ in range(M):
         t.compute("loss head", s.head_flops, [w])
 
@@ -277,21 +279,22 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
     embed_bwd = [t.compute("embed backward", 0, [w]) for _ in range(M)]
     merged = t.compute("stages' gradient", 0, [embed_bwd[-1]])
     norm = t.d2h("global norm", 0, [t.compute("global norm", 0, [merged, *squares])])
-    grads[0] = t.d2h("stages' gradient", s.stages_grad_bytes, [merged])
+    grads[0] = grads[s.layers + 1] = t.d2h("stages' gradient", s.stages_grad_bytes, [merged])
     loss = t.compute("loss total", 0)
 
-    # update, on the host thread, in the order the next forward needs them
-    for u in range(s.layers + 1) if s.updates_wait_for_norm else [0]:
-        nbytes = s.stages_update_bytes if u == 0 else s.layer_update_bytes
+    # update, on the host thread, in the order the next forward needs them: the first stage's
+    # unit, the layers, the last stage's
+    nbytes = {0: s.stages_update_bytes - s.head_update_bytes, s.layers + 1: s.head_update_bytes}
+    for u in range(s.layers + 2) if s.updates_wait_for_norm else [0, s.layers + 1]:
         after = [grads[u], norm] if s.updates_wait_for_norm else [grads[u]]
-        updates[u] = t.update(f"update unit {u}", nbytes, after)
+        updates[u] = t.update(f"update unit {u}", nbytes.get(u, s.layer_update_bytes), after)
     return t.call("read loss", after=[loss])  # the bench's float(loss): the step's sync point
 
 
 def simulate(shape: StepShape, rates: Rates, steps: int = 4) -> Prediction:
     """Runs `steps` steps back to back; the prediction is the last one's period."""
     t = _Timeline(rates)
-    updates = [None] * (shape.layers + 1)
+    updates = [None] * (shape.layers + 2)
     ends = []
     for k in range(steps):
         t.step = k
@@ -340,6 +343,7 @@ def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True) -> StepSh
         layer_bwd_flops=tokens * (6 * c.layer + 3.5 * attention),
         head_flops=tokens * 6 * head,
         stages_update_bytes=int(touched(c.stages)), layer_update_bytes=int(touched(c.layer)),
+        head_update_bytes=int(touched(c.stages - c.first)),
         model_flops=float(useful * M * tokens),
         updates_wait_for_norm=updates_wait_for_norm)
 

@@ -229,7 +229,7 @@ def memory_estimate(jax, engine, tokens) -> dict:
     cdt, f32 = engine.host.compute_dtype, jnp.float32
     units = engine.host.units
     layer = jax.tree.map(lambda p: abstract(p, cdt), units[1].params)
-    stage_leaves = [abstract(p, cdt) for p in jax.tree.leaves(units[0].params)]
+    stage_leaves = [abstract(p, cdt) for p in jax.tree.leaves(engine.param_shapes()["stages"])]
     w_first = engine.parts.take("first", stage_leaves)
     w_last = engine.parts.take("last", stage_leaves)
     x = jax.eval_shape(f.embed, w_first, inputs)

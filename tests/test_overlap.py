@@ -138,7 +138,7 @@ def test_gradients_and_bus_copies_stay_in_the_compute_devices_pinned_memory(monk
     float(engine.train_step(*batch(CFG))["loss"])
     engine.wait()
     pieces = [x for p in parcels for x in p.token()]
-    assert len(parcels) == CFG.num_layers + 1 and pieces
+    assert len(parcels) == CFG.num_layers + 2 and pieces  # the two stage units'
     assert {(x.sharding.memory_kind, *x.sharding.device_set) for x in pieces} == {
         ("pinned_host", compute)}
     bus = jax.tree.leaves(engine.host.bus(1))[0]
@@ -183,10 +183,30 @@ def test_each_gradient_goes_out_before_the_next_layer_and_is_never_waited_for():
     engine.close()
     at = {e: k for k, e in enumerate(events) if e[0] != "transfer"}
     outs = [k for k, e in enumerate(events) if e == ("transfer", "gradient out", None)]
-    assert len(outs) == CFG.num_layers + 1  # every layer's, then the stages'
+    # the last stage's (at the loss: the host lookup's), every layer's, the rows' (embedding's)
+    assert len(outs) == CFG.num_layers + 2
     for i in range(CFG.num_layers - 1, 0, -1):
-        out = outs[CFG.num_layers - 1 - i]
+        out = outs[CFG.num_layers - i]
         assert out < at[("dispatch", "backward", i)] < at[("dispatch", "backward", i - 1)] < at[
             ("wait", "backward", i)]
         if i < CFG.num_layers - 1:
             assert at[("dispatch", "backward", i + 1)] < out
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_the_host_thread_updates_the_embedding_first_and_the_head_last(tie):
+    """The next forward needs the embedding first and the final norm and head only after every
+    layer: the host thread updates the first stage's unit (with tied embeddings, the tied table
+    too), then layers 0 .. L-1, then the last stage's unit."""
+    import dataclasses
+    from test_streaming import engine_for
+    engine = engine_for(dataclasses.replace(CFG, tie_embeddings=tie))
+    events = []
+    engine.on_event = lambda kind, what, layer: events.append((kind, what, layer))
+    float(engine.train_step(*batch(CFG))["loss"])
+    engine.wait()
+    engine.close()
+    updates = [e for e in events if e[0] == "update"]
+    assert updates == ([("update", "first stage", None)]
+                       + [("update", "layer", i) for i in range(CFG.num_layers)]
+                       + [("update", "last stage", None)])

@@ -56,7 +56,11 @@ def build_engine(cfg: Config, execution) -> StreamedEngine:
                           compute_dtype=jnp.dtype(cfg.train.compute_dtype),
                           grad_dtype=jnp.dtype(cfg.train.grad_dtype), prefetch=cfg.train.prefetch,
                           compute_device=compute, host_device=host,
-                          offload_activations=cfg.train.offload_activations)
+                          offload_activations=cfg.train.offload_activations,
+                          # the device path, which the plan models (the host lookup's holds less:
+                          # its embed phases fetch no weights, the head's gradient goes out at
+                          # the loss)
+                          host_lookup=False)
 
 
 def device_bytes(device) -> int:

@@ -2,8 +2,9 @@
 
 The engine trains any model of the form `last(block_{L-1}(... block_0(first(inputs)))), targets)`
 where every block has the same structure. It knows nothing about the model inside the blocks.
-State lives in host memory, one *unit* at a time: unit 0 holds the first and last stages (they
-share a unit, so tied weights stay tied), unit 1 + i holds layer i.
+State lives in host memory, one *unit* at a time: unit 0 holds the first stage's variables (a
+tied embedding too: tied weights stay one leaf), unit 1 + i layer i, the last unit the last
+stage's own; the host thread updates them in that order, the one the next forward needs.
 
 Modules, by concern:
   streamed.py   StreamedEngine: construction, train_step, evaluate, reading and loading state
@@ -20,6 +21,9 @@ Modules, by concern:
   functions.py  the jitted device functions
   parallel.py   placement: one device, or data parallel over a mesh of devices and processes
   shard.py      the sharded host layout: which rows of every leaf a process keeps
+  stage_units.py  the stages' two units, split from and merged into a checkpoint's one
+  lookup.py     the host lookup: an untied embedding's rows gathered on the host, its table never
+                crossing; the rows' gradient scatter-added into the table's there
 """
 
 from megatrain_jax.engine.decode import StreamedDecoder

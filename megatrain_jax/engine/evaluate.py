@@ -19,7 +19,7 @@ import functools
 
 import jax
 
-from megatrain_jax.engine.step import fetch_unit, fetched_copy
+from megatrain_jax.engine.step import fetch_stage, fetch_unit, fetched_copy, first_stage
 from megatrain_jax.engine.stream import LayerStream, delete
 
 
@@ -30,9 +30,7 @@ def _forward(engine, inputs, contexts) -> list:
     fetched = functools.partial(fetched_copy, engine)
 
     # ---- embed
-    w = fetch(0, "first")
-    xs = [f.embed(w, x) for x in inputs]
-    delete(fetched(w))
+    xs = first_stage(engine, inputs)
 
     # ---- forward: each layer's input is freed once its output is computed
     stream = LayerStream(range(L), lambda i: fetch(1 + i), engine.prefetch)
@@ -52,7 +50,7 @@ def run(engine, inputs, targets, contexts) -> dict:
     xs = _forward(engine, inputs, contexts)
 
     # ---- loss
-    w = fetch_unit(engine, 0, "last")
+    w = fetch_stage(engine, "last")
     out = [f.head_loss(w, x, t) for x, t in zip(xs, targets)]
     delete((fetched_copy(engine, w), xs))
     loss_sum = f.total([s for s, _, _ in out])
@@ -68,7 +66,7 @@ def outputs(engine, inputs, targets, contexts, output) -> list:
     """[output(last, x_L[m], targets[m]) for every micro-batch m]: the streamed forward, then any
     function of the last stage (e.g. per-sequence log-probabilities) instead of its loss."""
     xs = _forward(engine, inputs, contexts)
-    w = fetch_unit(engine, 0, "last")
+    w = fetch_stage(engine, "last")
     fn = engine.functions.head_output(output)
     out = [fn(w, x, t) for x, t in zip(xs, targets)]
     delete((fetched_copy(engine, w), xs))

@@ -86,6 +86,14 @@ def stage_parts(stages_def, stages_params, inputs, targets) -> StageParts:
     return StageParts(used_inputs(first, abstract), used_inputs(last, abstract))
 
 
+@jax.jit
+def norm_and_scale(layers_sq, stages_sq, weight):
+    """(global norm of the scaled gradient, scale = 1 / sum of loss weights), where the sums of
+    squares are (a list of the layers', the stages')."""
+    scale = jnp.where(weight > 0, 1.0 / jnp.where(weight > 0, weight, 1.0), 0.0)
+    return jnp.sqrt(sum(layers_sq) + stages_sq) * scale, scale
+
+
 class DeviceFunctions:
     """Every function the step runs on the compute device, jitted once per shape.
 
@@ -178,6 +186,11 @@ class DeviceFunctions:
         self.tree_total = jax.jit(lambda trees: jax.tree.map(lambda *xs: sum(xs), *trees))
         self.cast_grads = jax.jit(lambda g: jax.tree.map(lambda x: x.astype(grad_dtype), g))
         self.sum_squares = jax.jit(sum_squares)
+        # each leaf's, in the order sum_squares adds them (the host lookup adds them up there)
+        self.leaf_squares = jax.jit(lambda xs: [sum_squares(x) for x in xs])
+        # The first stage on the host CPU device (engine/lookup.py), where its inputs are.
+        self.host_embed = jax.jit(embed)
+        self.host_embed_bwd = jax.jit(embed_bwd, donate_argnums=(3,))
         # One dispatch each for what would otherwise be L (or M) eager adds per step.
         self.total = jax.jit(lambda xs: sum(xs))
 

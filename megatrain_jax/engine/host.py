@@ -3,6 +3,7 @@ and the optax update that runs on the host CPU device in a background thread."""
 
 import concurrent.futures
 import dataclasses
+import itertools
 import time
 from typing import Any, Optional
 
@@ -12,6 +13,7 @@ import numpy as np
 import optax
 
 from megatrain_jax.engine import fused_adamw
+from megatrain_jax.engine import stage_units
 from megatrain_jax.engine import tier as tier_lib
 from megatrain_jax.engine import transfer
 
@@ -29,7 +31,9 @@ class Unit:
 
 
 class HostState:
-    """The units' state and their updates. Unit 0 is the stages, unit 1 + i layer i.
+    """The units' state and their updates. Unit 0 is the first stage (the embedding), unit 1 + i
+    layer i, the last unit the last stage's own variables (final norm, head): the order in which
+    the next forward needs them, and the order of the host thread's updates (stage_units.py).
 
     `submit(u, grads, grad_norm, scale)` queues unit u's update on the host thread: the gradient
     (of the unnormalised loss sum) is scaled by `scale`, clipped to the global norm exactly as
@@ -38,10 +42,11 @@ class HostState:
     never reaches the weights. `bus(u)` waits for u's update and returns its bus copy.
     """
 
-    def __init__(self, units: list, optimizer: optax.GradientTransformation, *, max_grad_norm,
-                 compute_dtype, grad_dtype, compute_device, host_device, counters,
-                 disk_tier: Optional[tier_lib.DiskTierOptions] = None, num_units=None,
-                 shards=None):
+    def __init__(self, stages, blocks, optimizer: optax.GradientTransformation, *, max_grad_norm,
+                 compute_dtype, grad_dtype, compute_device, host_device, counters, num_blocks: int,
+                 disk_tier: Optional[tier_lib.DiskTierOptions] = None, shards=None):
+        """stages: the stages' params (param_split((first, last))); blocks: an iterable of the
+        blocks' params (with the disk tier, one in RAM at a time)."""
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
         self.compute_dtype = jnp.dtype(compute_dtype)
@@ -55,14 +60,14 @@ class HostState:
         # When state and compute share a device, the bus is a host buffer rewritten in place.
         self.bus_in_place = (compute_device == host_device
                              or transfer.PINNED not in transfer.memory_kinds(compute_device))
-        # In place and fp32 compute: the bus copy is the master weights themselves (not with
-        # the disk tier, where the weights leave RAM between updates).
-        self.bus_is_params = (self.bus_in_place and self.compute_dtype == jnp.float32
-                              and disk_tier is None)
         self.bus_sharding = (self.host if self.bus_in_place else jax.sharding.SingleDeviceSharding(
             compute_device, memory_kind="pinned_host"))
+        self.bus_on_host = set()  # units whose bus copy stays in host memory all the same (the
+        # host lookup reads it there: keep_bus_on_host)
+        self._disk = disk_tier is not None
         self.staging = {}
         self.failed = None  # why the state is unknown: a host update failed (see ready)
+        self.on_update = None  # on_update(u), when set: the host thread starts unit u's update
 
         # Donating params, optax state and the old bus copy makes the update write in place: on
         # the CPU backend a fresh output buffer is page-faulted in at a fraction of memory speed.
@@ -70,7 +75,7 @@ class HostState:
         # With the disk tier, params and optax state alias the tier's read buffer (tier.load),
         # which XLA does not own: the outputs get buffers of their own, copied out by tier.store.
         donate = (3,) if disk_tier is not None else (0, 1, 3)
-        self._update = jax.jit(self._host_update, donate_argnums=donate, static_argnums=(6,),
+        self._update = jax.jit(self._host_update, donate_argnums=donate, static_argnums=(6, 7),
                                keep_unused=True)
         # Scaled and clipped inside the update, the gradient becomes an intermediate that both
         # Adam moments read, and XLA:CPU gives it a fresh temporary (~3 B/param, page-faulted each
@@ -86,27 +91,39 @@ class HostState:
         # otherwise land uncommitted on the default device, the accelerator.
         init = jax.jit(optimizer.init, out_shardings=self.host)
         # shards (shard.Shards): keep only this process's rows of every leaf (the sharded layout);
-        # `shapes` keeps the logical leaf shapes of the stages (0) and of a block (1).
+        # `shapes` keeps the logical leaf shapes of the whole stages (0) and of a block (1).
         if shards is not None and disk_tier is not None:
             raise ValueError("shard_host_state with the disk tier is not supported")
         self.units, self.tier, self.shapes = [], None, {}
-        for params in units:  # an iterable: with the disk tier, one unit in RAM at a time
-            params = jax.device_put(jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params),
-                                    self.host)
-            if len(self.units) < 2:
-                self.shapes[len(self.units)] = [tuple(p.shape) for p in jax.tree.leaves(params)]
-            if shards is not None:
-                params = shards.cut(params)
-            self.units.append(Unit(params, init(params), self.make_bus(params)))
-            if len(self.units) == 1:  # the stages' leaf shapes, for their gradient (step.py)
-                leaves, treedef = jax.tree.flatten(params)
-                self.stage_shapes = (tuple(tuple(p.shape) for p in leaves), treedef)
+        to_host = lambda params: jax.device_put(
+            jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params), self.host)
+        stages = to_host(stages)
+        self.shapes[0] = [tuple(p.shape) for p in jax.tree.leaves(stages)]
+        first, last = stage_units.split(shards.cut(stages) if shards is not None else stages)
+        del stages
+        # the stages' units' shapes of params and optax state (load_stages splits a checkpoint's
+        # stages unit by them); the last unit's layout, for the tier's files (made before it is)
+        shape = lambda params: (jax.eval_shape(lambda p: p, params),
+                                jax.eval_shape(optimizer.init, params))
+        stage_shapes = (shape(first), shape(last))
+        self._last_layout = tier_lib.UnitLayout.of(*stage_shapes[1])
+
+        def block_units():  # an iterable: with the disk tier, one unit in RAM at a time
+            for params in blocks:
+                params = to_host(params)
+                self.shapes.setdefault(1, [tuple(p.shape) for p in jax.tree.leaves(params)])
+                yield shards.cut(params) if shards is not None else params
+
+        for params in itertools.chain([first], block_units(), [last]):
+            self.units.append(Unit(params, init(params), self.make_bus(params, len(self.units))))
             if disk_tier is not None:  # --- disk tier (tier.py): the state goes to its file
-                self._to_tier(disk_tier, num_units or len(units))
+                self._to_tier(disk_tier, 2 + num_blocks)
+        self.last = len(self.units) - 1
+        self.stage_units = dict(zip((0, self.last), stage_shapes))
         if not self.bus_in_place:  # made now, so the update compiles once per unit structure
             zeros = lambda p: jnp.zeros(p.shape, self.compute_dtype, device=host_device)
-            self.staging = {key: jax.tree.map(zeros, self.units[key].bus)
-                            for key in range(min(2, len(self.units)))}
+            self.staging = {self._structure(u): jax.tree.map(zeros, self.units[u].bus)
+                            for u in (0, 1, self.last)}
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-optim")
 
     # ----------------------------------------------------------------- disk tier hooks
@@ -117,9 +134,9 @@ class HostState:
             return
         layout = lambda unit: tier_lib.UnitLayout.of(unit.params, unit.opt_state)
         if self.tier is None:
-            stages, block = self.units
-            self.tier = tier_lib.DiskTier(options, [layout(stages)] + [layout(block)] * (
-                num_units - 1))
+            first, block = self.units
+            self.tier = tier_lib.DiskTier(options, [layout(first)] + [layout(block)] * (
+                num_units - 2) + [self._last_layout])
         u = len(self.units) - 1
         if layout(self.units[u]) != self.tier.layouts[u]:
             raise ValueError(f"disk tier: block {u - 1}'s layout differs from block 0's")
@@ -127,6 +144,31 @@ class HostState:
             unit = self.units[v]
             self.tier.write_now(v, unit.params, unit.opt_state)
             unit.params = unit.opt_state = None
+
+    def _structure(self, u: int) -> int:
+        """Which units share a structure (and a staging buffer): 0 the first stage, 1 the
+        blocks, 2 the last stage."""
+        return 0 if u == 0 else 2 if u == self.last else 1
+
+    def stage_leaves(self, u: int) -> tuple:
+        """The whole stages' leaf indices that stage unit u (0 or `last`) holds."""
+        return stage_units.indices(self.stage_units[u][0])
+
+    def stages_state(self) -> tuple:
+        """(params, opt_state) of the whole stages, as one unit (a checkpoint's), from the two
+        stage units once their updates have finished."""
+        first, last = self.unit_state(0), self.unit_state(self.last)
+        return tuple(stage_units.merge(a, b) for a, b in zip(first, last))
+
+    def load_stages(self, unit_state: dict):
+        """Replaces the stages' state with `unit_state` (whole: {"params", "opt_state"})."""
+        taken = set()  # scalar optax state (a count) goes to both units: each gets its own
+        for u, (params, opt_state) in self.stage_units.items():
+            part = {"params": stage_units.like(unit_state["params"], params),
+                    "opt_state": stage_units.like(unit_state["opt_state"], opt_state)}
+            part = jax.tree.map(lambda x: x.copy() if id(x) in taken else x, part)
+            taken |= {id(x) for x in jax.tree.leaves(part)}
+            self.load_unit(u, part)
 
     def unit_state(self, u: int) -> tuple:
         """(params, opt_state) of unit u once its update has finished: host arrays, or with the
@@ -137,15 +179,34 @@ class HostState:
         return unit.params, unit.opt_state
 
     # ----------------------------------------------------------------- bus copies
-    def make_bus(self, params):
-        if self.bus_is_params:
+    def _in_place(self, u: int) -> bool:
+        """Whether unit u's bus copy is a host buffer the update rewrites in place."""
+        return self.bus_in_place or u in self.bus_on_host
+
+    def _is_params(self, u: int) -> bool:
+        """Whether unit u's bus copy is its master weights themselves: in place and fp32 compute
+        (not with the disk tier, where the weights leave RAM between updates)."""
+        return self._in_place(u) and self.compute_dtype == jnp.float32 and not self._disk
+
+    def make_bus(self, params, u: int):
+        if self._is_params(u):
             return params
-        if self.bus_in_place and self.compute_dtype == jnp.float32:  # disk tier: a copy, not
-            # the weights (astype and device_put would return them: see bus_is_params)
+        if self._in_place(u) and self.compute_dtype == jnp.float32:  # disk tier: a copy, not
+            # the weights (astype and device_put would return them: see _is_params)
             params = jax.tree.map(lambda p: jnp.array(p, copy=True, device=self.host_device),
                                   params)
         return transfer.refresh(jax.tree.map(lambda p: p.astype(self.compute_dtype), params),
-                                self.bus_sharding)
+                                self.host if self._in_place(u) else self.bus_sharding)
+
+    def keep_bus_on_host(self, u: int):
+        """Unit u's bus copy stays in host memory, where the host reads it (the host lookup,
+        engine/lookup.py); on an accelerator it is no longer refreshed to its pinned memory."""
+        unit = self.ready(u)
+        if self._in_place(u):
+            return
+        self.bus_on_host.add(u)
+        self.staging.pop(self._structure(u), None)
+        unit.bus, unit.spare = self.make_bus(self.unit_state(u)[0], u), None
 
     def bus(self, u: int):
         """Unit u's bus copy, once its pending update has finished."""
@@ -153,15 +214,26 @@ class HostState:
         if unit.bus is None:  # released by a step that then failed: still the weights' copy
             unit.bus, unit.spare = unit.spare, None
         if unit.bus is None:  # (given back to the pinned pool): rebuilt from the weights
-            unit.bus = self.make_bus(self.unit_state(u)[0])
+            unit.bus = self.make_bus(self.unit_state(u)[0], u)
         return unit.bus
+
+    def stage_bus(self, indices) -> list:
+        """The whole stages' bus leaves at `indices`, each from the stage unit holding it once
+        that unit's pending update has finished."""
+        leaves = {}
+        for u in (0, self.last):
+            held = set(self.stage_leaves(u)) & set(indices)
+            if held:
+                bus = stage_units.flat(self.bus(u))
+                leaves.update({i: bus[i] for i in held})
+        return [leaves[i] for i in indices]
 
     def release_bus(self, u: int):
         """After a unit's last use in a step. A host bus copy is kept for the update to write in
         place (the plan counts bus copies and gradients together); a pinned one goes back to the
         accelerator's pinned pool, while the update writes a reused staging buffer."""
         unit = self.units[u]
-        if self.bus_in_place and not self.bus_is_params and unit.bus is not None:
+        if self._in_place(u) and not self._is_params(u) and unit.bus is not None:
             unit.spare = unit.bus
         unit.bus = None
 
@@ -175,8 +247,9 @@ class HostState:
         return jax.tree.map(
             lambda g: jnp.where(clip, (g / grad_norm.astype(g.dtype)) * self.max_grad_norm, g), grads)
 
-    def _host_update(self, params, opt_state, grads, old_bus, grad_norm, scale, prepared):
-        bus_dtype = None if self.bus_is_params else self.compute_dtype
+    def _host_update(self, params, opt_state, grads, old_bus, grad_norm, scale, prepared,
+                     bus_is_params):
+        bus_dtype = None if bus_is_params else self.compute_dtype
         if self.fused is not None:
             return fused_adamw.update(self.fused, params, opt_state, grads, old_bus, grad_norm,
                                       scale, self.max_grad_norm, bus_dtype, self._native)
@@ -186,19 +259,23 @@ class HostState:
             grads = self._prepare(grads, grad_norm, scale)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, None if self.bus_is_params else jax.tree.map(
+        return params, opt_state, None if bus_is_params else jax.tree.map(
             lambda p: p.astype(self.compute_dtype), params)
 
     def _apply(self, u: int, grads, grad_norm, scale, staging_key):
         """Runs on the host-optimizer thread: one jitted, in-place optax step of one unit, its
         bus copy written in the same call. XLA:CPU spreads each large fused loop over all cores."""
         t0 = time.perf_counter()
+        if self.on_update is not None:
+            self.on_update(u)
+        grads, grad_norm, scale = (x() if callable(x) else x for x in (grads, grad_norm, scale))
         grads, grad_norm, scale = transfer.arrive((grads, grad_norm, scale), self.host)
         unit = self.units[u]
         if self.tier is not None:  # --- disk tier: the state from its file (read ahead)
             unit.params, unit.opt_state = self.tier.load(u, self.host)
-        if self.bus_in_place:
-            old_bus = None if self.bus_is_params else (
+        in_place = self._in_place(u)
+        if in_place:
+            old_bus = None if self._is_params(u) else (
                 unit.bus if unit.bus is not None else unit.spare)
         else:
             old_bus = self.staging.pop(staging_key, None)
@@ -207,39 +284,42 @@ class HostState:
         # select between the new and the old state inside the update made XLA copy the donated
         # optax state first (8 B/param of fresh memory, page-faulted in every update: 3x slower).
         if not np.isfinite(grad_norm):
-            if self.bus_in_place and old_bus is not None:
+            if in_place and old_bus is not None:
                 unit.bus = old_bus  # still the weights' copy
             else:
-                unit.bus = self.make_bus(unit.params)
-                if not self.bus_in_place:
+                unit.bus = self.make_bus(unit.params, u)
+                if not in_place:
                     self.staging[staging_key] = old_bus
         else:
             if self._prepare_first:
                 grads = self._prepare_in_place(grads, grad_norm, scale)
             unit.params, unit.opt_state, bus = self._update(
-                unit.params, unit.opt_state, grads, old_bus, grad_norm, scale, self._prepare_first)
-            unit.bus = self._bus_after_update(unit, bus, staging_key)
+                unit.params, unit.opt_state, grads, old_bus, grad_norm, scale, self._prepare_first,
+                self._is_params(u))
+            unit.bus = self._bus_after_update(u, bus, staging_key)
         if self.tier is not None:  # --- disk tier: written back behind, out of RAM
             self.tier.store(u, unit.params, unit.opt_state)
             unit.params = unit.opt_state = None
         jax.block_until_ready(unit.bus)  # the future completes when the weights are usable
         self.counters.host_update_s += time.perf_counter() - t0
 
-    def _bus_after_update(self, unit, bus, staging_key):
-        """The unit's new bus copy, from the update's compute-dtype output."""
-        if self.bus_in_place:
-            return unit.params if self.bus_is_params else bus
+    def _bus_after_update(self, u, bus, staging_key):
+        """Unit u's new bus copy, from the update's compute-dtype output."""
+        if self._in_place(u):
+            return self.units[u].params if self._is_params(u) else bus
         self.staging[staging_key] = bus  # reused by the next unit: this copy is waited for
         return transfer.refresh(bus, self.bus_sharding)
 
     def submit(self, u: int, grads, grad_norm, scale):
         """Queues unit u's update with its gradient (a transfer.Parcel on its way to the host, or
         host arrays), the global norm of the scaled gradient and the scale (scalars in the
-        compute device's pinned host memory, or host scalars)."""
+        compute device's pinned host memory, or host scalars). Each may instead be a function
+        called on the host thread that returns it (the host lookup's, engine/lookup.py)."""
         unit = self.units[u]
         if self.tier is not None:
             self.tier.expect(u)  # --- disk tier: its read may start ahead
-        unit.pending = self._thread.submit(self._apply, u, grads, grad_norm, scale, min(u, 1))
+        unit.pending = self._thread.submit(self._apply, u, grads, grad_norm, scale,
+                                           self._structure(u))
 
     def ready(self, u: int) -> Unit:
         """Unit u once its pending update has finished. An update that failed (re-raised here)
@@ -253,7 +333,7 @@ class HostState:
             try:
                 future.result()  # re-raises anything the host thread raised
             except BaseException as e:
-                name = "the stages'" if u == 0 else f"layer {u - 1}'s"
+                name = "the stages'" if u in (0, self.last) else f"layer {u - 1}'s"
                 self.failed = f"{name} host update failed ({type(e).__name__}: {e})"
                 raise
             self.counters.host_wait_s += time.perf_counter() - t0
@@ -270,11 +350,11 @@ class HostState:
         unit = self.ready(u)
         if self.tier is not None:  # --- disk tier: into its file, only the bus in RAM
             self.tier.write_now(u, unit_state["params"], unit_state["opt_state"])
-            unit.bus = self.make_bus(jax.device_put(unit_state["params"], self.host))
+            unit.bus = self.make_bus(jax.device_put(unit_state["params"], self.host), u)
             return
         unit.params = jax.device_put(unit_state["params"], self.host)
         unit.opt_state = jax.device_put(unit_state["opt_state"], self.host)
-        unit.bus = self.make_bus(unit.params)
+        unit.bus = self.make_bus(unit.params, u)
 
     def close(self):
         try:

@@ -21,7 +21,9 @@ at every layer (retire i - 1, fetch i, dispatch i).
 Around the passes, a training step (engine/step.py) runs: the embedding (fetch, dispatch), the
 forward pass, the loss head (fetch, dispatch, its gradient kept on the device), the backward pass
 (each layer's gradient goes out as it is made), the embedding's backward, the stages' gradient
-out, then on the host thread one update per unit, each ending in its bus refresh.
+out, then on the host thread one update per unit, each ending in its bus refresh, in the order
+the next forward needs them: the first stage's unit (embedding), layer 0, 1, ..., then the last
+stage's unit (final norm, head), which the next step fetches only after every layer.
 """
 
 FETCH, DISPATCH, RETIRE, RELEASE = "fetch", "dispatch", "retire", "release"

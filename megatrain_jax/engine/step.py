@@ -1,10 +1,10 @@
 """One training step, top to bottom: the schedule of transfers and device work.
 
-    embed     fetch the first stage's weights; x_0[m] = first(inputs[m])
+    embed     fetch the first stage's weights (unit 0); x_0[m] = first(inputs[m])
     forward   for layer i (weights prefetched, at most prefetch + 1 resident):
                 x_{i+1}[m] (, aux_i[m]) = block_i(x_i[m]); save x_i[m] (on the device, or
                 offloaded to host)
-    loss      fetch the last stage's weights; loss_sum[m], weight[m] (, stats[m]),
+    loss      fetch the last stage's weights (the last unit; tied leaves from unit 0); loss_sum[m], weight[m] (, stats[m]),
               dx[m] = grad(last)(x_L[m]); its gradient stays on the device until the embed
               backward; with aux: aux loss and daux = grad(aux_loss) of the sum of every
               aux_i[m] (see functions.py)
@@ -17,7 +17,10 @@
               the global norm and the scale, on the device; the stages' gradient goes out
     update    on the host thread: each unit's gradient and the norm cross to the host CPU
               device there, then clip, one optax update per unit, its bus copy refreshed (the
-              next step's fetch of a unit waits for its update)
+              next step's fetch of a unit waits for its update), in the order the next forward
+              needs them: unit 0 (the first stage's variables: the embedding, tied or not), the
+              layers, then the last unit (the last stage's own: final norm, untied head). The
+              stages' gradient is split between the two units (engine/stage_units.py)
 
 The order of a pass's fetches, dispatches and waits is engine/schedule.py's (LayerStream); every
 copy is engine/transfer.py's.
@@ -36,42 +39,39 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from megatrain_jax.engine import lookup, stage_units
+from megatrain_jax.engine.functions import norm_and_scale
 from megatrain_jax.engine.stream import LayerStream, delete
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
-def _merge_stage_grads(first, last, first_idx, last_idx, shapes, dtype, out_sharding):
-    """Unit 0's gradient leaves (`shapes`), in `dtype`, from the two parts' (tied leaves get the
-    sum of both, taken in fp32), on the device."""
-    leaves = [jnp.zeros(shape, jnp.float32) for shape in shapes]
-    for i, g in zip(first_idx, first):
-        leaves[i] = leaves[i] + g.astype(jnp.float32)
-    for i, g in zip(last_idx, last):
-        leaves[i] = leaves[i] + g.astype(jnp.float32)
-    leaves = [x.astype(dtype) for x in leaves]
-    if out_sharding is not None:  # the sharded layout: as the reducer leaves a gradient
-        leaves = [jax.lax.with_sharding_constraint(x, out_sharding) for x in leaves]
-    return leaves
+def fetch_unit(engine, u):
+    """Unit u's bus copy put on the compute device, once u's pending host update has finished."""
+    shapes = None if engine.placement.shards is None else engine.host.shapes[1]
+    return engine.transfers.weights_in(engine.host.bus(u), shapes)
 
 
-@jax.jit
-def _norm_and_scale(layers_sq, stages_sq, weight):
-    """(global norm of the scaled gradient, scale = 1 / sum of loss weights), on the device."""
-    scale = jnp.where(weight > 0, 1.0 / jnp.where(weight > 0, weight, 1.0), 0.0)
-    return jnp.sqrt(sum(layers_sq) + stages_sq) * scale, scale
-
-
-def fetch_unit(engine, u, part=None):
-    """Unit u's bus copy (or one stage part of it, as a flat list of leaves) put on the compute
-    device, once u's pending host update has finished."""
-    bus, shapes = engine.host.bus(u), None
-    if part is not None:
-        bus = engine.parts.take(part, jax.tree.leaves(bus))
+def fetch_stage(engine, part):
+    """One stage part's leaves ("first" or "last", a flat list) put on the compute device, each
+    once the pending update of the stage unit holding it has finished."""
+    indices = getattr(engine.parts, part)
+    shapes = None
     if engine.placement.shards is not None:  # each device gets its piece, then they all-gather
-        shapes = engine.host.shapes[min(u, 1)]
-        if part is not None:
-            shapes = engine.parts.take(part, shapes)
-    return engine.transfers.weights_in(bus, shapes)
+        shapes = engine.parts.take(part, engine.host.shapes[0])
+    return engine.transfers.weights_in(engine.host.stage_bus(indices), shapes)
+
+
+def first_stage(engine, inputs) -> list:
+    """x_0[m] = first(inputs[m]) on the compute device, for every micro-batch: with the host
+    lookup (engine/lookup.py) computed on the host and its rows put on the device, else on the
+    device from its fetched weights."""
+    f = engine.functions
+    if engine.host_lookup:
+        w = engine.host.stage_bus(engine.parts.first)
+        return engine.transfers.rows_in([f.host_embed(w, x) for x in inputs])
+    w = fetch_stage(engine, "first")
+    xs = [f.embed(w, x) for x in inputs]
+    delete(fetched_copy(engine, w))
+    return xs
 
 
 def fetched_copy(engine, w):
@@ -88,21 +88,23 @@ def reduced_away(partial, reduced) -> list:
 
 
 def _stage_shapes(engine) -> tuple:
-    """The stages' gradient leaf shapes on the device (the sharded layout: padded to split over
-    the devices) and where the merge leaves them (None: where jit puts them)."""
+    """(index, shape) of every stages' gradient leaf on the device (the sharded layout: padded to
+    split over the devices) and where the merge leaves them (None: where jit puts them)."""
     shapes, shards = engine.host.shapes[0], engine.placement.shards
     if shards is None:
-        return tuple(shapes), None
-    return tuple(shards.padded_shape(s) for s in shapes), engine.placement.pieces
+        return tuple(enumerate(map(tuple, shapes))), None
+    return tuple(enumerate(shards.padded_shape(s) for s in shapes)), engine.placement.pieces
 
 
 def run(engine, inputs, targets, contexts) -> dict:
-    """One step of `engine` (a StreamedEngine) over M micro-batches already on the device."""
+    """One step of `engine` (a StreamedEngine) over M micro-batches already on the device (with
+    the host lookup, their inputs on the host device)."""
     f, host, acts = engine.functions, engine.host, engine.activations
     M, L = len(inputs), engine.num_layers
     hook = engine.on_phase or (lambda phase, layer=None: None)
 
     fetch = functools.partial(fetch_unit, engine)
+    stage = functools.partial(fetch_stage, engine)
     fetched = functools.partial(fetched_copy, engine)  # what the step may delete of a fetch
 
     def events(phase):
@@ -123,9 +125,7 @@ def run(engine, inputs, targets, contexts) -> dict:
 
     acts.clear()
     # ---- embed
-    w = fetch(0, "first")
-    xs = [f.embed(w, x) for x in inputs]
-    delete(fetched(w))
+    xs = first_stage(engine, inputs)
     hook("embed")
 
     # ---- forward
@@ -144,7 +144,7 @@ def run(engine, inputs, targets, contexts) -> dict:
                          else "the engine has an aux_loss but the blocks return no (x, aux)")
 
     # ---- loss
-    w = fetch(0, "last")
+    w = stage("last")
     acc = f.zeros(w)
     loss_sums, weights, stats, dxs = [], [], [], []
     for x, t in zip(xs, targets):
@@ -154,8 +154,16 @@ def run(engine, inputs, targets, contexts) -> dict:
         stats.append(stat)
         dxs.append(dx)
     delete((fetched(w), xs))
+    host.release_bus(host.last)
     last_grads, head_partial = f.reduce(acc), acc  # kept on the device for the stages' merge
     head_device = reduced_away(head_partial, last_grads)  # freed at the first retire
+    if engine.host_lookup:  # nothing to merge it with: the last unit's gradient goes out now
+        leaves = stage_units.gradient([], last_grads, (), engine.parts.last,
+                                      lookup.held(host, host.last), host.grad_dtype, None)
+        last_squares = f.leaf_squares(leaves)
+        last_out, _ = out(stage_units.fill(host.stage_units[host.last][0], leaves))
+        delete(last_grads)  # its fp32 sum; the cast leaves are freed once they are out
+        del leaves
     aux_loss, daux = None, None
     if auxs:  # every layer's gets the same cotangent: the gradient at the total
         aux_loss, daux = f.aux_grad(f.tree_total(auxs), f.total(weights))
@@ -181,28 +189,41 @@ def run(engine, inputs, targets, contexts) -> dict:
         hook("backward", i)
 
     # ---- embed backward
-    w = fetch(0, "first")
-    acc = f.zeros(w)
-    for x, dx in zip(inputs, dxs):
-        acc = f.embed_bwd(w, x, dx, acc)
-    delete(fetched(w))
-    shapes, sharding = _stage_shapes(engine)
-    stage_grads = _merge_stage_grads(f.reduce(acc), last_grads, engine.parts.first,
-                                     engine.parts.last, shapes, host.grad_dtype, sharding)
-    stages_sq = f.sum_squares(stage_grads)  # the whole gradient's, on the devices
+    local = engine.placement.local
+    if engine.host_lookup:  # on the host thread, from the rows' gradient (engine/lookup.py)
+        total_weight = f.total(weights)
+        scalars = (f.total(layer_sq), last_squares, total_weight)
+        backward = lookup.HostBackward(engine, host.stage_bus(engine.parts.first), inputs,
+                                       engine.transfers.grads_out(dxs),
+                                       engine.transfers.scalars_out(scalars))
+        first_out, norm_scale = backward.grads, (backward.norm, backward.scale)
+    else:
+        w = stage("first")
+        acc = f.zeros(w)
+        for x, dx in zip(inputs, dxs):
+            acc = f.embed_bwd(w, x, dx, acc)
+        delete(fetched(w))
+        total_weight = f.total(weights)
+        held, sharding = _stage_shapes(engine)
+        stage_grads = stage_units.gradient(f.reduce(acc), last_grads, engine.parts.first,
+                                           engine.parts.last, held, host.grad_dtype, sharding)
+        stages_sq = f.sum_squares(stage_grads)  # the whole gradient's, on the devices
+        grad_norm, scale = norm_and_scale(layer_sq, stages_sq, total_weight)
+        norm_scale = engine.transfers.scalars_out((grad_norm, scale))
+        first_out, last_out = (out(stage_units.like(stage_grads, host.stage_units[u][0]))[0]
+                               for u in (0, host.last))
     host.release_bus(0)
     hook("embed backward")
 
-    # ---- update, on the host thread
-    total_weight = f.total(weights)
-    local = engine.placement.local
-    grad_norm, scale = _norm_and_scale(layer_sq, stages_sq, total_weight)
-    norm_scale = engine.transfers.scalars_out((grad_norm, scale))
-    stages_out, _ = out(jax.tree.unflatten(host.stage_shapes[1], stage_grads))
-    engine.unit_sq = local([stages_sq] + layer_sq[::-1])  # per unit, for nonfinite_units()
-    host.submit(0, stages_out, *norm_scale)
-    for u in range(1, L + 1):  # in the order the next forward needs them
+    # ---- update, on the host thread, in the order the next forward needs them: unit 0 (the
+    # first stage's), the layers, the last stage's
+    host.submit(0, first_out, *norm_scale)
+    for u in range(1, L + 1):
         host.submit(u, layer_grads.pop(u), *norm_scale)
+    host.submit(host.last, last_out, *norm_scale)
+    if engine.host_lookup:
+        grad_norm, stages_sq = backward.result()  # made on the host thread
+    engine.unit_sq = local([stages_sq] + layer_sq[::-1] + [stages_sq])  # for nonfinite_units()
     loss = local(f.total(loss_sums) / jnp.where(total_weight > 0, total_weight, 1.0))
     aux_loss = None if aux_loss is None else local(aux_loss)
     result = {"loss": loss, "grad_norm": local(grad_norm)}

@@ -1,6 +1,7 @@
 """`StreamedEngine`: the public face of the engine (construction, one step, evaluation, reading
 state)."""
 
+import logging
 from typing import Callable, Optional
 
 import jax
@@ -10,6 +11,7 @@ import optax
 from flax import nnx
 
 from megatrain_jax.engine import evaluate as evaluate_lib
+from megatrain_jax.engine import lookup
 from megatrain_jax.engine import step
 from megatrain_jax.engine.functions import DeviceFunctions, stage_parts
 from megatrain_jax.engine.host import HostState
@@ -17,6 +19,8 @@ from megatrain_jax.engine.parallel import Placement
 from megatrain_jax.engine.stream import Activations, Counters
 from megatrain_jax.engine.tier import DiskTierOptions
 from megatrain_jax.engine.transfer import Transfers
+
+log = logging.getLogger(__name__)
 
 
 def param_split(module: nnx.Module, what: str):
@@ -80,6 +84,13 @@ class StreamedEngine:
         adafactor's or a per-tensor norm), and every parameter must have at least one dimension.
         `state()` and `params()` are this process's rows (zero-padded; `param_shapes()` gives the
         whole shapes). Not with the disk tier. Training equals the replicated layout.
+      host_lookup: run the first stage on the host device when it shares no variable with the
+        last (an untied embedding) and there is one compute device (engine/lookup.py): the
+        embedding's rows cross, its table never does, and only the rows' gradient comes back.
+        None (default): where that moves fewer bytes a step than the table's two fetches and its
+        gradient (decided at the first step, from its shapes); True: wherever it serves; False:
+        never. Where it does not run the first stage runs on the device, and the log says why.
+        Training equals the device path.
 
     A step whose gradient is not finite changes nothing (see `train_step`); a step that raises
     leaves the state as it was before it.
@@ -91,7 +102,7 @@ class StreamedEngine:
                  compute_device=None, host_device=None, grad_dtype=jnp.float32,
                  offload_activations: bool = False, aux_loss: Optional[Callable] = None,
                  disk_tier: Optional[DiskTierOptions] = None, compute_devices=None,
-                 shard_host_state: bool = False):
+                 shard_host_state: bool = False, host_lookup: Optional[bool] = None):
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         if prefetch < 0:
@@ -117,15 +128,17 @@ class StreamedEngine:
         # embed, forward, loss, backward, embed backward): for tests and instrumentation.
         self.on_phase = None
         # Called as on_event(kind, what, layer) by each pass's LayerStream as it dispatches a
-        # layer's work ("dispatch", the pass) and before it waits for one ("wait", the pass), and
-        # by the transfers as each copy is enqueued ("transfer", e.g. "gradient out", None):
-        # for tests and instrumentation.
+        # layer's work ("dispatch", the pass) and before it waits for one ("wait", the pass), by
+        # the transfers as each copy is enqueued ("transfer", e.g. "gradient out", None), and on
+        # the host thread as each unit's update starts ("update", "first stage" / "layer" /
+        # "last stage", the layer or None): for tests and instrumentation.
         self.on_event = None
 
-        def units():  # one at a time: the disk tier never holds the whole model in RAM
+        with jax.default_device(self.host_device):
+            self._stages_def, stages = param_split((first, last), "the first/last stages")
+
+        def blocks():  # one at a time: the disk tier never holds the whole model in RAM
             with jax.default_device(self.host_device):
-                self._stages_def, stages = param_split((first, last), "the first/last stages")
-                yield stages
                 for i in range(num_layers):
                     graphdef, params = param_split(make_block(i), f"block {i}")
                     if i == 0:
@@ -135,14 +148,17 @@ class StreamedEngine:
                                          "streamed blocks must share one structure")
                     yield params
 
-        self.host = HostState(units(), optimizer, max_grad_norm=max_grad_norm,
+        self.host = HostState(stages, blocks(), optimizer, max_grad_norm=max_grad_norm,
                               compute_dtype=compute_dtype, grad_dtype=grad_dtype,
                               compute_device=self.compute_device, host_device=self.host_device,
-                              counters=self.counters, disk_tier=disk_tier,
-                              num_units=1 + num_layers, shards=self.placement.shards)
+                              counters=self.counters, num_blocks=num_layers,
+                              disk_tier=disk_tier, shards=self.placement.shards)
+        del stages
         # where the plan counts them: bus copies in the compute device's pinned host memory
-        self.transfers.check(self.host.units[-1].bus, self.host.bus_sharding.memory_kind)
+        self.transfers.check(self.host.units[1].bus, self.host.bus_sharding.memory_kind)
         self.parts = self.functions = None  # built at the first step, from its shapes
+        # asked for (None: where it saves bytes); decided at the first step (_choose_lookup)
+        self._host_lookup, self.host_lookup, self._lookup_chosen = host_lookup, False, False
         self.unit_sq = None
         self._broken = None
         self.aux_loss = aux_loss
@@ -158,6 +174,20 @@ class StreamedEngine:
                                              self.parts, self._block_def, self.host.grad_dtype,
                                              self.aux_loss, self.placement)
         return self.functions
+
+    def _choose_lookup(self, micro_batch, num_micro: int):
+        """Whether the first stage runs on the host (engine/lookup.py), for the whole run."""
+        self._lookup_chosen = True
+        if self._host_lookup is False:
+            return
+        why = lookup.serves(self, self.parts)
+        if not why and self._host_lookup is None:
+            why = lookup.costs_more(self, micro_batch, num_micro)
+        self.host_lookup = not why
+        if self.host_lookup:
+            self.host.keep_bus_on_host(0)
+        else:
+            log.info("host lookup off: %s; the first stage runs on the device", why)
 
     def train_step(self, inputs, targets, context=None) -> dict:
         """One optimizer step over M micro-batches: `inputs`, `targets` are (M, ...) arrays;
@@ -204,15 +234,25 @@ class StreamedEngine:
             raise RuntimeError(f"the engine is unusable: {self._broken}")
         self.transfers.on_event = self.on_event and (lambda kind, what: self.on_event(kind, what,
                                                                                       None))
+        self.host.on_update = self.on_event and self._update_event
+        shape = lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype)  # of a micro-batch
+        self.device_functions(shape(inputs), jax.tree.map(shape, targets))
+        if not self._lookup_chosen:
+            self._choose_lookup(shape(inputs), len(inputs))
         inputs, targets, contexts = self._put_batch(inputs, targets, context)
-        self.device_functions(inputs[0], targets[0])
         try:
             return schedule(self, inputs, targets, contexts)
         except BaseException as e:
             self.activations.clear()
-            if any(u.pending is not None for u in self.host.units):
-                self._broken = f"a host update failed ({type(e).__name__}: {e})"
+            if any(u.pending is not None for u in self.host.units):  # named where known
+                self._broken = self.host.failed or f"a host update failed ({type(e).__name__}: {e})"
             raise
+
+    def _update_event(self, u: int):
+        if u in (0, self.host.last):
+            self.on_event("update", "first stage" if u == 0 else "last stage", None)
+        else:
+            self.on_event("update", "layer", u - 1)
 
     def _put_batch(self, inputs, targets, context):
         """(inputs, targets, contexts) as per-micro-batch lists on the compute device."""
@@ -225,14 +265,16 @@ class StreamedEngine:
         contexts = ([None] * num_micro if context is None else
                     [put(jax.tree.map(lambda c: c[m], context)) for m in range(num_micro)])
         targets = [put(jax.tree.map(lambda t: t[m], targets)) for m in range(num_micro)]
-        return [put(x) for x in inputs], targets, contexts
+        put_inputs = self.transfers.batch_to_host if self.host_lookup else put
+        return [put_inputs(x) for x in inputs], targets, contexts
 
     def nonfinite_units(self) -> list:
         """Units whose gradient in the last step was not finite: "stages" or a layer index."""
         if self.unit_sq is None:
             return []
         bad = [u for u, sq in enumerate(self.unit_sq) if not jnp.isfinite(sq)]
-        return ["stages" if u == 0 else u - 1 for u in bad]
+        stages = {0, self.host.last} & set(bad)
+        return ["stages"] * bool(stages) + [u - 1 for u in bad if u not in stages]
 
     # ----------------------------------------------------------------- reading state
     def wait(self):
@@ -259,8 +301,8 @@ class StreamedEngine:
         (`jax.tree.map(np.array, ...)`). `nnx.merge(engine.stages_graphdef, params["stages"])`
         gives back (first, last)."""
         self.wait()
-        params = [self.host.unit_state(u)[0] for u in range(len(self.host.units))]
-        return {"stages": params[0], "layers": params[1:]}
+        layers = [self.host.unit_state(1 + i)[0] for i in range(self.num_layers)]
+        return {"stages": self.host.stages_state()[0], "layers": layers}
 
     def param_shapes(self) -> dict:
         """The logical shapes of the master weights, as `params()`'s structure of
@@ -292,9 +334,9 @@ class StreamedEngine:
         """The full training state (params and optax state per unit), host-resident; a view
         valid until the next `train_step`, like `params()`."""
         self.wait()
-        units = [dict(zip(("params", "opt_state"), self.host.unit_state(u)))
-                 for u in range(len(self.host.units))]
-        return {"stages": units[0], "layers": units[1:]}
+        unit = lambda state: dict(zip(("params", "opt_state"), state))
+        return {"stages": unit(self.host.stages_state()),
+                "layers": [unit(self.host.unit_state(1 + i)) for i in range(self.num_layers)]}
 
     @property
     def disk_tier(self):
@@ -313,7 +355,10 @@ class StreamedEngine:
     def load_unit(self, which, unit_state: dict):
         """Replaces one unit's state, `{"params", "opt_state"}`: which is "stages" or a layer
         index. Restoring unit by unit keeps the extra host memory to one unit's state."""
-        self.host.load_unit(0 if which == "stages" else 1 + which, unit_state)
+        if which == "stages":
+            self.host.load_stages(unit_state)
+        else:
+            self.host.load_unit(1 + which, unit_state)
 
     def close(self):
         self.host.close()

@@ -115,6 +115,21 @@ class Transfers:
         self._event("weights in")
         return out
 
+    def rows_in(self, rows: list) -> list:
+        """The first stage's output rows, computed on the host device (the host lookup,
+        engine/lookup.py), put on the compute device: they cross instead of its weights. On an
+        accelerator a hop between clients made on the dispatching thread, at the step's start,
+        where the device has nothing queued that these rows would not be waited for by."""
+        target = jax.sharding.SingleDeviceSharding(self.placement.local_devices[0])
+        out = [across_clients(x, target) for x in rows]
+        self.counters.bytes_h2d += nbytes(rows)
+        self._event("rows in")
+        return out
+
+    def batch_to_host(self, x):
+        """A micro-batch's inputs for the host lookup: to the host device, not across the bus."""
+        return jax.device_put(x, self.host)
+
     def batch_in(self, tree):
         """This process's rows of a micro-batch on the compute devices."""
         out = self.placement.put_batch(tree)

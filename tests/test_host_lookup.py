@@ -1,0 +1,87 @@
+"""The host lookup (engine/lookup.py): an untied embedding's rows are gathered on the host and
+cross to the device, its table never does; the rows' gradient comes back and the host
+scatter-adds it into the table's dense gradient. Training equals the device path bit for bit."""
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_streaming import batch, engine_for
+
+from megatrain_jax.model import ModelConfig
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                  num_kv_heads=2)
+
+
+def run(engine, steps=3, num_micro=2):
+    out = []
+    for k in range(steps):
+        r = engine.train_step(*batch(CFG, num_micro=num_micro, seed=k))
+        out += [float(r["loss"]), float(r["grad_norm"])]
+    ev = engine.evaluate(*batch(CFG, num_micro=num_micro, seed=9))
+    return out + [float(ev["loss"])], jax.tree.map(np.asarray, engine.state())
+
+
+@pytest.mark.parametrize("compute_dtype", [jnp.float32, jnp.bfloat16])
+def test_host_lookup_trains_exactly_as_the_device_path(compute_dtype):
+    """Losses, gradient norms (clipped: max_grad_norm=1), an evaluation and the whole state
+    (master weights, Adam moments) after 3 steps of 2 micro-batches, bit for bit."""
+    results = {}
+    for on in (True, False):
+        engine = engine_for(CFG, compute_dtype=compute_dtype, host_lookup=on)
+        results[on] = run(engine)
+        assert engine.host_lookup == on
+        engine.close()
+    assert results[True][0] == results[False][0]
+    for x, y in zip(jax.tree.leaves(results[True][1]), jax.tree.leaves(results[False][1]),
+                    strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_the_embedding_table_never_crosses():
+    """Per step, the bytes into the device drop by the table's twice (the embedding and its
+    backward no longer fetch it) less the rows that cross instead, and the bytes out by the
+    table's gradient less the rows' gradient."""
+    num_micro, rows, seq = 2, 2, 16  # test_streaming.batch's micro-batch: 2 rows of 16
+    per_step = {}
+    for on in (True, False):
+        engine = engine_for(CFG, compute_dtype=jnp.bfloat16, host_lookup=on)
+        engine.train_step(*batch(CFG, num_micro=num_micro))
+        engine.wait()
+        h2d, d2h = engine.counters.bytes_h2d, engine.counters.bytes_d2h
+        float(engine.train_step(*batch(CFG, num_micro=num_micro, seed=1))["loss"])
+        engine.wait()
+        per_step[on] = (engine.counters.bytes_h2d - h2d, engine.counters.bytes_d2h - d2h)
+        engine.close()
+    table = CFG.vocab_size * CFG.hidden_size
+    row_elements = num_micro * rows * seq * CFG.hidden_size
+    assert per_step[False][0] - per_step[True][0] == 2 * table * 2 - row_elements * 2  # bf16
+    assert per_step[False][1] - per_step[True][1] == table * 4 - row_elements * 2  # fp32 out
+
+
+def test_tied_embeddings_keep_the_device_path_and_the_log_says_why(caplog):
+    engine = engine_for(dataclasses.replace(CFG, tie_embeddings=True), host_lookup=True)
+    with caplog.at_level(logging.INFO, logger="megatrain_jax.engine.streamed"):
+        float(engine.train_step(*batch(CFG))["loss"])
+    engine.close()
+    assert not engine.host_lookup
+    assert "host lookup off: the first and last stages share a variable" in caplog.text
+
+
+def test_by_default_only_where_it_moves_fewer_bytes(caplog):
+    """host_lookup=None: a step of 2 x 2 x 16 tokens against a 64-row table uses the lookup; a
+    step of 8 x 4 x 16 tokens, whose rows outweigh the table twice over, fetches the table."""
+    for num_micro, rows, expected in ((2, 2, True), (8, 4, False)):
+        engine = engine_for(CFG, compute_dtype=jnp.bfloat16)
+        toks = np.random.default_rng(0).integers(0, CFG.vocab_size, (num_micro, rows, 17),
+                                                 np.int32)
+        with caplog.at_level(logging.INFO, logger="megatrain_jax.engine.streamed"):
+            float(engine.train_step(toks[..., :-1], toks[..., 1:])["loss"])
+        engine.close()
+        assert engine.host_lookup == expected
+    assert "host lookup off: its rows and their gradient (65,536 bytes a step) outweigh" in (
+        caplog.text)
