@@ -22,6 +22,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from megatrain_jax.engine.parallel import Placement, sum_squares, zeros_like_acc
@@ -68,8 +69,9 @@ def used_inputs(fn, leaves) -> tuple:
 def stage_parts(stages_def, stages_params, inputs, targets) -> StageParts:
     """Traces first and last abstractly on example shapes to see which leaves each reads.
     `inputs` and `targets` are arrays or jax.ShapeDtypeStruct (then zeros of that shape stand in:
-    token ids, small next to the weights)."""
-    example = lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x
+    token ids, small next to the weights; numpy's, so that int64 ids become jax's int32 as the
+    arrays themselves would, without a warning)."""
+    example = lambda x: np.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x
     inputs, targets = example(inputs), jax.tree.map(example, targets)
     leaves, treedef = jax.tree.flatten(stages_params)
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
