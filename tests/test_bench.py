@@ -51,7 +51,9 @@ def test_bench_one_step_table_and_json(tmp_path):
                 "host_update_s_per_step", "rss_gb", "resident_compute_s_per_step"):
         assert positive(s[key]), key
     assert s["device_busy"] is None and "CPU" in s["device_busy_method"]
-    assert 0 <= s["host_exposed_s_per_step"] <= s["host_update_s_per_step"]
+    # The exposed wait is step time (the main thread's): it may exceed the update's own time by
+    # the host thread's hand-offs (stream.Counters), never the step's.
+    assert 0 <= s["host_exposed_s_per_step"] <= s["step_s"]
     assert math.isclose(s["tokens_per_s"], r["tokens_per_step"] / s["step_s"])
     # Every block weight crosses the bus twice per step (forward, backward), fp32 in tiny.yaml.
     model = r["config"]["model"]

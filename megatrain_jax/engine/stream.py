@@ -21,7 +21,9 @@ class Counters:
     """Running totals, for benchmarks and tests: bytes each way, seconds the host thread spent
     on updates (from taking a unit's update until its new bus copy is ready, so including any wait
     for that unit's gradient and the global norm to be computed), and seconds the step (main
-    thread) waited for updates, i.e. the exposed part."""
+    thread) waited for updates, i.e. the exposed part. The wait also holds each hand-off from
+    the host thread (the future's wake-up, taking the GIL back: up to its 5 ms switch interval),
+    so with units of a few milliseconds it can exceed the update time itself."""
     bytes_h2d: int = 0
     bytes_d2h: int = 0
     host_update_s: float = 0.0
