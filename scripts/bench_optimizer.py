@@ -218,7 +218,8 @@ def main():
     names = {"update": "engine host update", "torch_fused": "torch AdamW fused",
              "torch_foreach": "torch AdamW foreach", "copy": "numpy copy"}
     path = "optax" if args.optax else "fused, " + ("kernel" if r["native_kernel"] else "JAX")
-    print(f"model: {n / 1e6:.1f}M params, {r['units'] - 1} layers of {r['layer_params'] / 1e6:.1f}M | "
+    print(f"model: {n / 1e6:.1f}M params, {r['units'] - 2} layers of {r['layer_params'] / 1e6:.1f}M "
+          f"and the 2 stage units | "
           f"AdamW ({path}), bf16 bus copy, "
           f"{args.grad_dtype} gradients, clipping {'on' if args.clip else 'off'}, "
           f"{'accelerator path (staging + pinned copy)' if args.accelerator_path else 'bus in place'}"

@@ -157,8 +157,9 @@ class StreamedEngine:
         # where the plan counts them: bus copies in the compute device's pinned host memory
         self.transfers.check(self.host.units[1].bus, self.host.bus_sharding.memory_kind)
         self.parts = self.functions = None  # built at the first step, from its shapes
-        # asked for (None: where it saves bytes); decided at the first step (_choose_lookup)
-        self._host_lookup, self.host_lookup, self._lookup_chosen = host_lookup, False, False
+        # asked for (None: where it saves bytes); decided at the first step (_choose_lookup):
+        # None until then
+        self._host_lookup, self.host_lookup = host_lookup, None
         self.unit_sq = None
         self._broken = None
         self.aux_loss = aux_loss
@@ -177,8 +178,8 @@ class StreamedEngine:
 
     def _choose_lookup(self, micro_batch, num_micro: int):
         """Whether the first stage runs on the host (engine/lookup.py), for the whole run."""
-        self._lookup_chosen = True
         if self._host_lookup is False:
+            self.host_lookup = False
             return
         why = lookup.serves(self, self.parts)
         if not why and self._host_lookup is None:
@@ -199,7 +200,9 @@ class StreamedEngine:
         equals one step on the concatenated batch. When `last` returns (loss_sum, weight, stats),
         `stats` holds their sum over the micro-batches. Returns `loss` and `grad_norm` (the global norm
         before clipping) as scalars still being computed; reading them is the caller's only sync
-        point. With an `aux_loss`, `loss` includes it and `aux_loss` holds it alone. When
+        point, except with the host lookup (engine/lookup.py), where the step returns once the
+        host thread has made the global norm (the next step's first stage would wait for that
+        unit's update all the same). With an `aux_loss`, `loss` includes it and `aux_loss` holds it alone. When
         `grad_norm` is not finite the step leaves params and optimizer state unchanged
         (`nonfinite_units()` then says where). If the step raises, the state is as before it.
         """
@@ -237,7 +240,7 @@ class StreamedEngine:
         self.host.on_update = self.on_event and self._update_event
         shape = lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype)  # of a micro-batch
         self.device_functions(shape(inputs), jax.tree.map(shape, targets))
-        if not self._lookup_chosen:
+        if self.host_lookup is None:
             self._choose_lookup(shape(inputs), len(inputs))
         inputs, targets, contexts = self._put_batch(inputs, targets, context)
         try:
