@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from megatrain_jax.config import Config
-from megatrain_jax.engine import stage_units
+from megatrain_jax.engine import lookup, stage_units
 from megatrain_jax.engine.functions import stage_parts
 from megatrain_jax.machines import Machine
 from megatrain_jax.model import Execution, ModelConfig, make_block, make_stages
@@ -79,6 +79,9 @@ class Counts:
     # distributed.shard_optimizer over P processes: each holds ~1/P of every unit's rows (master,
     # optax state, bus copy, gradient, staging; the zero padding rows are not counted)
     host_shards: int = 1
+    # why the host lookup cannot serve the run whatever its shapes (engine/lookup.py's serves():
+    # tied embeddings, data parallel; '' when it can)
+    lookup_serves: str = ""
 
 
 @functools.lru_cache(maxsize=8)
@@ -124,7 +127,18 @@ def counts(cfg: Config, execution: Execution, machine: Machine) -> Counts:
         accelerator=not machine.compute_on_host,
         stages_state=4 * size(stages) + optimizer_bytes(stages),
         layer_state=4 * size(block) + optimizer_bytes(block),
-        host_shards=cfg.distributed.num_processes if cfg.distributed.shard_optimizer else 1)
+        host_shards=cfg.distributed.num_processes if cfg.distributed.shard_optimizer else 1,
+        lookup_serves=lookup.serves(
+            cfg.distributed.local_devices > 1 or cfg.distributed.num_processes > 1, parts,
+            stage_units.indices(stage_units.split(stages)[0])))
+
+
+def host_lookup(c: Counts, tokens: int) -> bool:
+    """Whether the engine runs the first stage on the host (engine/lookup.py) for micro-batches
+    of `tokens` tokens: the engine's own rule (lookup.why_off) on the config's shapes, with
+    host_lookup as recipes.build_engine leaves it (None: where it moves fewer bytes a step)."""
+    rows = c.micro_batches * tokens * c.hidden * c.compute  # every micro-batch's, one way
+    return not lookup.why_off(None, c.lookup_serves, rows, c.first, c.compute, c.grad)
 
 
 def tokens_to_hide(model: ModelConfig, counts: Counts, seq: int, machine: Machine,
