@@ -82,6 +82,7 @@ class Counts:
     # why the host lookup cannot serve the run whatever its shapes (engine/lookup.py's serves():
     # tied embeddings, data parallel; '' when it can)
     lookup_serves: str = ""
+    lookup_setting: bool | None = None  # train.host_lookup as the engine takes it (None: auto)
 
 
 @functools.lru_cache(maxsize=8)
@@ -105,7 +106,7 @@ def _idle_expert_params(model: ModelConfig) -> int:
 
 def counts(cfg: Config, execution: Execution, machine: Machine) -> Counts:
     """The Counts of `cfg` run with `execution` on `machine`."""
-    from megatrain_jax.recipes import build_optimizer  # the run's own optimizer
+    from megatrain_jax.recipes import build_optimizer, host_lookup_setting  # the run's own
 
     _, stages, _, block, parts = abstract_units(cfg.model, execution)
     size = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
@@ -130,15 +131,17 @@ def counts(cfg: Config, execution: Execution, machine: Machine) -> Counts:
         host_shards=cfg.distributed.num_processes if cfg.distributed.shard_optimizer else 1,
         lookup_serves=lookup.serves(
             cfg.distributed.local_devices > 1 or cfg.distributed.num_processes > 1, parts,
-            stage_units.indices(stage_units.split(stages)[0])))
+            stage_units.indices(stage_units.split(stages)[0])),
+        lookup_setting=host_lookup_setting(cfg))
 
 
 def host_lookup(c: Counts, tokens: int) -> bool:
     """Whether the engine runs the first stage on the host (engine/lookup.py) for micro-batches
-    of `tokens` tokens: the engine's own rule (lookup.why_off) on the config's shapes, with
-    host_lookup as recipes.build_engine leaves it (None: where it moves fewer bytes a step)."""
+    of `tokens` tokens: the engine's own rule (lookup.why_off) on the config's shapes and its
+    train.host_lookup."""
     rows = c.micro_batches * tokens * c.hidden * c.compute  # every micro-batch's, one way
-    return not lookup.why_off(None, c.lookup_serves, rows, c.first, c.compute, c.grad)
+    return not lookup.why_off(c.lookup_setting, c.lookup_serves, rows, c.first, c.compute,
+                              c.grad)
 
 
 def tokens_to_hide(model: ModelConfig, counts: Counts, seq: int, machine: Machine,

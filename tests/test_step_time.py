@@ -139,12 +139,12 @@ def test_the_host_lookups_backward_comes_before_the_first_units_update():
     assert order[:3] == ["first stage's backward", "update unit 0", "update unit 1"]
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_a_configs_shape_moves_the_bytes_the_engine_counts(tied):
+@pytest.mark.parametrize("tied,setting", [(True, "auto"), (False, "auto"), (False, "false")])
+def test_a_configs_shape_moves_the_bytes_the_engine_counts(tied, setting):
     """step_shape's bytes each way per step equal the engine's own counters after a real step
     (bf16 bus copies and gradients; with tied embeddings the two stage parts share a leaf;
-    untied, the engine's default takes the host lookup here, and so does step_shape: the rows,
-    2 x 16 tokens, cross instead of the 257-row table)."""
+    untied, train.host_lookup=auto takes the host lookup here, in the engine and in step_shape:
+    the rows, 2 x 16 tokens, cross instead of the 257-row table; false keeps the table)."""
     import numpy as np
     from megatrain_jax.config import load_config
     from megatrain_jax.step_time import step_shape
@@ -152,13 +152,13 @@ def test_a_configs_shape_moves_the_bytes_the_engine_counts(tied):
     cfg = load_config("configs/tiny.yaml", [
         "model.num_layers=2", "data.seq_len=16", "data.batch_size=1", "data.micro_batches=2",
         "train.compute_dtype=bfloat16", "train.grad_dtype=bfloat16",
-        f"model.tie_embeddings={str(tied).lower()}"])
+        f"model.tie_embeddings={str(tied).lower()}", f"train.host_lookup={setting}"])
     engine = build_engine(cfg)
     tokens = np.ones((2, 1, 16), np.int32)
     engine.train_step(tokens, tokens)
     engine.wait()
     s = step_shape(cfg, offload=False)
-    assert engine.host_lookup == s.host_lookup == (not tied)
+    assert engine.host_lookup == s.host_lookup == (not tied and setting == "auto")
     assert (engine.counters.bytes_h2d, engine.counters.bytes_d2h) == (s.h2d_bytes, s.d2h_bytes)
     engine.close()
 
