@@ -223,7 +223,9 @@ def _step_time(cfg, machine, args) -> dict:
           f"{shape.layers} layers, prefetch {shape.prefetch}, activations "
           f"{'offloaded' if offload else 'kept on the device'}"
           + ("" if offload or cfg.train.offload_activations is False else
-             " (train.offload_activations=auto taken as off, as scripts/bench.py runs it)"))
+             " (train.offload_activations=auto taken as off, as scripts/bench.py runs it)")
+          + ("; the first stage on the host (the host lookup: its rows cross, not its weights)"
+             if shape.host_lookup else ""))
     print(prediction.report(peak))
     for key, source in sources.items():
         print(f"  {key:<17} {source}")

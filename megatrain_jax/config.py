@@ -186,6 +186,10 @@ class TrainConfig:
     # Each layer's saved input goes to host memory between forward and backward: true, false, or
     # auto (on when the plan says the device would not hold them).
     offload_activations: typing.Union[bool, str] = "auto"
+    # An untied embedding looked up on the host (engine/lookup.py: its rows cross, not its table):
+    # true (wherever it serves: one compute device, untied), false, or auto (where it also moves
+    # fewer bytes a step). The plan and the step-time model follow the same rule.
+    host_lookup: typing.Union[bool, str] = "auto"
     attention: str = "auto"  # auto (cudnn on a GPU where it can, else blockwise), cudnn, blockwise, xla
     attention_block: int = 512  # blockwise attention's block of queries and keys
     tile_size: int = 8192  # tokens per tile of the block over the sequence (its backward holds one
@@ -217,6 +221,9 @@ class TrainConfig:
         if self.offload_activations not in (True, False, "auto"):
             raise ConfigError(f"train.offload_activations must be true, false or auto, "
                               f"got {self.offload_activations!r}")
+        if self.host_lookup not in (True, False, "auto"):
+            raise ConfigError(f"train.host_lookup must be true, false or auto, "
+                              f"got {self.host_lookup!r}")
         if self.attention not in IMPLEMENTATIONS:
             raise ConfigError(f"train.attention must be one of {', '.join(IMPLEMENTATIONS)}, "
                               f"got {self.attention!r}")

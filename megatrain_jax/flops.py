@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from megatrain_jax.config import Config
-from megatrain_jax.engine import stage_units
+from megatrain_jax.engine import lookup, stage_units
 from megatrain_jax.engine.functions import stage_parts
 from megatrain_jax.machines import Machine
 from megatrain_jax.model import Execution, ModelConfig, make_block, make_stages
@@ -79,6 +79,10 @@ class Counts:
     # distributed.shard_optimizer over P processes: each holds ~1/P of every unit's rows (master,
     # optax state, bus copy, gradient, staging; the zero padding rows are not counted)
     host_shards: int = 1
+    # why the host lookup cannot serve the run whatever its shapes (engine/lookup.py's serves():
+    # tied embeddings, data parallel; '' when it can)
+    lookup_serves: str = ""
+    lookup_setting: bool | None = None  # train.host_lookup as the engine takes it (None: auto)
 
 
 @functools.lru_cache(maxsize=8)
@@ -102,7 +106,7 @@ def _idle_expert_params(model: ModelConfig) -> int:
 
 def counts(cfg: Config, execution: Execution, machine: Machine) -> Counts:
     """The Counts of `cfg` run with `execution` on `machine`."""
-    from megatrain_jax.recipes import build_optimizer  # the run's own optimizer
+    from megatrain_jax.recipes import build_optimizer, host_lookup_setting  # the run's own
 
     _, stages, _, block, parts = abstract_units(cfg.model, execution)
     size = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
@@ -124,7 +128,20 @@ def counts(cfg: Config, execution: Execution, machine: Machine) -> Counts:
         accelerator=not machine.compute_on_host,
         stages_state=4 * size(stages) + optimizer_bytes(stages),
         layer_state=4 * size(block) + optimizer_bytes(block),
-        host_shards=cfg.distributed.num_processes if cfg.distributed.shard_optimizer else 1)
+        host_shards=cfg.distributed.num_processes if cfg.distributed.shard_optimizer else 1,
+        lookup_serves=lookup.serves(
+            cfg.distributed.local_devices > 1 or cfg.distributed.num_processes > 1, parts,
+            stage_units.indices(stage_units.split(stages)[0])),
+        lookup_setting=host_lookup_setting(cfg))
+
+
+def host_lookup(c: Counts, tokens: int) -> bool:
+    """Whether the engine runs the first stage on the host (engine/lookup.py) for micro-batches
+    of `tokens` tokens: the engine's own rule (lookup.why_off) on the config's shapes and its
+    train.host_lookup."""
+    rows = c.micro_batches * tokens * c.hidden * c.compute  # every micro-batch's, one way
+    return not lookup.why_off(c.lookup_setting, c.lookup_serves, rows, c.first, c.compute,
+                              c.grad)
 
 
 def tokens_to_hide(model: ModelConfig, counts: Counts, seq: int, machine: Machine,

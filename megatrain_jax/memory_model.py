@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from megatrain_jax.engine import schedule
 from megatrain_jax.engine.functions import DeviceFunctions
-from megatrain_jax.flops import Counts, abstract_units
+from megatrain_jax.flops import Counts, abstract_units, host_lookup
 from megatrain_jax.machines import GB, Machine
 from megatrain_jax.model import Execution, ModelConfig
 
@@ -87,20 +87,38 @@ def host_bytes(c: Counts, tokens: int, offload: bool) -> dict:
 
     The bus copies and the step's gradients are both counted: on a GPU the bus copies (and
     offloaded activations) live in XLA's pinned host pool, a BFC allocator that keeps what it
-    has grown to. (On a CPU-only run the released bus copies make room for the gradients.)"""
+    has grown to. (On a CPU-only run the released bus copies make room for the gradients.)
+    With the host lookup (flops.host_lookup) unit 0's bus copy is in host memory instead
+    (pinned_bytes), and so not staged."""
     params = c.stages + c.layers * c.layer
     bus_is_master = not c.accelerator and c.compute == 4
     share = lambda n: -(-n // c.host_shards)  # this process's rows of the state
+    lookup = host_lookup(c, tokens)
+    # unit 0's bus copy in host memory is its master weights in fp32 (HostState._is_params)
+    bus = params - (lookup and c.compute == 4) * c.first
+    # every unit's, waiting for the global norm. The device path: the stages' first and last
+    # parts, then their merged sum. The host lookup: the last unit's once, and on the host
+    # thread the rows' gradient, the table's dense fp32 gradient the host scatter-adds it into,
+    # and unit 0's gradient made from that (engine/lookup.py's HostBackward)
+    stage_grads = (c.grad * c.stages + 4 * c.first + activation_bytes(c, tokens) if lookup
+                   else c.grad * (c.first + c.last + c.stages))
     return {
         "master": share(4 * params),
         "optimizer": share(c.optimizer),
-        "bus": 0 if bus_is_master else share(c.compute * params),
-        # every unit's, waiting for the global norm; the stages' first and last parts, then
-        # their merged sum
-        "gradients": share(c.grad * (c.layers * c.layer + c.first + c.last + c.stages)),
-        "staging": share(c.compute * (c.stages + c.layer)) if c.accelerator else 0,
+        "bus": 0 if bus_is_master else share(c.compute * bus),
+        "gradients": share(c.grad * c.layers * c.layer + stage_grads),
+        "staging": (share(c.compute * (c.stages - lookup * c.first + c.layer))
+                    if c.accelerator else 0),
         "activations": c.layers * activation_bytes(c, tokens) if offload else 0,
     }
+
+
+def pinned_bytes(c: Counts, tokens: int, host: dict) -> int:
+    """The bytes of `host` (host_bytes' result) in the compute device's pinned host memory: the
+    bus copies but unit 0's with the host lookup (this process's rows), offloaded
+    activations."""
+    params = c.stages + c.layers * c.layer - host_lookup(c, tokens) * c.first
+    return -(-c.compute * params // c.host_shards) + host["activations"]
 
 
 def host_bytes_on_disk(c: Counts, tokens: int, offload: bool, read_ahead: int) -> dict:
@@ -125,18 +143,24 @@ def activation_bytes(c: Counts, tokens: int) -> int:
 def device_bytes(c: Counts, tokens: int, offload: bool, workspace: dict) -> dict:
     """Phase -> kind -> bytes on the compute device at the phase's peak, `tokens` per
     micro-batch: the arrays the step holds right after its largest call in the phase, plus that
-    call's compiled temp bytes (workspace)."""
+    call's compiled temp bytes (workspace). With the host lookup (flops.host_lookup) the inputs
+    stay on the host, the embed phases run no device function and fetch no weights (the rows
+    cross, their gradient goes out), and the head's gradient goes out at the loss."""
     L, p, act = c.layers, c.prefetch, activation_bytes(c, tokens)
     weights = lambda params: params * c.compute if c.accelerator else 0  # no copy
-    inputs = c.micro_batches * tokens * 4 * (4 if c.context else 2)  # int32
+    lookup = host_lookup(c, tokens)
+    # int32 token ids: inputs (on the host with the lookup), targets, document masks' context
+    inputs = c.micro_batches * tokens * 4 * ((4 if c.context else 2) - lookup)
 
     def moment(phase=None, **kinds):
         kinds = {"inputs": inputs, **kinds, "workspace": workspace[phase] if phase else 0}
         return {k: int(kinds.get(k, 0)) for k in DEVICE_KINDS}
 
     # The head's fp32 gradient stays on the device from the loss until the stages' gradient
-    # is merged after the embedding's backward. Layers resident: engine/schedule.py's.
-    head = 4 * c.last
+    # is merged after the embedding's backward (the host lookup: it goes out at the loss, after
+    # its leaves are made in train.grad_dtype with the head's input freed).
+    # Layers resident: engine/schedule.py's.
+    head = 0 if lookup else 4 * c.last
     out = 4 * c.layer + (c.layer * c.grad if c.grad != 4 else 0)  # a layer's
     forward, backward = [], []
     resident, overlapped = schedule.resident(L, p), schedule.overlapped(L, p)
@@ -153,14 +177,20 @@ def device_bytes(c: Counts, tokens: int, offload: bool, workspace: dict) -> dict
                                gradients=4 * c.layer + overlapped[pos] * out + head,
                                activations=(n if offload else L - pos + overlapped[pos]) * act,
                                cotangents=act))
+    loss = [moment("loss", weights=weights(c.last), gradients=4 * c.last,
+                   activations=(1 if offload else L + 1) * act, cotangents=act)]
+    if lookup:  # its leaves for the host made: the last unit's gradient twice, no head input
+        loss.append(moment(gradients=4 * c.last + c.grad * c.last,
+                           activations=0 if offload else L * act, cotangents=act))
     return {
-        "embed": moment("embed", weights=weights(c.first), activations=act),
+        "embed": (moment(activations=act) if lookup else
+                  moment("embed", weights=weights(c.first), activations=act)),
         "forward": max(forward, key=lambda m: sum(m.values())),
-        "loss": moment("loss", weights=weights(c.last), gradients=4 * c.last,
-                       activations=(1 if offload else L + 1) * act, cotangents=act),
+        "loss": max(loss, key=lambda m: sum(m.values())),
         "backward": max(backward, key=lambda m: sum(m.values())),
-        "embed backward": moment("embed backward", weights=weights(c.first),
-                                 gradients=4 * (c.first + c.last), cotangents=act),
+        "embed backward": (moment(cotangents=act) if lookup else
+                           moment("embed backward", weights=weights(c.first),
+                                  gradients=4 * (c.first + c.last), cotangents=act)),
     }
 
 

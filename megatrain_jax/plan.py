@@ -21,10 +21,12 @@ from typing import Callable
 import numpy as np
 
 from megatrain_jax.config import Config, DiskTier
-from megatrain_jax.flops import ASSUMED_MFU, Counts, counts, flops_per_token, tokens_to_hide
+from megatrain_jax.flops import (ASSUMED_MFU, Counts, counts, flops_per_token, host_lookup,
+                                  tokens_to_hide)
 from megatrain_jax.machines import GB, Machine
 from megatrain_jax.memory_model import (PHASES, compile_device, device_bytes, fits, host_bytes,
-                                        host_bytes_on_disk, peak_bytes, workspace_bytes)
+                                        host_bytes_on_disk, peak_bytes, pinned_bytes,
+                                        workspace_bytes)
 from megatrain_jax.model import Execution
 from megatrain_jax.plan_report import Plan, format_bytes
 
@@ -53,7 +55,11 @@ def plan(cfg: Config, machine: Machine) -> Plan:
     host_by_tier = {"ram": host_bytes(c, B * T, offload),
                     "disk": host_bytes_on_disk(c, B * T, offload, read_ahead)}
     host = host_by_tier[cfg.offload.tier]
-    notes += _pinned_pool_notes(host, machine)
+    notes += _pinned_pool_notes(pinned_bytes(c, B * T, host), machine)
+    if host_lookup(c, B * T):
+        notes.append("the first stage runs on the host (the host lookup, engine/lookup.py: its "
+                     "rows cross, not its weights, and their gradient comes back); unit 0's bus "
+                     "copy stays in host memory")
     disk_bytes = 4 * (c.stages + c.layers * c.layer) + c.optimizer
     return Plan(host=host, device=device_bytes(c, B * T, offload, workspace),
                 offload_activations=offload, offload_reason=offload_reason,
@@ -116,9 +122,9 @@ def _offload(cfg: Config, c: Counts, workspace: dict, machine: Machine) -> tuple
     return offload, reason, options
 
 
-def _pinned_pool_notes(host: dict, machine: Machine) -> list:
-    """A note where the bus copies and offloaded activations outgrow XLA's pinned host pool."""
-    pinned = host["bus"] + host["activations"]
+def _pinned_pool_notes(pinned: int, machine: Machine) -> list:
+    """A note where the bus copies and offloaded activations (`pinned` bytes) outgrow XLA's
+    pinned host pool."""
     if machine.platform != "gpu" or pinned <= PINNED_POOL_DEFAULT_GIB * 2**30:
         return []
     return [f"the bus copies and offloaded activations take {format_bytes(pinned)} of "

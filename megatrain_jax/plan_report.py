@@ -8,7 +8,7 @@ from typing import Callable
 
 import numpy as np
 
-from megatrain_jax.flops import ASSUMED_MFU, Counts
+from megatrain_jax.flops import ASSUMED_MFU, Counts, host_lookup
 from megatrain_jax.machines import GB, Machine
 from megatrain_jax.memory_model import DEVICE_KINDS, PHASES, fits
 from megatrain_jax.model import Execution
@@ -82,6 +82,13 @@ class Plan:
     @property
     def tokens_per_step(self) -> int:
         return int(np.prod(self.micro_batch))
+
+    @property
+    def host_lookup(self) -> bool:
+        """Whether the engine runs the first stage on the host (engine/lookup.py), as the plan
+        counts it."""
+        _, B, T = self.micro_batch
+        return host_lookup(self.counts, B * T)
 
     @property
     def host_total(self) -> int:
@@ -204,7 +211,7 @@ class Plan:
         """Plain data, for JSON."""
         names = ("host", "host_total", "device", "device_peak", "peak_phase", "fits",
                  "offload_activations", "offload_reason", "attention", "attention_reason",
-                 "workspace", "largest_batch", "largest_seq_len", "tokens_per_step",
+                 "workspace", "largest_batch", "largest_seq_len", "tokens_per_step", "host_lookup",
                  "tokens_to_hide_transfers", "tier", "host_by_tier", "disk_bytes",
                  "disk_gbps_to_hide", "workspace_cpu_compiled")
         return {"machine": dataclasses.asdict(self.machine), "micro_batch": list(self.micro_batch),

@@ -113,6 +113,7 @@ def build_engine(cfg: Config, *, offload_activations: bool | None = None,
             last = dpo.PreferenceHead(last, beta=cfg.dpo.beta, loss=cfg.dpo.loss)
     if cfg.distributed.shard_optimizer:  # a no-op on one device
         engine_kwargs.setdefault("shard_host_state", True)
+    engine_kwargs.setdefault("host_lookup", host_lookup_setting(cfg))
     if cfg.offload.tier == "disk" and "disk_tier" not in engine_kwargs:
         engine_kwargs["disk_tier"] = disk_tier_options(cfg)
     try:
@@ -125,6 +126,11 @@ def build_engine(cfg: Config, *, offload_activations: bool | None = None,
             aux_loss=moe.aux_loss(model), **engine_kwargs)
     except ValueError as e:  # e.g. offload asked on a device without host memory kinds
         raise ConfigError(str(e)) from None
+
+
+def host_lookup_setting(cfg: Config):
+    """train.host_lookup as the engine's host_lookup: True, False, or None (auto)."""
+    return None if cfg.train.host_lookup == "auto" else cfg.train.host_lookup
 
 
 def disk_tier_options(cfg: Config) -> DiskTierOptions:

@@ -26,6 +26,12 @@ given work:
                the compute device's pinned memory to the CPU client. The next step's fetch of a
                unit waits for that unit's update.
 
+With the host lookup (engine/lookup.py, where flops.host_lookup says the engine takes it) the
+first stage's rows cross instead of its weights (after unit 0's update), the last stage's gradient
+goes out at the loss, the rows' gradient after the backward, and the host thread takes the first
+stage's backward (its bytes at the host update's rate) before unit 0's update; the step returns
+once that has made the global norm.
+
 Several steps are simulated and the last one's period is the prediction (the steady state: the
 updates of one step overlap the next one's forward). "What bounds the step" is the critical path
 of that period: the chain of operations, each started by the one before it, that ends the step,
@@ -103,18 +109,32 @@ class StepShape:
     # no non-finite check: not the engine's; a what-if for hiding the update)
     head_update_bytes: int = 0  # the part of stages_update_bytes that is the last stage's own
     # unit (final norm, untied head), updated last; the rest is the first stage's, updated first
+    # The host lookup (engine/lookup.py; flops.host_lookup decides as the engine does): the
+    # first stage runs on the host, its weights never cross; its rows (all micro-batches, the
+    # compute dtype) cross in, their gradient (as many bytes) out, and stages_grad_bytes is the
+    # last unit's gradient alone, sent at the loss. 0: the device path.
+    rows_bytes: int = 0
+    host_backward_bytes: int = 0  # the host thread's first-stage backward before unit 0's
+    # update (HostBackward): bytes touched, at the host update's rate
+
+    @property
+    def host_lookup(self) -> bool:
+        return self.rows_bytes > 0
 
     @property
     def h2d_bytes(self) -> int:
-        """Bytes into the device per step: each layer twice, the embedding twice, the head once,
-        offloaded activations back for the backward."""
-        return (2 * self.layers * self.layer_bytes + 2 * self.first_bytes + self.last_bytes
+        """Bytes into the device per step: each layer twice, the embedding twice (or its rows
+        once: the host lookup), the head once, offloaded activations back for the backward."""
+        first = self.rows_bytes if self.host_lookup else 2 * self.first_bytes
+        return (2 * self.layers * self.layer_bytes + first + self.last_bytes
                 + self.layers * self.act_bytes)
 
     @property
     def d2h_bytes(self) -> int:
-        """Bytes out of the device per step: every unit's gradient, offloaded activations."""
-        return self.layers * (self.layer_grad_bytes + self.act_bytes) + self.stages_grad_bytes
+        """Bytes out of the device per step: every unit's gradient (the host lookup: the rows'
+        gradient instead of the first stage's), offloaded activations."""
+        return (self.layers * (self.layer_grad_bytes + self.act_bytes) + self.stages_grad_bytes
+                + self.rows_bytes)
 
 
 @dataclasses.dataclass
@@ -233,8 +253,10 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
     def fetch(u, nbytes):  # HostState.bus waits for the unit's update, then the put
         return t.h2d(f"fetch unit {u}", nbytes, after=[updates[u]] if updates[u] else [])
 
-    # embed
-    w = fetch(0, s.first_bytes)
+    # embed: the first stage's weights fetched, or (the host lookup) its rows gathered on the
+    # host from unit 0's bus copy, once its update has finished, and put on the device
+    w = (t.h2d("rows in", s.rows_bytes, after=[updates[0]] if updates[0] else [])
+         if s.host_lookup else fetch(0, s.first_bytes))
     for _ in range(M):
         t.compute("embed", 0, [w])
 
@@ -249,12 +271,15 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
 
     # loss: the head's gradient stays on the device until the embedding's backward
     w = fetch(s.layers + 1, s.last_bytes)
-    for _ in range(M):
-        t.compute("loss head", s.head_flops, [w])
+    heads = [t.compute("loss head", s.head_flops, [w]) for _ in range(M)]
+    grads = {}
+    if s.host_lookup:  # nothing to merge it with: the last unit's gradient goes out now
+        last_sq = t.compute("last stage's squares", 0, [heads[-1]])
+        grads[s.layers + 1] = t.d2h("last stage's gradient", s.stages_grad_bytes, [last_sq])
 
     # backward: each layer retires on its sum of squares; its gradient's copy out overlaps the
     # next layer
-    grads, squares = {}, []
+    squares = []
 
     def fetch_back(i):
         w = fetch(1 + i, s.layer_bytes)
@@ -273,13 +298,21 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
 
     _stream(t, reversed(range(s.layers)), fetch_back, backward, s.prefetch)
 
-    # embed backward; the stages' gradient merged and its sum of squares, the global norm, on the
-    # device; the stages' gradient and the norm go out
-    w = fetch(0, s.first_bytes)
-    embed_bwd = [t.compute("embed backward", 0, [w]) for _ in range(M)]
-    merged = t.compute("stages' gradient", 0, [embed_bwd[-1]])
-    norm = t.d2h("global norm", 0, [t.compute("global norm", 0, [merged, *squares])])
-    grads[0] = grads[s.layers + 1] = t.d2h("stages' gradient", s.stages_grad_bytes, [merged])
+    if s.host_lookup:  # the rows' gradient and the device's scalars out; the first stage's
+        # backward and the global norm on the host thread, before unit 0's update; the step
+        # returns once the norm is made
+        rows_grad = t.d2h("rows' gradient", s.rows_bytes, [t.last["device"]])
+        scalars = t.d2h("squares", 0, [t.compute("squares total", 0, squares)])
+        norm = grads[0] = t.update("first stage's backward", s.host_backward_bytes,
+                                   [rows_grad, scalars])
+    else:  # the embed backward; the stages' gradient merged and its sum of squares, the global
+        # norm, on the device; the stages' gradient and the norm go out
+        w = fetch(0, s.first_bytes)
+        embed_bwd = [t.compute("embed backward", 0, [w]) for _ in range(M)]
+        merged = t.compute("stages' gradient", 0, [embed_bwd[-1]])
+        norm = t.d2h("global norm", 0, [t.compute("global norm", 0, [merged, *squares])])
+        grads[0] = grads[s.layers + 1] = t.d2h("stages' gradient", s.stages_grad_bytes,
+                                               [merged])
     loss = t.compute("loss total", 0)
 
     # update, on the host thread, in the order the next forward needs them: the first stage's
@@ -288,6 +321,8 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
     for u in range(s.layers + 2) if s.updates_wait_for_norm else [0, s.layers + 1]:
         after = [grads[u], norm] if s.updates_wait_for_norm else [grads[u]]
         updates[u] = t.update(f"update unit {u}", nbytes.get(u, s.layer_update_bytes), after)
+    if s.host_lookup:
+        t.call("wait for the norm", after=[norm])
     return t.call("read loss", after=[loss])  # the bench's float(loss): the step's sync point
 
 
@@ -318,7 +353,7 @@ def simulate(shape: StepShape, rates: Rates, steps: int = 4) -> Prediction:
 def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True) -> StepShape:
     """The shape of one step of `cfg` on an accelerator (`offload`: activations offloaded)."""
     # lazy: jax and the model (`megatrain --help` stays quick)
-    from megatrain_jax.flops import attention_flops, counts, flops_per_token
+    from megatrain_jax.flops import attention_flops, counts, flops_per_token, host_lookup
     from megatrain_jax.machines import MACHINES
     from megatrain_jax.recipes import execution_for  # the model
     execution, _ = execution_for(cfg, "gpu")
@@ -333,19 +368,30 @@ def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True) -> StepSh
     # params read and written, optax state read and written, the gradient's hop to the CPU
     # client (read, written) and its read by the update, the bus copy written
     touched = lambda n: n * (8 + 2 * opt_per_param + 3 * c.grad + c.compute)
+    lookup = host_lookup(c, tokens)
+    rows = M * tokens * c.hidden * c.compute if lookup else 0
+    # the host lookup's first stage backward (HostBackward): the table's fp32 gradient zeroed,
+    # read and written once per micro-batch by the scatter-add (which reads the rows' gradient),
+    # read into unit 0's gradient (written in train.grad_dtype) and its sum of squares (read);
+    # unit 0's gradient is then made on the host: no hop between clients in its update
+    host_backward = rows + c.first * (4 + 8 * M + 4 + 2 * c.grad) if lookup else 0
+    first_update = touched(c.first) - (2 * c.grad * c.first if lookup else 0)
+    last_unit = c.stages - c.first
     return StepShape(
         layers=c.layers, micro_batches=M, prefetch=c.prefetch, tokens_per_step=M * tokens,
         first_bytes=c.first * c.compute, last_bytes=c.last * c.compute,
-        layer_bytes=c.layer * c.compute, stages_grad_bytes=c.stages * c.grad,
+        layer_bytes=c.layer * c.compute,
+        stages_grad_bytes=(last_unit if lookup else c.stages) * c.grad,
         layer_grad_bytes=c.layer * c.grad,
         act_bytes=M * tokens * c.hidden * c.compute if offload else 0,
         layer_fwd_flops=tokens * (2 * c.layer + attention),
         layer_bwd_flops=tokens * (6 * c.layer + 3.5 * attention),
         head_flops=tokens * 6 * head,
-        stages_update_bytes=int(touched(c.stages)), layer_update_bytes=int(touched(c.layer)),
-        head_update_bytes=int(touched(c.stages - c.first)),
+        stages_update_bytes=int(first_update + touched(last_unit)),
+        layer_update_bytes=int(touched(c.layer)), head_update_bytes=int(touched(last_unit)),
         model_flops=float(useful * M * tokens),
-        updates_wait_for_norm=updates_wait_for_norm)
+        updates_wait_for_norm=updates_wait_for_norm, rows_bytes=rows,
+        host_backward_bytes=int(host_backward))
 
 
 def executed_flops(shape: StepShape) -> float:
@@ -420,7 +466,8 @@ def measured_rates(path: str, shape: StepShape = None) -> tuple:
         sources["host_update_gbps"] = f"{f}: update_gb_s ({r.get('threads')} threads)"
     elif bench is not None and bench[1]["streamed"].get("host_update_s_per_step"):
         seconds = bench[1]["streamed"]["host_update_s_per_step"]
-        total = shape.stages_update_bytes + shape.layers * shape.layer_update_bytes
+        total = (shape.stages_update_bytes + shape.layers * shape.layer_update_bytes
+                 + shape.host_backward_bytes)
         values["host_update_gbps"] = total / seconds / GB
         sources["host_update_gbps"] = f"{bench[0]}: host update seconds per step (in the run)"
     return Rates(**values), sources, bench[1] if bench else None

@@ -131,6 +131,13 @@ def test_bad_schedule_values_name_the_key(override, message):
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
+def test_host_lookup_is_true_false_or_auto():
+    assert load_config("configs/tiny.yaml", ["train.host_lookup=false"]).train.host_lookup is False
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny.yaml", ["train.host_lookup=maybe"])
+    assert str(e.value) == "train.host_lookup must be true, false or auto, got 'maybe'"
+
+
 def test_schedule_is_compared_on_resume_and_older_checkpoints_count_defaults():
     cfg = Config()
     assert {"optimizer.schedule", "optimizer.decay_fraction"} <= set(resume_keys(cfg))

@@ -30,9 +30,14 @@ MODEL = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_la
 MACHINE = Machine("two CPU devices", device_memory_gb=1.0, host_memory_gb=1.0, bf16_tflops=1.0,
                   host_device_gbps=10.0, platform="cpu")
 # Every path of the schedule the plan models: activations kept or offloaded, fp32 or bf16
-# gradients for the host, without or with document masks, prefetch 1 or 2.
+# gradients for the host, without or with document masks, prefetch 1 or 2, the first stage on
+# the device or on the host (the host lookup, engine/lookup.py: the engine's default rule takes it
+# where the rows, 2 x 2 x 32 tokens, and their gradient weigh less than the 97-row table's two
+# fetches and its gradient; at 2 x 2 x 64 tokens they weigh more).
 SETUPS = {"resident": dict(offload=False),
-          "offloaded": dict(offload=True, grad_dtype="bfloat16", document_mask=True, prefetch=2)}
+          "offloaded": dict(offload=True, grad_dtype="bfloat16", document_mask=True, prefetch=2),
+          "lookup": dict(offload=False)}
+SEQ = {"resident": 64, "offloaded": 64, "lookup": 32}  # each engine's config (engines())
 
 
 def config(seq, offload=False, grad_dtype="float32", document_mask=False, prefetch=1) -> Config:
@@ -56,11 +61,7 @@ def build_engine(cfg: Config, execution) -> StreamedEngine:
                           compute_dtype=jnp.dtype(cfg.train.compute_dtype),
                           grad_dtype=jnp.dtype(cfg.train.grad_dtype), prefetch=cfg.train.prefetch,
                           compute_device=compute, host_device=host,
-                          offload_activations=cfg.train.offload_activations,
-                          # the device path, which the plan models (the host lookup's holds less:
-                          # its embed phases fetch no weights, the head's gradient goes out at
-                          # the loss)
-                          host_lookup=False)
+                          offload_activations=cfg.train.offload_activations)
 
 
 def device_bytes(device) -> int:
@@ -100,6 +101,15 @@ def measure_step(engine, cfg, workspace=None) -> tuple[dict, dict]:
             samples.append(device_bytes(compute) - baseline + temps.get(phase, 0))
             return out
         setattr(f, name, call)
+    # Where the host lookup runs no device function: the rows put on the device (embed), the
+    # last unit's gradient made for the host (loss), the scalars the host thread reads (embed
+    # backward; the device path's too, after its embed backward). Their temps are not counted.
+    for owner, name in [(engine.transfers, "rows_in"), (f, "leaf_squares"), (f, "total")]:
+        def sampled(*args, fn=getattr(owner, name)):
+            out = fn(*args)
+            samples.append(device_bytes(compute) - baseline)
+            return out
+        setattr(owner, name, sampled)
 
     def on_phase(phase, layer=None):
         peaks[phase] = max(peaks.get(phase, 0), *samples)
@@ -120,6 +130,7 @@ def measure_step(engine, cfg, workspace=None) -> tuple[dict, dict]:
             engine.train_step(inputs, targets, context)
     finally:
         gc.enable()
+        del engine.transfers.rows_in  # the class's again
     return peaks, temps
 
 
@@ -130,7 +141,7 @@ def engines():
 
     def get(setup):
         if setup not in built:
-            cfg = config(64, **SETUPS[setup])
+            cfg = config(SEQ[setup], **SETUPS[setup])
             built[setup] = build_engine(cfg, plan(cfg, MACHINE).execution), cfg
         return built[setup]
 
@@ -139,7 +150,7 @@ def engines():
         engine.close()
 
 
-@pytest.mark.parametrize("setup,seq", [("resident", 64), ("offloaded", 256)])
+@pytest.mark.parametrize("setup,seq", [("resident", 64), ("offloaded", 256), ("lookup", 32)])
 def test_device_plan_matches_the_engine(engines, setup, seq):
     cfg = config(seq, **SETUPS[setup])
     p = plan(cfg, MACHINE)
@@ -147,11 +158,15 @@ def test_device_plan_matches_the_engine(engines, setup, seq):
     engine, _ = engines(setup)
     first = (setup, seq) == ("resident", 64)
     measured, temps = measure_step(engine, cfg, None if first else p.workspace)
+    # The engine took the first stage where the plan's rule said (the first step decides).
+    assert engine.host_lookup == p.host_lookup == (setup == "lookup")
     # The plan compiles the engine's own functions, abstractly (and without LLVM optimisation).
     assert p.workspace == temps
     # Exact but for the step's 4-byte scalars: each micro-batch's loss sum and weight, and from
-    # the backward on each layer's squared gradient norm.
-    scalars = 4 * (2 * cfg.data.micro_batches + cfg.model.num_layers)
+    # the backward on each layer's squared gradient norm; with the host lookup also each of the
+    # last unit's leaves' and the two totals the host thread reads.
+    scalars = 4 * (2 * cfg.data.micro_batches + cfg.model.num_layers
+                   + (len(engine.parts.last) + 2) * engine.host_lookup)
     for phase in PHASES:
         predicted = sum(p.device[phase].values())
         assert 0 <= measured[phase] - predicted <= scalars, (phase, predicted, measured[phase])
@@ -161,13 +176,17 @@ def test_device_plan_matches_the_engine(engines, setup, seq):
 def test_host_plan_matches_the_engine(engines, setup):
     engine, cfg = engines(setup)
     p = plan(cfg, MACHINE)
+    if engine.host_lookup is None:  # decided at its first step: this test run alone
+        measure_step(engine, cfg)
+    assert engine.host_lookup == p.host_lookup
     nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
     host = engine.host  # bus(u): the bus copy, remade if a step released it
-    held = sum(nbytes(u.params) + nbytes(u.opt_state) + nbytes(host.bus(i))
-               for i, u in enumerate(host.units))
+    # each array once (with the host lookup in fp32, unit 0's bus copy is its master weights)
+    held = nbytes({id(x): x for i, u in enumerate(host.units)
+                   for x in jax.tree.leaves((u.params, u.opt_state, host.bus(i)))})
     assert held == p.host["master"] + p.host["optimizer"] + p.host["bus"]
     assert nbytes(host.staging) == p.host["staging"]
-    M, B, T, L, D = 2, 2, 64, MODEL.num_layers, MODEL.hidden_size
+    M, B, T, L, D = 2, 2, SEQ[setup], MODEL.num_layers, MODEL.hidden_size
     assert p.host["activations"] == (L * M * B * T * D * 4 if p.offload_activations else 0)
 
 

@@ -123,10 +123,28 @@ def test_mfu_never_passes_100_percent(config, seq_len, window):
     assert math.isclose(s.model_flops, (6 * matmul + attention) * T, rel_tol=1e-9)
 
 
-@pytest.mark.parametrize("tied", [True])
-def test_a_configs_shape_moves_the_bytes_the_engine_counts(tied):
+def test_the_host_lookups_backward_comes_before_the_first_units_update():
+    """The host lookup (engine/lookup.py): the first stage's backward (0.3 s) runs on the host
+    thread once the rows' gradient is out, before unit 0's update (0.5 s), which the next step's
+    rows wait for; then layer 0's (0.25 s), which its first fetch waits for. All three are
+    exposed after the device's 12 s; the table (1 s each way here) never crosses."""
+    s = shape(layers=4, layer_fwd_flops=1e12, layer_bwd_flops=2e12, first_bytes=int(1e9),
+              stages_update_bytes=int(0.5e9), layer_update_bytes=int(0.25e9), rows_bytes=1000,
+              host_backward_bytes=int(0.3e9))
+    p = simulate(s, UNIT)
+    assert (s.h2d_bytes, s.d2h_bytes) == (1000, 1000)  # the rows in, their gradient out
+    assert math.isclose(p.step_s, 12 + 0.3 + 0.5 + 0.25, rel_tol=1e-6)
+    assert math.isclose(p.critical_s["host update"], 0.3 + 0.5 + 0.25, rel_tol=1e-6)
+    order = [o.label for o in p.ops if o.resource == "host update" and o.step == 3]
+    assert order[:3] == ["first stage's backward", "update unit 0", "update unit 1"]
+
+
+@pytest.mark.parametrize("tied,setting", [(True, "auto"), (False, "auto"), (False, "false")])
+def test_a_configs_shape_moves_the_bytes_the_engine_counts(tied, setting):
     """step_shape's bytes each way per step equal the engine's own counters after a real step
-    (bf16 bus copies and gradients; with tied embeddings the two stage parts share a leaf)."""
+    (bf16 bus copies and gradients; with tied embeddings the two stage parts share a leaf;
+    untied, train.host_lookup=auto takes the host lookup here, in the engine and in step_shape:
+    the rows, 2 x 16 tokens, cross instead of the 257-row table; false keeps the table)."""
     import numpy as np
     from megatrain_jax.config import load_config
     from megatrain_jax.step_time import step_shape
@@ -134,12 +152,13 @@ def test_a_configs_shape_moves_the_bytes_the_engine_counts(tied):
     cfg = load_config("configs/tiny.yaml", [
         "model.num_layers=2", "data.seq_len=16", "data.batch_size=1", "data.micro_batches=2",
         "train.compute_dtype=bfloat16", "train.grad_dtype=bfloat16",
-        f"model.tie_embeddings={str(tied).lower()}"])
+        f"model.tie_embeddings={str(tied).lower()}", f"train.host_lookup={setting}"])
     engine = build_engine(cfg)
     tokens = np.ones((2, 1, 16), np.int32)
     engine.train_step(tokens, tokens)
     engine.wait()
     s = step_shape(cfg, offload=False)
+    assert engine.host_lookup == s.host_lookup == (not tied and setting == "auto")
     assert (engine.counters.bytes_h2d, engine.counters.bytes_d2h) == (s.h2d_bytes, s.d2h_bytes)
     engine.close()
 

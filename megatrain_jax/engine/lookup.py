@@ -13,7 +13,6 @@ row's weight and moments decay, as optax does.
 """
 
 import concurrent.futures
-import math
 
 import jax
 import jax.numpy as jnp
@@ -22,32 +21,41 @@ from megatrain_jax.engine import stage_units, transfer
 from megatrain_jax.engine.functions import norm_and_scale
 
 
-def serves(engine, parts) -> str:
-    """Why the host lookup cannot serve `engine` with stage parts `parts` ('' when it can)."""
-    if engine.placement.data_parallel:
+def serves(data_parallel: bool, parts, unit0) -> str:
+    """Why the host lookup cannot serve a run ('' when it can): `parts` its StageParts, `unit0`
+    the stages leaf indices unit 0 holds."""
+    if data_parallel:
         return "data parallel (each device takes its rows of the batch)"
     if set(parts.first) & set(parts.last):
         return "the first and last stages share a variable (tied embeddings)"
-    if not set(parts.first) <= set(engine.host.stage_leaves(0)):
+    if not set(parts.first) <= set(unit0):
         return "the first stage reads the last stage's variables"
     return ""
 
 
-def costs_more(engine, micro_batch, num_micro: int) -> str:
+def costs_more(rows_bytes: int, table: int, compute_bytes: int, grad_bytes: int) -> str:
     """Why the host lookup would move more bytes a step than the device path ('' when it moves
-    fewer): its rows in and their gradient out (compute dtype) against the first stage's weights
-    fetched twice (compute dtype) and their gradient out (train.grad_dtype). `micro_batch`: one
-    micro-batch's inputs (a jax.ShapeDtypeStruct)."""
-    host, first = engine.host, [engine.host.shapes[0][i] for i in engine.parts.first]
-    weights = [jax.ShapeDtypeStruct(shape, host.compute_dtype) for shape in first]
-    rows = jax.eval_shape(engine.functions.host_embed, weights, micro_batch)
-    rows_bytes = 2 * num_micro * math.prod(rows.shape) * rows.dtype.itemsize
-    table = sum(math.prod(shape) for shape in first)
-    table_bytes = table * (2 * host.compute_dtype.itemsize + host.grad_dtype.itemsize)
+    fewer): its rows in and their gradient out (`rows_bytes` each: every micro-batch's rows, in
+    the compute dtype) against the first stage's weights (`table` parameters) fetched twice in
+    the compute dtype (`compute_bytes` an element) and their gradient out (`grad_bytes`)."""
+    rows_bytes, table_bytes = 2 * rows_bytes, table * (2 * compute_bytes + grad_bytes)
     if rows_bytes < table_bytes:
         return ""
     return (f"its rows and their gradient ({rows_bytes:,} bytes a step) outweigh the first "
             f"stage's weights fetched twice and their gradient ({table_bytes:,})")
+
+
+def why_off(setting, serves_why: str, rows_bytes: int, table: int, compute_bytes: int,
+            grad_bytes: int) -> str:
+    """Why the first stage does not run on the host ('' when it does): the one rule that the
+    engine (StreamedEngine._choose_lookup) and the plan and step-time model (flops.host_lookup)
+    follow. `setting`: host_lookup (False: never; True: wherever it serves; None: where it also
+    moves fewer bytes a step); `serves_why`: serves()'s answer; the rest as costs_more's."""
+    if setting is False:
+        return "host_lookup=False"
+    if serves_why or setting:
+        return serves_why
+    return costs_more(rows_bytes, table, compute_bytes, grad_bytes)
 
 
 def held(host, u: int) -> tuple:

@@ -161,7 +161,7 @@ def run(engine, inputs, targets, contexts) -> dict:
         leaves = stage_units.gradient([], last_grads, (), engine.parts.last,
                                       lookup.held(host, host.last), host.grad_dtype, None)
         last_squares = f.leaf_squares(leaves)
-        last_out, _ = out(stage_units.fill(host.stage_units[host.last][0], leaves))
+        last_out = out(stage_units.fill(host.stage_units[host.last][0], leaves))[0]
         delete(last_grads)  # its fp32 sum; the cast leaves are freed once they are out
         del leaves
     aux_loss, daux = None, None

@@ -2,6 +2,7 @@
 state)."""
 
 import logging
+import math
 from typing import Callable, Optional
 
 import jax
@@ -177,17 +178,21 @@ class StreamedEngine:
         return self.functions
 
     def _choose_lookup(self, micro_batch, num_micro: int):
-        """Whether the first stage runs on the host (engine/lookup.py), for the whole run."""
-        if self._host_lookup is False:
-            self.host_lookup = False
-            return
-        why = lookup.serves(self, self.parts)
-        if not why and self._host_lookup is None:
-            why = lookup.costs_more(self, micro_batch, num_micro)
+        """Whether the first stage runs on the host (engine/lookup.py), for the whole run, from
+        the shapes of its first step (lookup.why_off: the plan's rule too)."""
+        host, first = self.host, self.parts.first
+        weights = [jax.ShapeDtypeStruct(host.shapes[0][i], host.compute_dtype) for i in first]
+        rows = jax.eval_shape(self.functions.host_embed, weights, micro_batch)
+        why = lookup.why_off(
+            self._host_lookup, lookup.serves(self.placement.data_parallel, self.parts,
+                                             host.stage_leaves(0)),
+            rows_bytes=num_micro * rows.size * rows.dtype.itemsize,
+            table=sum(math.prod(host.shapes[0][i]) for i in first),
+            compute_bytes=host.compute_dtype.itemsize, grad_bytes=host.grad_dtype.itemsize)
         self.host_lookup = not why
         if self.host_lookup:
             self.host.keep_bus_on_host(0)
-        else:
+        elif self._host_lookup is not False:
             log.info("host lookup off: %s; the first stage runs on the device", why)
 
     def train_step(self, inputs, targets, context=None) -> dict:
