@@ -118,17 +118,25 @@ class PinnedBus(_Policy):
         return bus
 
 
+def sharding(compute_device, host_device):
+    """Where bus copies wait: the compute device's pinned host memory, which it reads by DMA,
+    where it has one and is not the host device; otherwise the host device's memory."""
+    if compute_device == host_device or transfer.PINNED not in transfer.memory_kinds(
+            compute_device):
+        return jax.sharding.SingleDeviceSharding(host_device)
+    return jax.sharding.SingleDeviceSharding(compute_device, memory_kind=transfer.PINNED)
+
+
 def choose(compute_dtype, compute_device, host_device, in_ram: bool, staging: dict) -> tuple:
     """(the sharding bus copies live on, the policies of the three unit structures: 0 the first
     stage, 1 the blocks, 2 the last stage, the policy of a bus copy kept in host memory).
 
-    In the compute device's pinned host memory where it has one and is not the host device;
-    otherwise a host buffer rewritten in place, the weights themselves in fp32 with the state in
-    RAM (not with the disk tier, where the weights leave RAM between updates)."""
+    PinnedBus in the compute device's pinned host memory; otherwise a host buffer rewritten in
+    place, the weights themselves in fp32 with the state in RAM (not with the disk tier, where
+    the weights leave RAM between updates)."""
     host = HostBus(compute_dtype, host_device)
     on_host = ParamsBus() if compute_dtype == jnp.float32 and in_ram else host
-    if compute_device == host_device or transfer.PINNED not in transfer.memory_kinds(
-            compute_device):
-        return host.host, [on_host] * 3, on_host
-    pinned = jax.sharding.SingleDeviceSharding(compute_device, memory_kind=transfer.PINNED)
-    return pinned, [PinnedBus(compute_dtype, pinned, staging, key) for key in range(3)], on_host
+    where = sharding(compute_device, host_device)
+    if where.memory_kind != transfer.PINNED:
+        return where, [on_host] * 3, on_host
+    return where, [PinnedBus(compute_dtype, where, staging, key) for key in range(3)], on_host
