@@ -11,7 +11,8 @@ one policy per unit, chosen once by `choose` (HostState's `buses`).
 Each policy: `make(params)` a bus copy of the weights; `release(unit)` after the unit's last use
 in a step; `old_for_update(unit)` the buffer the update donates for its new bus copy (None: none);
 `after_update(unit, bus)` the new bus copy from the update's compute-dtype output;
-`on_skip(unit, old)` the bus copy when a non-finite norm skipped the update. `is_params`: the
+`on_skip(unit, old)` the bus copy when a non-finite norm skipped the update; `make_staging(bus,
+host_device)` at construction, the update's reused output buffer (PinnedBus's). `is_params`: the
 update returns no bus copy (the weights are it); `on_host`: the copy is in host memory, where the
 host reads it (the host lookup, engine/lookup.py).
 """

@@ -119,7 +119,7 @@ class HostState:
         for params in itertools.chain([first], block_units(), [last]):
             self.units.append(self._new_unit(params))
             self.store.add(self.units)  # the disk tier: the state to its file
-        for u in (0, 1, self.last):
+        for u in (0, 1, self.last):  # one per structure (pinned bus copies only)
             self.buses[u].make_staging(self.units[u].bus, host_device)
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-optim")
 
