@@ -14,7 +14,10 @@ from flax import nnx
 from toy_model import Embed, Head, capture_grads
 
 from megatrain_jax import StreamedEngine
+from megatrain_jax.engine import bus as bus_lib
 from megatrain_jax.engine import fused_adamw, stage_units, transfer
+from megatrain_jax.engine import store as store_lib
+from megatrain_jax.engine.tier import DiskTierOptions
 from megatrain_jax.config import ConfigError, OptimizerConfig, load_config
 from megatrain_jax.model import ModelConfig, make_block, make_stages
 from megatrain_jax.recipes import build_engine, build_optimizer
@@ -202,6 +205,46 @@ def test_custom_transform_whose_state_is_the_gradient():
     for x, y in zip(jax.tree.leaves(engine.state()["layers"][1]["opt_state"]),
                     jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(np.asarray(x), y)
+    engine.close()
+
+
+# ----------------------------------------------------------------------------- the modes
+# (devices, compute dtype, disk tier) -> how the bus copy is kept (engine/bus.py)
+MODES = [("in_place", jnp.float32, False, bus_lib.ParamsBus),
+         ("in_place", jnp.float32, True, bus_lib.HostBus),
+         ("in_place", jnp.bfloat16, False, bus_lib.HostBus),
+         ("staged", jnp.float32, False, bus_lib.PinnedBus),
+         ("staged", jnp.bfloat16, True, bus_lib.PinnedBus)]
+
+
+@pytest.mark.parametrize("devices,dtype,disk,policy", MODES,
+                         ids=lambda x: getattr(x, "__name__", str(x)))
+def test_each_mode_keeps_the_bus_copy_its_policy_says(tmp_path, devices, dtype, disk, policy):
+    """The mode table: the state in RAM or the disk tier's files (store.py), and every unit's
+    bus copy, before and after an update, the fp32 master weights themselves (one device, fp32,
+    RAM), else their compute-dtype cast: in host memory (one device), or in the compute device's
+    pinned memory with one staging buffer per unit structure; keep_bus_on_host (the host lookup)
+    moves unit 0's to host memory and gives its staging buffer up."""
+    tier = DiskTierOptions(str(tmp_path / "tier")) if disk else None
+    engine = make_engine(optax.adam(1e-2), DEVICES[devices](), compute_dtype=dtype, disk_tier=tier)
+    host = engine.host
+    assert type(host.store) is (store_lib.DiskStore if disk else store_lib.RamStore)
+    assert [type(b) for b in host.buses] == [policy] * (L + 2)
+    pinned = policy is bus_lib.PinnedBus
+    assert sorted(host.staging) == ([0, 1, 2] if pinned else [])
+    grads = random_grads(host.unit_state(1)[0], np.random.default_rng(3))
+    for update in (False, True):
+        if update:
+            submit(engine, 1, grads, 1.0)
+        params, bus = host.unit_state(1)[0], host.bus(1)
+        assert (bus is params) == (policy is bus_lib.ParamsBus)
+        for b, p in zip(jax.tree.leaves(bus), jax.tree.leaves(params), strict=True):
+            assert (b.sharding.memory_kind == transfer.PINNED) == pinned
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(jnp.asarray(p).astype(dtype)))
+        assert not disk or all(u.params is None for u in host.units)  # in the files, not RAM
+    host.keep_bus_on_host(0)
+    assert host.buses[0].on_host and 0 not in host.staging
+    assert all(b.sharding.memory_kind != transfer.PINNED for b in jax.tree.leaves(host.bus(0)))
     engine.close()
 
 

@@ -17,6 +17,9 @@ Modules, by concern:
   decode.py     StreamedDecoder: forwards that carry a per-layer state (a KV cache), to generate
   stream.py     a pass run to the schedule with back-pressure, activation offload, counters
   host.py       host state: master weights, optax state, bus copies, the update thread
+  store.py      where a unit's master weights and optax state live: RAM, or the disk tier
+  bus.py        how a unit's bus copy is kept: the weights themselves, a host buffer rewritten
+                in place, or the accelerator's pinned memory through a staging buffer
   tier.py       the disk tier: each unit's master weights and optax state in a file
   functions.py  the jitted device functions
   parallel.py   placement: one device, or data parallel over a mesh of devices and processes

@@ -28,9 +28,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from megatrain_jax.engine.functions import used_inputs
+from megatrain_jax.engine import bus as bus_lib
 from megatrain_jax.engine import transfer
-from megatrain_jax.engine.transfer import nbytes
+from megatrain_jax.engine.functions import merge_part, stage_parts
+from megatrain_jax.engine.parallel import Placement
 from megatrain_jax.engine.stream import Counters, LayerStream, delete
 from megatrain_jax.engine.streamed import param_split
 
@@ -60,17 +61,15 @@ class StreamedDecoder:
         self.num_layers, self.prefetch = num_layers, prefetch
         self.compute_device = compute_device or jax.devices()[0]
         self.host_device = host_device or jax.devices("cpu")[0]
-        self.compute = jax.sharding.SingleDeviceSharding(self.compute_device)
-        host = jax.sharding.SingleDeviceSharding(self.host_device)
-        # As HostState's bus copies: in the accelerator's pinned host memory, which it reads by DMA.
-        kinds = transfer.memory_kinds(self.compute_device)
-        self.bus = host if (self.compute_device == self.host_device
-                            or transfer.PINNED not in kinds) else jax.sharding.SingleDeviceSharding(
-            self.compute_device, memory_kind="pinned_host")
+        self.placement = Placement([self.compute_device])
+        self.compute = self.placement.weights
         self.counters = Counters()
+        self.transfers = transfer.Transfers(self.placement, self.host_device, self.counters)
+        host = self.transfers.host
+        self.bus = bus_lib.sharding(self.compute_device, self.host_device)  # as HostState's
         self.on_layer = None  # on_layer(layer) after each layer's work is dispatched (tests)
         dtype = jnp.dtype(compute_dtype)
-        cast = lambda tree, where: jax.device_put(
+        cast = lambda tree, where: transfer.refresh(
             jax.tree.map(lambda p: jnp.asarray(p).astype(dtype), tree), where)
 
         with jax.default_device(self.host_device):
@@ -85,32 +84,19 @@ class StreamedDecoder:
                 self.layers.append(cast(params, self.bus))
                 del params
         leaves, treedef = jax.tree.flatten(stages)
-        num_leaves = len(leaves)
-        abstract = [jax.ShapeDtypeStruct(x.shape, dtype) for x in leaves]
-        example = jnp.zeros((1, 1), jnp.int32)
-
-        def merge(part, w):
-            full = [jax.ShapeDtypeStruct((), jnp.float32)] * num_leaves  # unused: never read
-            for i, leaf in zip(part, w):
-                full[i] = leaf
-            return nnx.merge(stages_def, jax.tree.unflatten(treedef, full))
-
-        everything = tuple(range(len(leaves)))
-        first_part = used_inputs(lambda w: merge(everything, w)[0](example), abstract)
-        x = jax.eval_shape(lambda w: merge(everything, w)[0](example), abstract)
-        last_part = used_inputs(
-            lambda w: logits(merge(everything, w)[1], jnp.zeros(x.shape, x.dtype)), abstract)
-        self.first_weights = cast([leaves[i] for i in first_part], host)
-        self.head_weights = cast([leaves[i] for i in last_part], self.bus)
+        parts = stage_parts(stages_def, stages, jax.ShapeDtypeStruct((1, 1), jnp.int32),
+                            head=logits)
+        self.first_weights = cast(parts.take("first", leaves), host)
+        self.head_weights = cast(parts.take("last", leaves), self.bus)
         del stages, leaves
+        merge = lambda part, w: merge_part(stages_def, treedef, getattr(parts, part), w)
 
-        self._first = jax.jit(lambda w, tokens: merge(first_part, w)[0](tokens))
-        self._logits = jax.jit(lambda w, x: logits(merge(last_part, w)[1], x[:, -1:])[:, 0])
+        self._first = jax.jit(lambda w, tokens: merge("first", w)[0](tokens))
+        self._logits = jax.jit(lambda w, x: logits(merge("last", w)[1], x[:, -1:])[:, 0])
         self._start = jax.jit(lambda w, x: start(nnx.merge(block_def, w), x))
         self._extend = jax.jit(
             lambda w, x, state, position: extend(nnx.merge(block_def, w), x, state, position),
             donate_argnums=(2,))
-        self._host = host
         self.states, self.position = None, 0
 
     def start(self, tokens) -> jax.Array:
@@ -133,14 +119,12 @@ class StreamedDecoder:
         return logits
 
     def _fetch(self, unit: int):
-        w = self.layers[unit] if unit < self.num_layers else self.head_weights
-        self.counters.bytes_h2d += nbytes(w)
-        return jax.device_put(w, self.compute)
+        return self.transfers.weights_in(self.layers[unit] if unit < self.num_layers else
+                                         self.head_weights)
 
     def _forward(self, tokens, run_layer):
-        tokens = jax.device_put(jnp.asarray(tokens, jnp.int32), self._host)
-        x = jax.device_put(self._first(self.first_weights, tokens), self.compute)
-        self.counters.bytes_h2d += nbytes(x)
+        tokens = self.transfers.batch_to_host(jnp.asarray(tokens, jnp.int32))
+        x, = self.transfers.rows_in([self._first(self.first_weights, tokens)])
         fetched = (lambda w: w) if self.bus != self.compute else (lambda w: ())
         logits = None
         stream = LayerStream(range(self.num_layers + 1), self._fetch, self.prefetch)

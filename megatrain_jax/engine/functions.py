@@ -66,13 +66,15 @@ def used_inputs(fn, leaves) -> tuple:
     return tuple(i for i, v in enumerate(jaxpr.invars) if id(v) in used)
 
 
-def stage_parts(stages_def, stages_params, inputs, targets) -> StageParts:
+def stage_parts(stages_def, stages_params, inputs, targets=None, head=None) -> StageParts:
     """Traces first and last abstractly on example shapes to see which leaves each reads.
     `inputs` and `targets` are arrays or jax.ShapeDtypeStruct (then zeros of that shape stand in:
     token ids, small next to the weights; numpy's, so that int64 ids become jax's int32 as the
-    arrays themselves would, without a warning)."""
+    arrays themselves would, without a warning). head(last, x): what runs of the last stage
+    (default: its loss on `targets`; generation: its logits, engine/decode.py)."""
     example = lambda x: np.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x
     inputs, targets = example(inputs), jax.tree.map(example, targets)
+    head = head or (lambda last, x: split_loss(last(x, targets)))
     leaves, treedef = jax.tree.flatten(stages_params)
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
 
@@ -82,10 +84,19 @@ def stage_parts(stages_def, stages_params, inputs, targets) -> StageParts:
     x = jax.eval_shape(first, abstract)
 
     def last(leaves):
-        return split_loss(nnx.merge(stages_def, jax.tree.unflatten(treedef, leaves))[1](
-            jnp.zeros(x.shape, x.dtype), targets))
+        return head(nnx.merge(stages_def, jax.tree.unflatten(treedef, leaves))[1],
+                    jnp.zeros(x.shape, x.dtype))
 
     return StageParts(used_inputs(first, abstract), used_inputs(last, abstract))
+
+
+def merge_part(stages_def, stages_treedef, indices: tuple, leaves: list) -> tuple:
+    """The (first, last) stage modules from one part's leaves, `leaves[k]` the stages' leaf
+    `indices[k]` (StageParts); the other leaves stand in unread."""
+    full = [jax.ShapeDtypeStruct((), jnp.float32)] * stages_treedef.num_leaves
+    for i, leaf in zip(indices, leaves):
+        full[i] = leaf
+    return nnx.merge(stages_def, jax.tree.unflatten(stages_treedef, full))
 
 
 @jax.jit
@@ -106,7 +117,6 @@ class DeviceFunctions:
 
     def __init__(self, stages_def, stages_treedef, parts: StageParts, block_def, grad_dtype,
                  aux_loss=None, placement: Placement | None = None):
-        n = stages_treedef.num_leaves
         # Several devices: each function runs on every device over its rows (parallel.py); sums
         # over tokens (loss, weight, aux) are then summed over the devices, gradients accumulate
         # per device until `reduce`.
@@ -114,10 +124,7 @@ class DeviceFunctions:
         everywhere = on.sum_over_devices
 
         def merge_stages(part: str, leaves):
-            full = [jax.ShapeDtypeStruct((), jnp.float32)] * n  # unused leaves: never read
-            for i, leaf in zip(getattr(parts, part), leaves):
-                full[i] = leaf
-            return nnx.merge(stages_def, jax.tree.unflatten(stages_treedef, full))
+            return merge_part(stages_def, stages_treedef, getattr(parts, part), leaves)
 
         def embed(w, inputs):
             return merge_stages("first", w)[0](inputs)

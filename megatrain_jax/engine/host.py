@@ -12,8 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from megatrain_jax.engine import bus as bus_lib
 from megatrain_jax.engine import fused_adamw
 from megatrain_jax.engine import stage_units
+from megatrain_jax.engine import store as store_lib
 from megatrain_jax.engine import tier as tier_lib
 from megatrain_jax.engine import transfer
 
@@ -40,6 +42,11 @@ class HostState:
     `optax.clip_by_global_norm` would, and applied. When the global norm is not finite the update
     keeps params and optax state as they were (as `optax.apply_if_finite` does), so one bad batch
     never reaches the weights. `bus(u)` waits for u's update and returns its bus copy.
+
+    Two strategies, chosen at construction, hold the modes: `store` (store.py) where params and
+    optax state live between updates (RAM, or the disk tier's files), and per unit `buses[u]`
+    (bus.py) how its bus copy is kept (the weights themselves, a host buffer rewritten in place,
+    or pinned memory refreshed from a staging buffer).
     """
 
     def __init__(self, stages, blocks, optimizer: optax.GradientTransformation, *, max_grad_norm,
@@ -54,29 +61,41 @@ class HostState:
         self.host_device = host_device
         self.counters = counters
         self.host = jax.sharding.SingleDeviceSharding(host_device)
-        # On an accelerator, bus copies wait in its pinned host memory, which it reads by DMA with
-        # no staging copy. The update cannot write there (another device's memory), so it writes
-        # into a reused host buffer (`staging`, one per unit structure) that is then copied over.
-        # When state and compute share a device, the bus is a host buffer rewritten in place.
-        self.bus_in_place = (compute_device == host_device
-                             or transfer.PINNED not in transfer.memory_kinds(compute_device))
-        self.bus_sharding = (self.host if self.bus_in_place else jax.sharding.SingleDeviceSharding(
-            compute_device, memory_kind="pinned_host"))
-        self.bus_on_host = set()  # units whose bus copy stays in host memory all the same (the
-        # host lookup reads it there: keep_bus_on_host)
-        self._disk = disk_tier is not None
+        self.last = 1 + num_blocks
+        # How each unit's bus copy is kept (bus.py): per unit structure, and for a unit whose
+        # bus copy the host reads (keep_bus_on_host). `staging`: the pinned policy's buffers.
         self.staging = {}
+        self.bus_sharding, by_structure, self._on_host = bus_lib.choose(
+            self.compute_dtype, compute_device, host_device, disk_tier is None, self.staging)
+        self.buses = [by_structure[self._structure(u)] for u in range(self.last + 1)]
         self.failed = None  # why the state is unknown: a host update failed (see ready)
         self.on_update = None  # on_update(u), when set: the host thread starts unit u's update
 
-        # Donating params, optax state and the old bus copy makes the update write in place: on
-        # the CPU backend a fresh output buffer is page-faulted in at a fraction of memory speed.
-        # keep_unused: the old bus is never read, only donated; jit would otherwise prune it.
-        # With the disk tier, params and optax state alias the tier's read buffer (tier.load),
-        # which XLA does not own: the outputs get buffers of their own, copied out by tier.store.
-        donate = (3,) if disk_tier is not None else (0, 1, 3)
-        self._update = jax.jit(self._host_update, donate_argnums=donate, static_argnums=(6, 7),
-                               keep_unused=True)
+        # shards (shard.Shards): keep only this process's rows of every leaf (the sharded layout);
+        # `shapes` keeps the logical leaf shapes of the whole stages (0) and of a block (1).
+        if shards is not None and disk_tier is not None:
+            raise ValueError("shard_host_state with the disk tier is not supported")
+        self.units, self.shapes = [], {}
+        to_host = lambda params: jax.device_put(
+            jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params), self.host)
+        stages = to_host(stages)
+        self.shapes[0] = [tuple(p.shape) for p in jax.tree.leaves(stages)]
+        first, last = stage_units.split(shards.cut(stages) if shards is not None else stages)
+        del stages
+        # the stages' units' shapes of params and optax state (load_stages splits a checkpoint's
+        # stages unit by them); the last unit's layout, for the tier's files (made before it is)
+        shape = lambda params: (jax.eval_shape(lambda p: p, params),
+                                jax.eval_shape(optimizer.init, params))
+        self.stage_units = {0: shape(first), self.last: shape(last)}
+        # Where params and optax state live between updates (store.py): RAM or the disk tier.
+        self.store = store_lib.choose(disk_tier, self.last + 1, self.stage_units[self.last],
+                                      self.host)
+
+        # Donating (store.donate) params, optax state and the old bus copy makes the update write
+        # in place. keep_unused: the old bus is never read, only donated; jit would otherwise
+        # prune it.
+        self._update = jax.jit(self._host_update, donate_argnums=self.store.donate,
+                               static_argnums=(6, 7), keep_unused=True)
         # Scaled and clipped inside the update, the gradient becomes an intermediate that both
         # Adam moments read, and XLA:CPU gives it a fresh temporary (~3 B/param, page-faulted each
         # step). An fp32 gradient is therefore prepared first, in place, by its own pass; a bf16
@@ -89,24 +108,7 @@ class HostState:
         self._prepare_in_place = jax.jit(self._prepare, donate_argnums=(0,))
         # out_shardings: optax state that does not depend on the params (counts, zeros) would
         # otherwise land uncommitted on the default device, the accelerator.
-        init = jax.jit(optimizer.init, out_shardings=self.host)
-        # shards (shard.Shards): keep only this process's rows of every leaf (the sharded layout);
-        # `shapes` keeps the logical leaf shapes of the whole stages (0) and of a block (1).
-        if shards is not None and disk_tier is not None:
-            raise ValueError("shard_host_state with the disk tier is not supported")
-        self.units, self.tier, self.shapes = [], None, {}
-        to_host = lambda params: jax.device_put(
-            jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params), self.host)
-        stages = to_host(stages)
-        self.shapes[0] = [tuple(p.shape) for p in jax.tree.leaves(stages)]
-        first, last = stage_units.split(shards.cut(stages) if shards is not None else stages)
-        del stages
-        # the stages' units' shapes of params and optax state (load_stages splits a checkpoint's
-        # stages unit by them); the last unit's layout, for the tier's files (made before it is)
-        shape = lambda params: (jax.eval_shape(lambda p: p, params),
-                                jax.eval_shape(optimizer.init, params))
-        stage_shapes = (shape(first), shape(last))
-        self._last_layout = tier_lib.UnitLayout.of(*stage_shapes[1])
+        self._init = jax.jit(optimizer.init, out_shardings=self.host)
 
         def block_units():  # an iterable: with the disk tier, one unit in RAM at a time
             for params in blocks:
@@ -115,35 +117,20 @@ class HostState:
                 yield shards.cut(params) if shards is not None else params
 
         for params in itertools.chain([first], block_units(), [last]):
-            self.units.append(Unit(params, init(params), self.make_bus(params, len(self.units))))
-            if disk_tier is not None:  # --- disk tier (tier.py): the state goes to its file
-                self._to_tier(disk_tier, 2 + num_blocks)
-        self.last = len(self.units) - 1
-        self.stage_units = dict(zip((0, self.last), stage_shapes))
-        if not self.bus_in_place:  # made now, so the update compiles once per unit structure
-            zeros = lambda p: jnp.zeros(p.shape, self.compute_dtype, device=host_device)
-            self.staging = {self._structure(u): jax.tree.map(zeros, self.units[u].bus)
-                            for u in (0, 1, self.last)}
+            self.units.append(self._new_unit(params))
+            self.store.add(self.units)  # the disk tier: the state to its file
+        for u in (0, 1, self.last):  # one per structure (pinned bus copies only)
+            self.buses[u].make_staging(self.units[u].bus, host_device)
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-optim")
 
-    # ----------------------------------------------------------------- disk tier hooks
-    def _to_tier(self, options, num_units: int):
-        """Construction with the disk tier: each unit's state to its file, only its bus kept.
-        The files are made once the first block is known (all blocks share its layout)."""
-        if len(self.units) < 2:
-            return
-        layout = lambda unit: tier_lib.UnitLayout.of(unit.params, unit.opt_state)
-        if self.tier is None:
-            first, block = self.units
-            self.tier = tier_lib.DiskTier(options, [layout(first)] + [layout(block)] * (
-                num_units - 2) + [self._last_layout])
-        u = len(self.units) - 1
-        if layout(self.units[u]) != self.tier.layouts[u]:
-            raise ValueError(f"disk tier: block {u - 1}'s layout differs from block 0's")
-        for v in ([0, 1] if u == 1 else [u]):
-            unit = self.units[v]
-            self.tier.write_now(v, unit.params, unit.opt_state)
-            unit.params = unit.opt_state = None
+    def _new_unit(self, params) -> Unit:
+        """Unit len(units), its optax state and bus copy made from its fp32 master weights."""
+        return Unit(params, self._init(params), self.make_bus(params, len(self.units)))
+
+    @property
+    def tier(self):
+        """The DiskTier holding the state (tier.py), or None when it is in RAM."""
+        return self.store.tier
 
     def _structure(self, u: int) -> int:
         """Which units share a structure (and a staging buffer): 0 the first stage, 1 the
@@ -173,39 +160,21 @@ class HostState:
     def unit_state(self, u: int) -> tuple:
         """(params, opt_state) of unit u once its update has finished: host arrays, or with the
         disk tier read-only numpy arrays mapped from its file."""
-        unit = self.ready(u)
-        if self.tier is not None:
-            return self.tier.view(u)
-        return unit.params, unit.opt_state
+        return self.store.view(u, self.ready(u))
 
     # ----------------------------------------------------------------- bus copies
-    def _in_place(self, u: int) -> bool:
-        """Whether unit u's bus copy is a host buffer the update rewrites in place."""
-        return self.bus_in_place or u in self.bus_on_host
-
-    def _is_params(self, u: int) -> bool:
-        """Whether unit u's bus copy is its master weights themselves: in place and fp32 compute
-        (not with the disk tier, where the weights leave RAM between updates)."""
-        return self._in_place(u) and self.compute_dtype == jnp.float32 and not self._disk
-
     def make_bus(self, params, u: int):
-        if self._is_params(u):
-            return params
-        if self._in_place(u) and self.compute_dtype == jnp.float32:  # disk tier: a copy, not
-            # the weights (astype and device_put would return them: see _is_params)
-            params = jax.tree.map(lambda p: jnp.array(p, copy=True, device=self.host_device),
-                                  params)
-        return transfer.refresh(jax.tree.map(lambda p: p.astype(self.compute_dtype), params),
-                                self.host if self._in_place(u) else self.bus_sharding)
+        """A bus copy of unit u's weights `params`, as its policy keeps it."""
+        return self.buses[u].make(params)
 
     def keep_bus_on_host(self, u: int):
         """Unit u's bus copy stays in host memory, where the host reads it (the host lookup,
         engine/lookup.py); on an accelerator it is no longer refreshed to its pinned memory."""
         unit = self.ready(u)
-        if self._in_place(u):
+        if self.buses[u].on_host:
             return
-        self.bus_on_host.add(u)
         self.staging.pop(self._structure(u), None)
+        self.buses[u] = self._on_host
         unit.bus, unit.spare = self.make_bus(self.unit_state(u)[0], u), None
 
     def bus(self, u: int):
@@ -229,13 +198,9 @@ class HostState:
         return [leaves[i] for i in indices]
 
     def release_bus(self, u: int):
-        """After a unit's last use in a step. A host bus copy is kept for the update to write in
-        place (the plan counts bus copies and gradients together); a pinned one goes back to the
-        accelerator's pinned pool, while the update writes a reused staging buffer."""
-        unit = self.units[u]
-        if self._in_place(u) and not self._is_params(u) and unit.bus is not None:
-            unit.spare = unit.bus
-        unit.bus = None
+        """After a unit's last use in a step (bus.py: a host buffer is kept for the update to
+        write in place, a pinned one goes back to the accelerator's pinned pool)."""
+        self.buses[u].release(self.units[u])
 
     # ----------------------------------------------------------------- the update
     def _prepare(self, grads, grad_norm, scale):
@@ -262,64 +227,43 @@ class HostState:
         return params, opt_state, None if bus_is_params else jax.tree.map(
             lambda p: p.astype(self.compute_dtype), params)
 
-    def _apply(self, u: int, grads, grad_norm, scale, staging_key):
+    def _apply(self, u: int, bus, grads, grad_norm, scale):
         """Runs on the host-optimizer thread: one jitted, in-place optax step of one unit, its
-        bus copy written in the same call. XLA:CPU spreads each large fused loop over all cores."""
+        bus copy (kept by `bus`, unit u's policy) written in the same call. XLA:CPU spreads each
+        large fused loop over all cores."""
         t0 = time.perf_counter()
         if self.on_update is not None:
             self.on_update(u)
         grads, grad_norm, scale = (x() if callable(x) else x for x in (grads, grad_norm, scale))
         grads, grad_norm, scale = transfer.arrive((grads, grad_norm, scale), self.host)
         unit = self.units[u]
-        if self.tier is not None:  # --- disk tier: the state from its file (read ahead)
-            unit.params, unit.opt_state = self.tier.load(u, self.host)
-        in_place = self._in_place(u)
-        if in_place:
-            old_bus = None if self._is_params(u) else (
-                unit.bus if unit.bus is not None else unit.spare)
-        else:
-            old_bus = self.staging.pop(staging_key, None)
+        self.store.load(u, unit)  # the disk tier: the state from its file (read ahead)
+        old_bus = bus.old_for_update(unit)
         unit.bus = unit.spare = None
         # A non-finite global norm skips the update (as optax.apply_if_finite), decided here. A
         # select between the new and the old state inside the update made XLA copy the donated
         # optax state first (8 B/param of fresh memory, page-faulted in every update: 3x slower).
         if not np.isfinite(grad_norm):
-            if in_place and old_bus is not None:
-                unit.bus = old_bus  # still the weights' copy
-            else:
-                unit.bus = self.make_bus(unit.params, u)
-                if not in_place:
-                    self.staging[staging_key] = old_bus
+            unit.bus = bus.on_skip(unit, old_bus)
         else:
             if self._prepare_first:
                 grads = self._prepare_in_place(grads, grad_norm, scale)
-            unit.params, unit.opt_state, bus = self._update(
+            unit.params, unit.opt_state, new_bus = self._update(
                 unit.params, unit.opt_state, grads, old_bus, grad_norm, scale, self._prepare_first,
-                self._is_params(u))
-            unit.bus = self._bus_after_update(u, bus, staging_key)
-        if self.tier is not None:  # --- disk tier: written back behind, out of RAM
-            self.tier.store(u, unit.params, unit.opt_state)
-            unit.params = unit.opt_state = None
+                bus.is_params)
+            unit.bus = bus.after_update(unit, new_bus)
+        self.store.store(u, unit)  # the disk tier: written back behind, out of RAM
         jax.block_until_ready(unit.bus)  # the future completes when the weights are usable
         self.counters.host_update_s += time.perf_counter() - t0
-
-    def _bus_after_update(self, u, bus, staging_key):
-        """Unit u's new bus copy, from the update's compute-dtype output."""
-        if self._in_place(u):
-            return self.units[u].params if self._is_params(u) else bus
-        self.staging[staging_key] = bus  # reused by the next unit: this copy is waited for
-        return transfer.refresh(bus, self.bus_sharding)
 
     def submit(self, u: int, grads, grad_norm, scale):
         """Queues unit u's update with its gradient (a transfer.Parcel on its way to the host, or
         host arrays), the global norm of the scaled gradient and the scale (scalars in the
         compute device's pinned host memory, or host scalars). Each may instead be a function
         called on the host thread that returns it (the host lookup's, engine/lookup.py)."""
-        unit = self.units[u]
-        if self.tier is not None:
-            self.tier.expect(u)  # --- disk tier: its read may start ahead
-        unit.pending = self._thread.submit(self._apply, u, grads, grad_norm, scale,
-                                           self._structure(u))
+        self.store.expect(u)  # the disk tier: its read may start ahead
+        self.units[u].pending = self._thread.submit(self._apply, u, self.buses[u], grads,
+                                                    grad_norm, scale)
 
     def ready(self, u: int) -> Unit:
         """Unit u once its pending update has finished. An update that failed (re-raised here)
@@ -343,18 +287,15 @@ class HostState:
         """Blocks until every pending update has finished (with the disk tier, written back)."""
         for u in range(len(self.units)):
             self.ready(u)
-        if self.tier is not None:
-            self.tier.flush()
+        self.store.flush()
 
     def load_unit(self, u: int, unit_state: dict):
+        """Replaces unit u's state with `unit_state` ({"params", "opt_state"})."""
         unit = self.ready(u)
-        if self.tier is not None:  # --- disk tier: into its file, only the bus in RAM
-            self.tier.write_now(u, unit_state["params"], unit_state["opt_state"])
-            unit.bus = self.make_bus(jax.device_put(unit_state["params"], self.host), u)
-            return
-        unit.params = jax.device_put(unit_state["params"], self.host)
-        unit.opt_state = jax.device_put(unit_state["opt_state"], self.host)
-        unit.bus = self.make_bus(unit.params, u)
+        params = jax.device_put(unit_state["params"], self.host)
+        opt_state = jax.device_put(unit_state["opt_state"], self.host)
+        self.store.put(u, unit, params, opt_state)
+        unit.bus = self.make_bus(params, u)
 
     def close(self):
         try:
@@ -362,5 +303,4 @@ class HostState:
                 self.wait()
         finally:
             self._thread.shutdown()
-            if self.tier is not None:
-                self.tier.close()
+            self.store.close()

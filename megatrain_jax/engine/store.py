@@ -1,0 +1,106 @@
+"""Where the units' fp32 master weights and optax state live between updates: `RamStore` (in host
+RAM, on the units themselves) or `DiskStore` (each unit's in a file of the disk tier, tier.py:
+read ahead of its update, written back behind it; the unit's params and opt_state None between
+updates, only its bus copy in RAM). HostState chooses one at construction (`choose`).
+
+Each store: `add(units)` at construction, as each unit is made; `expect(u)` when u's update is
+queued; `load(u, unit)` and `store(u, unit)` around the update, on the host thread;
+`put(u, unit, params, opt_state)` a loaded state; `view(u, unit)` (params, opt_state) to read;
+`flush()`, `close()`. `donate`: the update's arguments it may donate (params 0, optax state 1, the
+old bus copy 3).
+"""
+
+from megatrain_jax.engine import tier as tier_lib
+
+
+class RamStore:
+    tier = None
+    # Donating params, optax state and the old bus copy makes the update write in place: on the
+    # CPU backend a fresh output buffer is page-faulted in at a fraction of memory speed.
+    donate = (0, 1, 3)
+
+    def add(self, units):
+        pass
+
+    def expect(self, u: int):
+        pass
+
+    def load(self, u: int, unit):
+        pass
+
+    def store(self, u: int, unit):
+        pass
+
+    def put(self, u: int, unit, params, opt_state):
+        unit.params, unit.opt_state = params, opt_state
+
+    def view(self, u: int, unit) -> tuple:
+        return unit.params, unit.opt_state
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+class DiskStore:
+    # Params and optax state alias the tier's read buffer (tier.load), which XLA does not own:
+    # the update's outputs get buffers of their own, copied out by tier.store.
+    donate = (3,)
+
+    def __init__(self, options: tier_lib.DiskTierOptions, num_units: int, last_shapes, host):
+        """last_shapes: the last unit's (params, opt_state) shapes, for its file's layout (the
+        files are made before that unit is); host: the host device's sharding."""
+        self.options, self.num_units, self.host = options, num_units, host
+        self.last_layout = tier_lib.UnitLayout.of(*last_shapes)
+        self.tier = None  # made once the first block is known (all blocks share its layout)
+
+    def add(self, units):
+        """Construction: each unit's state to its file, only its bus copy kept in RAM."""
+        if len(units) < 2:
+            return
+        layout = lambda unit: tier_lib.UnitLayout.of(unit.params, unit.opt_state)
+        if self.tier is None:
+            first, block = units
+            self.tier = tier_lib.DiskTier(self.options, [layout(first)] + [layout(block)] * (
+                self.num_units - 2) + [self.last_layout])
+        u = len(units) - 1
+        if layout(units[u]) != self.tier.layouts[u]:
+            raise ValueError(f"disk tier: block {u - 1}'s layout differs from block 0's")
+        for v in ([0, 1] if u == 1 else [u]):
+            unit = units[v]
+            self.tier.write_now(v, unit.params, unit.opt_state)
+            unit.params = unit.opt_state = None
+
+    def expect(self, u: int):
+        self.tier.expect(u)  # its read may start ahead
+
+    def load(self, u: int, unit):
+        """The state from its file (read ahead)."""
+        unit.params, unit.opt_state = self.tier.load(u, self.host)
+
+    def store(self, u: int, unit):
+        """Written back behind, out of RAM."""
+        self.tier.store(u, unit.params, unit.opt_state)
+        unit.params = unit.opt_state = None
+
+    def put(self, u: int, unit, params, opt_state):
+        """Into its file, only the bus copy in RAM."""
+        self.tier.write_now(u, params, opt_state)
+
+    def view(self, u: int, unit) -> tuple:
+        """Read-only numpy arrays mapped from its file."""
+        return self.tier.view(u)
+
+    def flush(self):
+        self.tier.flush()
+
+    def close(self):
+        if self.tier is not None:
+            self.tier.close()
+
+
+def choose(disk_tier, num_units: int, last_shapes, host):
+    """The store for `disk_tier` (DiskTierOptions, or None: RAM)."""
+    return RamStore() if disk_tier is None else DiskStore(disk_tier, num_units, last_shapes, host)
