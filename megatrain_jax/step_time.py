@@ -374,11 +374,12 @@ def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True) -> StepSh
     # it: the table's fp32 gradient written once (zeroed); each micro-batch's scatter-add, in
     # place in that gradient (XLA:CPU aliases the donated accumulator), touches the rows alone:
     # their gradient read, cast to an fp32 copy (written, read), the table's rows it adds to
-    # read and written; then the gradient read into unit 0's (written in train.grad_dtype, a
-    # copy even in fp32) and that read for its sum of squares. Unit 0's gradient is then made
-    # on the host: no hop between clients in its update
+    # read and written; then unit 0's gradient: the accumulator itself in fp32 (donated), else
+    # cast (read, written in train.grad_dtype); and read for its sum of squares. Unit 0's
+    # gradient is then made on the host: no hop between clients in its update
     rows_scatter = M * tokens * c.hidden * (c.compute + 4 + 4 + 8)
-    host_backward = rows_scatter + c.first * (4 + 4 + 2 * c.grad) if lookup else 0
+    cast = 0 if c.grad == 4 else 4 + c.grad
+    host_backward = rows_scatter + c.first * (4 + cast + c.grad) if lookup else 0
     first_update = touched(c.first) - (2 * c.grad * c.first if lookup else 0)
     last_unit = c.stages - c.first
     return StepShape(
