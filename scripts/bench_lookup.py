@@ -58,9 +58,10 @@ f = DeviceFunctions(stages_def, jax.tree.structure(stages), parts, block_def, gr
 leaves = jax.tree.leaves(stages)
 unit0 = stage_units.indices(stage_units.split(stages)[0])
 held = tuple((i, tuple(leaves[i].shape)) for i in unit0)
-if set(unit0) != set(parts.first):
-    sys.exit(f"{args.config}: the first stage shares a leaf with the last (tied embeddings): "
-             "the host lookup does not serve it")
+why = lookup.serves(False, parts, unit0)
+if why:
+    print(f"{args.config}: the host lookup does not serve it: {why}", file=sys.stderr)
+    sys.exit(2)
 w = [jax.device_put(np.zeros(leaves[i].shape, compute), cpu) for i in parts.first]
 table = sum(x.size for x in w)
 B, T, H = cfg.data.batch_size, cfg.data.seq_len, cfg.model.hidden_size
