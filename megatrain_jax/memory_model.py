@@ -99,8 +99,10 @@ def host_bytes(c: Counts, tokens: int, offload: bool) -> dict:
     # every unit's, waiting for the global norm. The device path: the stages' first and last
     # parts, then their merged sum. The host lookup: the last unit's once, and on the host
     # thread the rows' gradient, the table's dense fp32 gradient the host scatter-adds it into,
-    # and unit 0's gradient made from that (engine/lookup.py's HostBackward)
-    stage_grads = (c.grad * c.stages + 4 * c.first + activation_bytes(c, tokens) if lookup
+    # and unit 0's gradient made from that (engine/lookup.py's HostBackward): in fp32 the same
+    # buffer (lookup.unit0_gradient), else a cast beside it
+    accumulator = 4 * c.first * (c.grad != 4)
+    stage_grads = (c.grad * c.stages + accumulator + activation_bytes(c, tokens) if lookup
                    else c.grad * (c.first + c.last + c.stages))
     return {
         "master": share(4 * params),

@@ -370,11 +370,16 @@ def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True) -> StepSh
     touched = lambda n: n * (8 + 2 * opt_per_param + 3 * c.grad + c.compute)
     lookup = host_lookup(c, tokens)
     rows = M * tokens * c.hidden * c.compute if lookup else 0
-    # the host lookup's first stage backward (HostBackward): the table's fp32 gradient zeroed,
-    # read and written once per micro-batch by the scatter-add (which reads the rows' gradient),
-    # read into unit 0's gradient (written in train.grad_dtype) and its sum of squares (read);
-    # unit 0's gradient is then made on the host: no hop between clients in its update
-    host_backward = rows + c.first * (4 + 8 * M + 4 + 2 * c.grad) if lookup else 0
+    # the host lookup's first stage backward (HostBackward), as scripts/bench_lookup.py measured
+    # it: the table's fp32 gradient written once (zeroed); each micro-batch's scatter-add, in
+    # place in that gradient (XLA:CPU aliases the donated accumulator), touches the rows alone:
+    # their gradient read, cast to an fp32 copy (written, read), the table's rows it adds to
+    # read and written; then unit 0's gradient: the accumulator itself in fp32 (donated), else
+    # cast (read, written in train.grad_dtype); and read for its sum of squares. Unit 0's
+    # gradient is then made on the host: no hop between clients in its update
+    rows_scatter = M * tokens * c.hidden * (c.compute + 4 + 4 + 8)
+    cast = 0 if c.grad == 4 else 4 + c.grad
+    host_backward = rows_scatter + c.first * (4 + cast + c.grad) if lookup else 0
     first_update = touched(c.first) - (2 * c.grad * c.first if lookup else 0)
     last_unit = c.stages - c.first
     return StepShape(

@@ -1,4 +1,4 @@
-"""CPU smoke tests of scripts/bench.py, bench_transfer.py, bench_optimizer.py and
+"""CPU smoke tests of scripts/bench.py, bench_transfer.py, bench_optimizer.py, bench_lookup.py and
 bench_long_context.py: each runs end to end and prints its table; bench.py, bench_transfer.py and
 bench_long_context.py write well-formed JSON whose figures are consistent. (The figures themselves
 are GPU work: docs/benchmarks.md.)"""
@@ -135,6 +135,26 @@ def test_bench_optimizer_tiny(tmp_path):
     assert positive(r["update_gb_s"]) and r["bytes_per_param_touched"] == 30
     assert positive(r["update_vs_torch_fused_1"]) and positive(r["update_vs_torch_fused_1_cpu"])
     assert r["mmap_threshold_mib"] == 1 and r["results"]["1"]["mmap_threshold_mib"] == 1
+
+
+def test_bench_lookup_tiny(tmp_path):
+    """The host lookup's backward piece by piece: the compiled scatter-add is in place (its output
+    aliases the donated accumulator) and never reads the table; each piece timed; a tied
+    embedding is one line, exit 2."""
+    out = tmp_path / "lookup.json"
+    tiny = ("--config", "configs/tiny.yaml", "data.seq_len=16", "data.batch_size=2")
+    proc = run("bench_lookup.py", *tiny, "--micro-batches", "1", "2", "--reps", "1",
+               "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["hlo"] == {"scatter": True, "output_aliases_input": True,
+                        "table_is_an_input": False}
+    assert r["table"] == [257, 128] and [x["micro_batches"] for x in r["runs"]] == [1, 2]
+    for x in r["runs"]:
+        assert set(x["pieces"]) == {"zero", "scatter", "gradient", "squares", "gradient, a copy"}
+        assert all(positive(p["s"]) for p in x["pieces"].values())
+    proc = run("bench_lookup.py", *tiny, "model.tie_embeddings=true")
+    assert proc.returncode == 2 and "tied embeddings" in proc.stderr.strip().splitlines()[-1]
 
 
 def test_bench_long_context_tiny(tmp_path):

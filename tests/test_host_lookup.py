@@ -42,6 +42,24 @@ def test_host_lookup_trains_exactly_as_the_device_path(compute_dtype):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.bfloat16])
+def test_unit0s_fp32_gradient_is_the_accumulator_itself(grad_dtype):
+    """The host backward makes unit 0's gradient from the table's fp32 accumulator as
+    stage_units.gradient does; in fp32 it takes the accumulator's buffer (donated: no copy of the
+    table's gradient), in bf16 the cast writes a new one and the accumulator is kept."""
+    from megatrain_jax.engine import lookup, stage_units
+    held = ((0, (3, 4)),)
+    acc = [jnp.arange(12, dtype=jnp.float32).reshape(3, 4) - 5.5]
+    want = stage_units.gradient(acc, [], (0,), (), held, grad_dtype, None)
+    pointer = acc[0].unsafe_buffer_pointer()
+    got = lookup.unit0_gradient(acc, (0,), held, grad_dtype)
+    assert got[0].dtype == grad_dtype
+    np.testing.assert_array_equal(got[0], want[0])
+    fp32 = grad_dtype == jnp.float32
+    assert acc[0].is_deleted() == fp32
+    assert (got[0].unsafe_buffer_pointer() == pointer) == fp32
+
+
 def test_the_embedding_table_never_crosses():
     """Per step, the bytes into the device drop by the table's twice (the embedding and its
     backward no longer fetch it) less the rows that cross instead, and the bytes out by the

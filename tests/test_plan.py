@@ -190,6 +190,23 @@ def test_host_plan_matches_the_engine(engines, setup):
     assert p.host["activations"] == (L * M * B * T * D * 4 if p.offload_activations else 0)
 
 
+@pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
+def test_the_host_lookups_gradients_on_the_host(grad_dtype):
+    """With the host lookup the host holds every unit's gradient (train.grad_dtype), the rows'
+    gradient and, in bf16, the table's fp32 accumulator beside unit 0's gradient cast from it;
+    in fp32 unit 0's gradient is the accumulator itself (lookup.unit0_gradient)."""
+    from megatrain_jax.flops import counts
+    from megatrain_jax.recipes import execution_for
+    cfg = config(SEQ["lookup"], grad_dtype=grad_dtype)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, host_lookup=True))
+    p, c = plan(cfg, MACHINE), counts(cfg, execution_for(cfg, "cpu")[0], MACHINE)
+    assert p.host_lookup
+    g, rows = c.grad, 2 * 2 * SEQ["lookup"] * MODEL.hidden_size * 4
+    accumulator = 4 * MODEL.vocab_size * MODEL.hidden_size if grad_dtype == "bfloat16" else 0
+    assert c.first == MODEL.vocab_size * MODEL.hidden_size
+    assert p.host["gradients"] == g * (c.stages + c.layers * c.layer) + accumulator + rows
+
+
 def test_sharded_host_state_plans_each_process_its_share():
     """distributed.shard_optimizer over two processes: the plan counts half of every unit's host
     state per process, so a host that holds half fits where the replicated layout does not."""

@@ -139,6 +139,29 @@ def test_the_host_lookups_backward_comes_before_the_first_units_update():
     assert order[:3] == ["first stage's backward", "update unit 0", "update unit 1"]
 
 
+@pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
+def test_the_host_lookups_backward_touches_the_rows_per_micro_batch_not_the_table(grad_dtype):
+    """The host lookup's backward (HostBackward) as scripts/bench_lookup.py measured it: the
+    table's fp32 gradient zeroed (4 B a parameter), unit 0's gradient made from it (fp32: the
+    accumulator itself, donated; bf16: a cast, 4 read and 2 written) and its sum of squares
+    (grad read): two or three dense passes a step, whatever the micro-batches; each
+    micro-batch's scatter-add is in place in the donated accumulator and
+    touches its rows alone: the rows' gradient read (compute dtype), its fp32 copy written and
+    read (8), the table's rows read and written (8). bench_1b (32,000 x 2,048 table), 4,096
+    tokens a micro-batch, bf16 rows: 1 and 4 micro-batches."""
+    from megatrain_jax.config import load_config
+    from megatrain_jax.step_time import step_shape
+    table, rows, g = 32000 * 2048, 4096 * 2048, (4 if grad_dtype == "float32" else 2)
+    for M in (1, 4):
+        cfg = load_config("configs/bench_1b.yaml", [
+            "data.seq_len=4096", "data.batch_size=1", f"data.micro_batches={M}",
+            f"train.grad_dtype={grad_dtype}"])
+        s = step_shape(cfg, offload=False)
+        assert s.host_lookup and s.rows_bytes == M * rows * 2
+        cast = 0 if g == 4 else 4 + g
+        assert s.host_backward_bytes == table * (4 + cast + g) + M * rows * (2 + 8 + 8)
+
+
 @pytest.mark.parametrize("tied,setting", [(True, "auto"), (False, "auto"), (False, "false")])
 def test_a_configs_shape_moves_the_bytes_the_engine_counts(tied, setting):
     """step_shape's bytes each way per step equal the engine's own counters after a real step
