@@ -117,8 +117,9 @@ def test_bench_transfer_tiny_buffer(tmp_path):
 
 
 def test_bench_optimizer_tiny(tmp_path):
-    """The engine's update, torch fused and foreach and a copy, at all cores and (a child under
-    taskset) at one, each with its time, GB/s, page faults and CPU time."""
+    """The engine's update (its gradients freed by the host thread, and kept), torch fused and
+    foreach and a copy, at all cores and (a child under taskset) at one, each with its time, GB/s,
+    page faults and CPU time."""
     out = tmp_path / "opt.json"
     proc = run("bench_optimizer.py", "--params", "1", "--hidden", "256", "--reps", "1",
                "--mmap-threshold", "1", "--json", str(out))
@@ -128,12 +129,13 @@ def test_bench_optimizer_tiny(tmp_path):
     r = json.loads(out.read_text())
     threads = {r["threads"], 1}
     rows = {(row["measurement"], row["threads"]): row for row in r["table"]}
-    assert set(rows) == {(m, t) for m in ("update", "torch_fused", "torch_foreach", "copy")
-                         for t in threads}
+    assert set(rows) == {(m, t) for m in ("update", "update_kept", "torch_fused",
+                                          "torch_foreach", "copy") for t in threads}
     assert all(positive(row["ms"]) and positive(row["gb_s"]) and row["page_faults"] >= 0
                and positive(row["cpu_ms"]) for row in rows.values())
     assert positive(r["update_gb_s"]) and r["bytes_per_param_touched"] == 30
     assert positive(r["update_vs_torch_fused_1"]) and positive(r["update_vs_torch_fused_1_cpu"])
+    assert positive(r["update_kept_vs_torch_fused"])
     assert r["mmap_threshold_mib"] == 1 and r["results"]["1"]["mmap_threshold_mib"] == 1
 
 
