@@ -160,6 +160,7 @@ def main(argv=None):
     x_cpu = jax.device_put(host_np, on_cpu)
     x_pin = jax.device_put(host_np, pinned) if pinned else None
     fresh_dev = lambda: x_dev + 0  # np.asarray caches its result on the array: give it a new one
+    hop = lambda x, where: jax.device_put(np.asarray(x), where)
 
     # name -> (direction, engine role, fn[, setup])
     paths = {
@@ -174,10 +175,14 @@ def main(argv=None):
         "device -> pinned_host -> cpu backend": (
             "d2h", "", lambda _: jax.device_put(jax.device_put(x_dev, pinned), on_cpu)),
         "device -> numpy (np.asarray)": ("d2h", "", lambda x: np.asarray(x), fresh_dev),
-        "cpu backend -> pinned_host": ("host", "bus copy, after each host update",
-                                       lambda _: jax.device_put(x_cpu, pinned)),
-        "pinned_host -> cpu backend": ("host", "gradients' hop to the host state (update thread)",
-                                       lambda _: jax.device_put(x_pin, on_cpu)),
+        "cpu backend -> pinned_host": ("host", "", lambda _: jax.device_put(x_cpu, pinned)),
+        "pinned_host -> cpu backend": ("host", "", lambda _: jax.device_put(x_pin, on_cpu)),
+        # the engine's hops between the clients (transfer.across_clients): a numpy view put
+        "cpu backend -> pinned_host, numpy view": (
+            "host", "bus copy, after each host update", lambda _: hop(x_cpu, pinned)),
+        "pinned_host -> cpu backend, numpy view": (
+            "host", "gradients' hop to the host state (update thread)",
+            lambda _: hop(x_pin, on_cpu)),
         "numpy -> pinned_host": ("host", "", lambda _: jax.device_put(host_np, pinned)),
     }
     dst_np = np.empty_like(host_np)
@@ -190,6 +195,9 @@ def main(argv=None):
         else:
             try:
                 row["seconds"] = timed(fn, *setup)
+                if name.endswith("numpy view"):  # a copy, or the source's memory itself?
+                    row["zero_copy"] = shares_memory(x_cpu if name.startswith("cpu") else x_pin,
+                                                     fn(None))
             except Exception as e:  # an unsupported path is a result, not a crash
                 row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         rows.append(row)
@@ -224,6 +232,15 @@ def main(argv=None):
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.json}")
+
+
+def shares_memory(src, out):
+    """Whether `out` (a copy's result) is `src`'s memory itself (None: a pointer not readable)."""
+    import numpy as np
+    try:
+        return np.asarray(src).ctypes.data == out.unsafe_buffer_pointer()
+    except Exception:
+        return None
 
 
 def measure_overlap(jax, jnp, x_dev, x_pin, pinned, on_dev, on_cpu, nbytes, n, timed):
@@ -289,8 +306,10 @@ def print_report(rows, reference, overlap, latency, probe):
         if "skipped" in r:
             print(f"{r['path']:<42} {r['direction']:<5} {'skipped':>8}  {r['skipped']}")
             continue
+        same = {True: " (zero-copy: the source's memory)", False: " (a copy)"}.get(
+            r.get("zero_copy"), "")
         print(f"{r['path']:<42} {r['direction']:<5} {r['gb_per_s']:8.2f} "
-              f"{fmt(r.get('ratio_to_torch'), '9.2f'):>9}  {r['engine']}")
+              f"{fmt(r.get('ratio_to_torch'), '9.2f'):>9}  {r['engine']}{same}")
     if "skipped" in reference:
         print(f"PyTorch reference: skipped ({reference['skipped']})")
     else:

@@ -102,6 +102,11 @@ def test_bench_transfer_tiny_buffer(tmp_path):
                  "device -> cpu backend", "cpu backend -> pinned_host"):
         assert positive(paths[name]["gb_per_s"]), name
         assert math.isclose(paths[name]["gb_per_s"], 4e6 / paths[name]["seconds"] / 1e9)
+    # the engine's hops between the clients, and whether each is a copy: on two CPU devices the
+    # numpy view of a pinned_host array is put on the CPU backend without one
+    hop = paths["pinned_host -> cpu backend, numpy view"]
+    assert positive(hop["gb_per_s"]) and hop["zero_copy"] is True
+    assert paths["cpu backend -> pinned_host, numpy view"]["zero_copy"] in (True, False, None)
     for o in r["overlap"]["paths"].values():
         assert 0 <= o["overlap"] <= 1 and positive(o["gb_per_s_during_matmul"])
     assert r["small_d2h"]["small_d2h_ms"] > 0
