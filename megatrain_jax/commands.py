@@ -424,6 +424,11 @@ def run(argv=None, prog: str = "megatrain") -> int:
 
 
 def main(argv=None, prog: str = "megatrain"):
-    """The console script `megatrain` (and `python -m megatrain_jax`): exits with run()'s code."""
+    """The console script `megatrain` (and `python -m megatrain_jax`): exits with run()'s code.
+    `train` from the command line runs again at once with glibc's allocations on transparent huge
+    pages (hostmem.with_huge_pages; MEGATRAIN_HUGE_PAGES=0 runs it as started)."""
+    if argv is None and sys.argv[1:2] == ["train"]:
+        from megatrain_jax import hostmem
+        hostmem.with_huge_pages()
     from megatrain_jax.cli import script_exit
     script_exit(lambda: run(argv, prog))

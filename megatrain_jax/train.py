@@ -159,6 +159,9 @@ def train(cfg: Config, *, log=print, console=None) -> list[dict]:
         hostmem.set_mmap_threshold(1 << 20)  # docs/benchmarks.md "Host memory per parameter"
     except OSError:  # not glibc: nothing to tune
         pass
+    if hostmem.huge_pages_on():  # the training commands' (hostmem.with_huge_pages)
+        log(f"host memory: glibc's allocations on transparent huge pages ({hostmem.TUNABLE}; "
+            f"{hostmem.OPT_OUT}=0 runs without)")
     created = not os.path.exists(cfg.run_dir)
     prepare_run_dir(cfg.run_dir)
     try:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megatrain_jax import commands
+from megatrain_jax import commands, hostmem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -39,6 +39,9 @@ def test_tiny_config_trains_and_writes_metrics(tmp_path):
     assert "num_layers: 2" in saved and "micro_batches: 2" in saved and "schedule: wsd" in saved
     assert "num_layers: 2" in proc.stdout  # the resolved config is printed
     assert "step     3 | loss" in proc.stdout
+    # the command ran itself again with glibc's allocations on huge pages (tests/test_hostmem.py)
+    if hostmem.huge_pages_env(os.environ, hostmem.thp_setting()) is not None:
+        assert "host memory: glibc's allocations on transparent huge pages" in proc.stdout
 
 
 BAD_INPUTS = [
