@@ -56,10 +56,17 @@ parser.add_argument("--optax", action="store_true",
 parser.add_argument("--mmap-threshold", type=float, default=0,
                     help="glibc's mmap threshold in MiB, set before the state is made, as train() "
                          "sets it (1) (hostmem.set_mmap_threshold; 0: glibc's default, adaptive)")
+parser.add_argument("--huge-pages", action="store_true",
+                    help="glibc's allocations on transparent huge pages, as the training commands "
+                         "run (hostmem.with_huge_pages: this command runs itself again with the "
+                         "tunable, where the kernel allows)")
 parser.add_argument("--no-one-core", action="store_true", help="skip the one-core child run")
 parser.add_argument("--child-json", default="", help=argparse.SUPPRESS)  # the one-core child
 parser.add_argument("--json", default="", help="also write the results here")
 args = parser.parse_args()
+if args.huge_pages:  # first: the process is replaced
+    from megatrain_jax import hostmem
+    hostmem.with_huge_pages()
 if args.cores:  # before jax starts: XLA:CPU sizes its thread pool from the affinity mask
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.cores])
 
@@ -197,6 +204,7 @@ def measure() -> dict:
     return {"params": sum(leaf_sizes), "units": len(units), "layer_params": sum(
         x.size for x in jax.tree.leaves(units[1].params)), "runs": out,
         "native_kernel": not args.optax and fused_adamw.native(),
+        "huge_pages": hostmem.huge_pages_on(), "thp_mode": hostmem.thp_setting(),
         "mmap_threshold_mib": args.mmap_threshold}
 
 
@@ -207,7 +215,8 @@ def one_core() -> dict:
         argv = [f"--params={args.params}", f"--hidden={args.hidden}", f"--reps={args.reps}",
                 f"--grad-dtype={args.grad_dtype}", *(["--clip"] if args.clip else []),
                 *(["--accelerator-path"] if args.accelerator_path else []),
-                *(["--optax"] if args.optax else []), f"--mmap-threshold={args.mmap_threshold}"]
+                *(["--optax"] if args.optax else []), f"--mmap-threshold={args.mmap_threshold}",
+                *(["--huge-pages"] if args.huge_pages else [])]
         cmd = ["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable,
                os.path.abspath(__file__), *argv, "--child-json", out]
         subprocess.run(cmd, check=True)
@@ -238,6 +247,7 @@ def main():
           f"{args.grad_dtype} gradients, clipping {'on' if args.clip else 'off'}, "
           f"{'accelerator path (staging + pinned copy)' if args.accelerator_path else 'bus in place'}"
           f"{f', mmap threshold {args.mmap_threshold:g} MiB' if args.mmap_threshold else ''}"
+          f"{', huge pages' if r['huge_pages'] else ''}"
           f" | median of {args.reps}, interleaved")
     print(f"{'measurement':26s} {'threads':>7s} {'B/param':>7s} {'time ms':>9s} {'GB/s':>7s} "
           f"{'Mparams/s':>10s} {'page faults':>12s} {'CPU ms':>8s}")
@@ -267,7 +277,8 @@ def main():
                        / 1e9, "bytes_per_param_touched": bytes_per_param["update"],
                        "native_kernel": r["native_kernel"], "optax": args.optax, "clip": args.clip,
                        "accelerator_path": args.accelerator_path, "grad_dtype": args.grad_dtype,
-                       "mmap_threshold_mib": args.mmap_threshold,
+                       "mmap_threshold_mib": args.mmap_threshold, "huge_pages": r["huge_pages"],
+                       "thp_mode": r["thp_mode"],
                        "update_vs_torch_fused": ratio, "update_vs_torch_fused_1": ratio_1,
                        "update_kept_vs_torch_fused": ratio_kept,
                        "update_vs_torch_fused_1_cpu": cpu_ratio_1, "jax": jax.__version__,

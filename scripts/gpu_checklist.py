@@ -156,8 +156,11 @@ STEPS = {
                                "--device-mem-gb", "11", "--baselines", "none", "--steps", "2"),
              smoke=("scripts/bench.py", *TINY, "--baselines", "none", "--steps", "1"),
              json="bench_4b.json"),
+        # as the training commands run it: huge pages, train()'s mmap threshold (part 1's
+        # optimizer step runs without either)
         Step("optimizer_16_cores", 50, ("scripts/bench_optimizer.py", "--clip", "--cores", "16",
-                                        "--reps", "3", "--no-one-core"),
+                                        "--reps", "3", "--no-one-core", "--huge-pages",
+                                        "--mmap-threshold", "1"),
              smoke=("scripts/bench_optimizer.py", "--clip", *TINY_OPTIMIZER),
              json="optimizer_16_cores.json", env=CPU_ONLY),
         Step("optimizer_1_core", 60, ("scripts/bench_optimizer.py", "--clip", "--cores", "1",

@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from megatrain_jax import step_time
+from megatrain_jax import hostmem, step_time
 from megatrain_jax.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,7 +127,7 @@ def test_bench_optimizer_tiny(tmp_path):
     page faults and CPU time."""
     out = tmp_path / "opt.json"
     proc = run("bench_optimizer.py", "--params", "1", "--hidden", "256", "--reps", "1",
-               "--mmap-threshold", "1", "--json", str(out))
+               "--mmap-threshold", "1", "--huge-pages", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     key, value = proc.stdout.strip().splitlines()[-1].split(": ")
     assert key == "update_vs_torch_fused" and positive(float(value))
@@ -142,6 +142,10 @@ def test_bench_optimizer_tiny(tmp_path):
     assert positive(r["update_vs_torch_fused_1"]) and positive(r["update_vs_torch_fused_1_cpu"])
     assert positive(r["update_kept_vs_torch_fused"])
     assert r["mmap_threshold_mib"] == 1 and r["results"]["1"]["mmap_threshold_mib"] == 1
+    # --huge-pages: the command ran itself again with the tunable, and so did its one-core child
+    on = (hostmem.TUNABLE in os.environ.get("GLIBC_TUNABLES", "").split(":")
+          or hostmem.huge_pages_env(os.environ, r["thp_mode"]) is not None)
+    assert r["huge_pages"] is on and r["results"]["1"]["huge_pages"] is on
 
 
 def test_bench_lookup_tiny(tmp_path):
