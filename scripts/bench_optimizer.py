@@ -64,11 +64,11 @@ parser.add_argument("--no-one-core", action="store_true", help="skip the one-cor
 parser.add_argument("--child-json", default="", help=argparse.SUPPRESS)  # the one-core child
 parser.add_argument("--json", default="", help="also write the results here")
 args = parser.parse_args()
-if args.huge_pages:  # first: the process is replaced
-    from megatrain_jax import hostmem
-    hostmem.with_huge_pages()
 if args.cores:  # before jax starts: XLA:CPU sizes its thread pool from the affinity mask
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.cores])
+if args.huge_pages:  # the process is replaced (the affinity is kept); the package imports jax
+    from megatrain_jax import hostmem
+    hostmem.with_huge_pages()
 
 import concurrent.futures  # noqa: E402
 import resource  # noqa: E402
