@@ -10,20 +10,26 @@ scale 1/sum(weight), then `wait`) with gradients already on the host and the bus
 a step leaves them. Twice: as in a step, each gradient freed by the host thread once its update is
 done (with train()'s mmap threshold, --mmap-threshold 1, that unmaps it: ~12 ms for a 51M-param
 layer here), and with the gradients held until after the timing ("its gradients kept": the
-update's own time, as torch's, whose gradients persist). In the same process, interleaved with it: `torch.optim.AdamW` (`fused=True`
-and `foreach=True`) on fp32 tensors of the same sizes as the engine's leaves, with the project's
-AdamW settings, and a numpy copy between existing buffers of the same total size.
+update's own time, as torch's, whose gradients persist). In the same process, interleaved with
+it: `torch.optim.AdamW` (`fused=True`, then the same followed by a copy of the new weights into bf16
+tensors, the copy a streamed trainer sends to the device and the engine's update writes in its own
+pass, and `foreach=True`) on fp32 tensors of the same sizes as the engine's leaves, with the
+project's AdamW settings, and a numpy copy between existing buffers of the same total size.
 
 Run at all the cores this process may use (`--cores N`: the first N), then again in a child
 process under `taskset -c` one core (XLA:CPU and the fused kernel size their threads from the
-affinity mask; torch gets `set_num_threads`). Bytes an update touches: the engine 24 B/param (read
-param, m, v; write them) + the gradient (4 B, 2 with --grad-dtype bfloat16) + the bf16 bus copy
-it writes (2 B); torch 28 B/param (fp32 gradient, no bus copy). Page faults: minor faults of the
-process per update. CPU ms: CPU time of the whole process per update (all its threads; on a
-machine shared with other jobs, the one-thread rows' CPU time is what a neighbour's load disturbs
-least: wall time there also counts the time the core ran someone else; at several threads it also
-counts threads spinning while they wait, torch's OpenMP pool's among them). The line before last:
-the engine's update over torch fused's at one thread, wall and CPU time. Last line:
+affinity mask; torch gets `set_num_threads`). `--processes K` repeats both in K fresh processes,
+alternating: the same work varies by tens of percent between processes on a shared VM (where the
+buffers land), so the table pools every process's samples and each ratio is the median of the
+processes' own ratios. Bytes an update touches: the engine 24 B/param (read param, m, v; write
+them) + the gradient (4 B, 2 with --grad-dtype bfloat16) + the bf16 bus copy it writes (2 B);
+torch 28 B/param (fp32 gradient, no bus copy), 34 with its bf16 copy (read 4, write 2). Page
+faults: minor faults of the process per update. CPU ms: CPU time of the whole process per update
+(all its threads; on a machine shared with other jobs, the one-thread rows' CPU time is what a
+neighbour's load disturbs least: wall time there also counts the time the core ran someone else;
+at several threads it also counts threads spinning while they wait, torch's OpenMP pool's among
+them). The last lines: the engine's update over torch fused's at one thread (wall and CPU time),
+over torch fused followed by its bf16 copy, its gradients kept over torch fused, and last
 `update_vs_torch_fused: R`, the engine's update time over torch fused's at all cores (<= 1: the
 engine is as fast).
 """
@@ -61,6 +67,10 @@ parser.add_argument("--huge-pages", action="store_true",
                          "run (hostmem.with_huge_pages: this command runs itself again with the "
                          "tunable, where the kernel allows)")
 parser.add_argument("--no-one-core", action="store_true", help="skip the one-core child run")
+parser.add_argument("--processes", type=int, default=1,
+                    help="repeat every measurement in this many fresh processes (the same work "
+                         "varies by tens of percent between processes on a shared VM): the table "
+                         "pools their samples, the ratios are the median of each process's")
 parser.add_argument("--child-json", default="", help=argparse.SUPPRESS)  # the one-core child
 parser.add_argument("--json", default="", help="also write the results here")
 args = parser.parse_args()
@@ -110,15 +120,25 @@ def make_copy(n, pool):
     return lambda: list(pool.map(lambda part: np.copyto(*part), parts))  # releases the GIL
 
 
-def make_torch(sizes, opt_cfg, mode):
-    """torch.optim.AdamW(mode=True) over fp32 tensors of `sizes` elements, gradients set."""
+def make_torch(sizes, opt_cfg, mode, bus=False):
+    """torch.optim.AdamW(mode=True) over fp32 tensors of `sizes` elements, gradients set. `bus`:
+    each step then copies the new weights into bf16 tensors (torch._foreach_copy_), the copy a
+    streamed trainer sends to the device, which the engine's update writes in the same pass."""
     params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
     opt = torch.optim.AdamW(params, lr=opt_cfg.learning_rate, betas=(opt_cfg.b1, opt_cfg.b2),
                             eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay, **{mode: True})
     opt.step()  # its state, made now
-    return opt.step
+    if not bus:
+        return opt.step
+    buses = [torch.zeros(n, dtype=torch.bfloat16) for n in sizes]  # written now: no faults later
+
+    def step():
+        opt.step()
+        with torch.no_grad():
+            torch._foreach_copy_(buses, params)
+    return step
 
 
 def timed(fn):
@@ -184,7 +204,9 @@ def measure() -> dict:
     runs = {"copy": make_copy(sum(leaf_sizes), pool)}
     if torch is not None:
         torch.set_num_threads(THREADS)
-        runs.update({f"torch_{m}": make_torch(leaf_sizes, opt_cfg, m) for m in ("fused", "foreach")})
+        runs.update({"torch_fused": make_torch(leaf_sizes, opt_cfg, "fused"),
+                     "torch_fused_bus": make_torch(leaf_sizes, opt_cfg, "fused", bus=True),
+                     "torch_foreach": make_torch(leaf_sizes, opt_cfg, "foreach")})
     send_grads()
     update()  # compile
     for fn in runs.values():
@@ -208,37 +230,60 @@ def measure() -> dict:
         "mmap_threshold_mib": args.mmap_threshold}
 
 
-def one_core() -> dict:
-    """The same measurements in a child process pinned to this process's first core."""
+def child(one_core: bool) -> dict:
+    """The same measurements in a fresh child process: at this process's cores, or pinned to its
+    first core."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "one.json")
+        out = os.path.join(tmp, "child.json")
         argv = [f"--params={args.params}", f"--hidden={args.hidden}", f"--reps={args.reps}",
                 f"--grad-dtype={args.grad_dtype}", *(["--clip"] if args.clip else []),
                 *(["--accelerator-path"] if args.accelerator_path else []),
                 *(["--optax"] if args.optax else []), f"--mmap-threshold={args.mmap_threshold}",
                 *(["--huge-pages"] if args.huge_pages else [])]
-        cmd = ["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable,
-               os.path.abspath(__file__), *argv, "--child-json", out]
+        pin = ["taskset", "-c", str(min(os.sched_getaffinity(0)))] if one_core else []
+        cmd = [*pin, sys.executable, os.path.abspath(__file__), *argv, "--child-json", out]
         subprocess.run(cmd, check=True)
         with open(out) as f:
             return json.load(f)
 
 
+def ratios(res: dict) -> dict:
+    """One process's medians: the engine's update (as in a step, and its gradients kept) over
+    torch fused's, and over torch fused's followed by its bf16 copy."""
+    ms = {k: float(np.median(run["seconds"])) for k, run in res["runs"].items()}
+    torch_ms = lambda k: ms.get(k, float("nan"))
+    return {"update_vs_torch_fused": ms["update"] / torch_ms("torch_fused"),
+            "update_kept_vs_torch_fused": ms["update_kept"] / torch_ms("torch_fused"),
+            "update_vs_torch_fused_bus": ms["update"] / torch_ms("torch_fused_bus")}
+
+
+def pooled(per_process: list) -> dict:
+    """The processes' measurements as one: every run's samples together."""
+    runs = {k: {key: [x for r in per_process for x in r["runs"][k][key]] for key in run}
+            for k, run in per_process[0]["runs"].items()}
+    return {**per_process[0], "runs": runs}
+
+
 def main():
-    results = {THREADS: measure()}
     if args.child_json:
         with open(args.child_json, "w") as f:
-            json.dump(results[THREADS], f)
+            json.dump(measure(), f)
         return
-    if THREADS > 1 and not args.no_one_core:
-        results[1] = one_core()
+    counts = [THREADS] + ([1] if THREADS > 1 and not args.no_one_core else [])
+    per = {t: [] for t in counts}
+    for k in range(args.processes):  # alternating thread counts, each in a fresh process
+        for t in counts:  # (one process: the all-core run in this one, as before)
+            per[t].append(measure() if args.processes == 1 and t == THREADS
+                          else child(one_core=t == 1 and THREADS > 1))
+    results = {t: pooled(runs) for t, runs in per.items()}
+    per_process = {t: [ratios(r) for r in runs] for t, runs in per.items()}
     r = results[THREADS]
     n = r["params"]
     grad_bytes = jnp.dtype(args.grad_dtype).itemsize
     bytes_per_param = {"update": 24 + grad_bytes + 2, "update_kept": 24 + grad_bytes + 2,
-                       "torch_fused": 28, "torch_foreach": 28, "copy": 8}
+                       "torch_fused": 28, "torch_fused_bus": 34, "torch_foreach": 28, "copy": 8}
     names = {"update": "engine host update", "update_kept": "  its gradients kept",
-             "torch_fused": "torch AdamW fused",
+             "torch_fused": "torch AdamW fused", "torch_fused_bus": "  + its bf16 copy",
              "torch_foreach": "torch AdamW foreach", "copy": "numpy copy"}
     path = "optax" if args.optax else "fused, " + ("kernel" if r["native_kernel"] else "JAX")
     print(f"model: {n / 1e6:.1f}M params, {r['units'] - 2} layers of {r['layer_params'] / 1e6:.1f}M "
@@ -248,7 +293,8 @@ def main():
           f"{'accelerator path (staging + pinned copy)' if args.accelerator_path else 'bus in place'}"
           f"{f', mmap threshold {args.mmap_threshold:g} MiB' if args.mmap_threshold else ''}"
           f"{', huge pages' if r['huge_pages'] else ''}"
-          f" | median of {args.reps}, interleaved")
+          f" | median of {args.reps}, interleaved"
+          f"{f', in each of {args.processes} processes (ratios: median of the processes)' if args.processes > 1 else ''}")
     print(f"{'measurement':26s} {'threads':>7s} {'B/param':>7s} {'time ms':>9s} {'GB/s':>7s} "
           f"{'Mparams/s':>10s} {'page faults':>12s} {'CPU ms':>8s}")
     table = []
@@ -263,27 +309,35 @@ def main():
             print(f"{names[k]:26s} {threads:7d} {row['bytes_per_param']:7d} {row['ms']:9.1f} "
                   f"{row['gb_s']:7.2f} {row['mparams_per_s']:10.0f} {row['page_faults']:12d} "
                   f"{row['cpu_ms']:8.1f}")
-    ms = {(row["measurement"], row["threads"]): row["ms"] for row in table}
-    ratio = ms[("update", THREADS)] / ms.get(("torch_fused", THREADS), float("nan"))
-    ratio_kept = ms[("update_kept", THREADS)] / ms.get(("torch_fused", THREADS), float("nan"))
+    median = lambda t, key: float(np.median([x[key] for x in per_process.get(t, [])] or [np.nan]))
+    ratio, ratio_1 = median(THREADS, "update_vs_torch_fused"), median(1, "update_vs_torch_fused")
+    ratio_kept = median(THREADS, "update_kept_vs_torch_fused")
+    ratio_bus = median(THREADS, "update_vs_torch_fused_bus")
     cpu = {(row["measurement"], row["threads"]): row["cpu_ms"] for row in table}
-    ratio_1 = ms.get(("update", 1), float("nan")) / ms.get(("torch_fused", 1), float("nan"))
     cpu_ratio_1 = cpu.get(("update", 1), float("nan")) / cpu.get(("torch_fused", 1), float("nan"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"params": n, "units": r["units"], "layer_params": r["layer_params"],
                        "threads": THREADS, "table": table, "results": results,
-                       "update_gb_s": bytes_per_param["update"] * n / ms[("update", THREADS)] * 1e3
-                       / 1e9, "bytes_per_param_touched": bytes_per_param["update"],
+                       "update_gb_s": next(row["gb_s"] for row in table if row["threads"] == THREADS
+                                           and row["measurement"] == "update"),
+                       "bytes_per_param_touched": bytes_per_param["update"],
                        "native_kernel": r["native_kernel"], "optax": args.optax, "clip": args.clip,
                        "accelerator_path": args.accelerator_path, "grad_dtype": args.grad_dtype,
                        "mmap_threshold_mib": args.mmap_threshold, "huge_pages": r["huge_pages"],
                        "thp_mode": r["thp_mode"],
                        "update_vs_torch_fused": ratio, "update_vs_torch_fused_1": ratio_1,
                        "update_kept_vs_torch_fused": ratio_kept,
+                       "update_vs_torch_fused_bus": ratio_bus, "processes": args.processes,
+                       "per_process": {str(t): x for t, x in per_process.items()},
                        "update_vs_torch_fused_1_cpu": cpu_ratio_1, "jax": jax.__version__,
                        "torch": torch.__version__ if torch else None}, f, indent=1)
+    if args.processes > 1:
+        for t, xs in sorted(per_process.items(), reverse=True):
+            print(f"per process, {t} thread(s), update / torch fused: "
+                  + ", ".join(f"{x['update_vs_torch_fused']:.3f}" for x in xs))
     print(f"at one thread, update / torch fused: {ratio_1:.3f} (wall), {cpu_ratio_1:.3f} (CPU)")
+    print(f"update / (torch fused + its bf16 copy): {ratio_bus:.3f}")
     print(f"its gradients kept, update / torch fused: {ratio_kept:.3f}")
     print(f"update_vs_torch_fused: {ratio:.3f}")
 

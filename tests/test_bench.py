@@ -10,6 +10,9 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+
 from megatrain_jax import hostmem, step_time
 from megatrain_jax.config import load_config
 
@@ -122,12 +125,13 @@ def test_bench_transfer_tiny_buffer(tmp_path):
 
 
 def test_bench_optimizer_tiny(tmp_path):
-    """The engine's update (its gradients freed by the host thread, and kept), torch fused and
-    foreach and a copy, at all cores and (a child under taskset) at one, each with its time, GB/s,
-    page faults and CPU time."""
+    """The engine's update (its gradients freed by the host thread, and kept), torch fused (alone
+    and followed by its bf16 copy) and foreach and a copy, at all cores and (a child under
+    taskset) at one, each with its time, GB/s, page faults and CPU time; with --processes 2, each
+    in two fresh processes, the ratios per process and their median."""
     out = tmp_path / "opt.json"
     proc = run("bench_optimizer.py", "--params", "1", "--hidden", "256", "--reps", "1",
-               "--mmap-threshold", "1", "--huge-pages", "--json", str(out))
+               "--mmap-threshold", "1", "--huge-pages", "--processes", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     key, value = proc.stdout.strip().splitlines()[-1].split(": ")
     assert key == "update_vs_torch_fused" and positive(float(value))
@@ -135,7 +139,17 @@ def test_bench_optimizer_tiny(tmp_path):
     threads = {r["threads"], 1}
     rows = {(row["measurement"], row["threads"]): row for row in r["table"]}
     assert set(rows) == {(m, t) for m in ("update", "update_kept", "torch_fused",
-                                          "torch_foreach", "copy") for t in threads}
+                                          "torch_fused_bus", "torch_foreach", "copy")
+                         for t in threads}
+    assert rows[("torch_fused_bus", 1)]["bytes_per_param"] == 34
+    # two processes a thread count, each run's samples pooled, the ratios the processes' median
+    assert r["processes"] == 2 and all(len(run["seconds"]) == 2
+                                       for run in r["results"]["1"]["runs"].values())
+    for t, key in [(r["threads"], ""), (1, "_1")]:
+        per = r["per_process"][str(t)]
+        assert len(per) == 2 and r[f"update_vs_torch_fused{key}"] == pytest.approx(
+            np.median([x["update_vs_torch_fused"] for x in per]))
+    assert positive(r["update_vs_torch_fused_bus"])
     assert all(positive(row["ms"]) and positive(row["gb_s"]) and row["page_faults"] >= 0
                and positive(row["cpu_ms"]) for row in rows.values())
     assert positive(r["update_gb_s"]) and r["bytes_per_param_touched"] == 30
