@@ -85,7 +85,14 @@ class HostBus(_Policy):
 class PinnedBus(_Policy):
     """In the compute device's pinned host memory, which it reads by DMA with no staging copy.
     The update cannot write there (another device's memory), so it writes into a reused host
-    buffer (`staging[key]`, shared by the units of one structure) that is then copied over."""
+    buffer (`staging[key]`, shared by the units of one structure) that is then copied over.
+
+    Were that copy a zero-copy view of the staging buffer (transfer.across_clients' numpy-view
+    put, which on two CPU devices aliases), the next unit's update could not overwrite the copy
+    through the donated staging buffer: PJRT does not donate a buffer that a numpy view still
+    references, and XLA writes a fresh one instead. Checked by forcing that path on two CPU
+    devices: every exactness test passed, only test_update_reuses_buffers[staged] failed (fresh
+    memory each update): the hazard is speed, not correctness."""
     is_params, on_host = False, False
 
     def __init__(self, compute_dtype, sharding, staging: dict, key: int):
