@@ -81,14 +81,16 @@ minute for an 8B model (it compiles the step's functions to read their workspace
 
 --step-time predicts the step time instead (megatrain_jax.step_time): a timeline of the engine's
 schedule from component rates, which default to the --device preset's bus and bf16 peak (host
-update {host_update_gbps:g} GB/s, dispatch {dispatch_us:g} us), are read from measured results
-with --rates (a folder the GPU checklist wrote, or a step-time JSON) and overridden one by one by
---h2d-gbps, --d2h-gbps, --tflops, --host-update-gbps, --dispatch-us. With --rates, a bench.py
+update {host_update_gbps:g} GB/s, the hop between clients {hop_gbps:g} GB/s, dispatch
+{dispatch_us:g} us), are read from measured results with --rates (a folder the GPU checklist
+wrote, or a step-time JSON) and overridden one by one by --h2d-gbps, --d2h-gbps, --tflops,
+--host-update-gbps, --hop-gbps, --dispatch-us. With --rates, a bench.py
 result there of the same step is compared with the prediction.""".format(
     presets=", ".join(MACHINES), **step_time.DEFAULTS)
 
 RATE_FLAGS = {"h2d_gbps": "--h2d-gbps", "d2h_gbps": "--d2h-gbps", "device_tflops": "--tflops",
-              "host_update_gbps": "--host-update-gbps", "dispatch_us": "--dispatch-us"}
+              "host_update_gbps": "--host-update-gbps", "hop_gbps": "--hop-gbps",
+              "dispatch_us": "--dispatch-us"}
 
 
 def _machine(args):

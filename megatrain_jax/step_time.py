@@ -22,9 +22,10 @@ given work:
   host update  the optimizer thread: one unit after another in the order the next forward needs
                them (the first stage's, layer 0, 1, ..., the last stage's), each once its gradient and the global norm are on
                the host (the norm needs every unit's sum of squares: exact clipping, and a
-               non-finite norm must change nothing), its bytes including the gradient's hop from
-               the compute device's pinned memory to the CPU client. The next step's fetch of a
-               unit waits for that unit's update.
+               non-finite norm must change nothing): its bytes at `host_update_gbps`, and on an
+               accelerator the host thread's copies between the clients at `hop_gbps` (the
+               gradient from the compute device's pinned memory to the CPU client, the new bus
+               copy back). The next step's fetch of a unit waits for that unit's update.
 
 With the host lookup (engine/lookup.py, where flops.host_lookup says the engine takes it) the
 first stage's rows cross instead of its weights (after unit 0's update), the last stage's gradient
@@ -48,6 +49,8 @@ import os
 
 GB = 1e9
 RESOURCES = ("dispatch", "h2d", "d2h", "device", "host update")
+# bench_transfer.py's rows for the engine's hop between the clients, each way
+HOP_PATHS = ("pinned_host -> cpu backend, numpy view", "cpu backend -> pinned_host, numpy view")
 
 # Defaults: an H100 SXM on PCIe 5.
 # - device: 989 TFLOP/s, the H100 SXM datasheet's dense bf16 tensor-core peak (no sparsity); an
@@ -59,8 +62,12 @@ RESOURCES = ("dispatch", "h2d", "d2h", "device", "host update")
 #   (docs/results/2026-11-26-h100/optimizer.json; torch's fused AdamW did 133 GB/s there).
 # - dispatch: 20 us per jitted call or device_put, an assumption (no figure measured yet): the
 #   checklist measures a tiny jitted op to completion (transfer.json, small_d2h.tiny_op_ms).
+# - hop: 9.5 GB/s, the host thread's copy between the accelerator's client and the CPU client
+#   (transfer.across_clients: a numpy view of the source put on the other client, one
+#   single-threaded host memcpy): 9.63 GB/s pinned -> CPU, 9.46 CPU -> pinned on the same H100
+#   host (docs/results/2026-11-26-h100/probe_hop.json; numpy's copyto there: 11.5 GB/s).
 DEFAULTS = {"h2d_gbps": 55.0, "d2h_gbps": 55.0, "device_tflops": 989.0, "host_update_gbps": 69.8,
-            "dispatch_us": 20.0}
+            "hop_gbps": 9.5, "dispatch_us": 20.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +77,7 @@ class Rates:
     d2h_gbps: float = DEFAULTS["d2h_gbps"]
     device_tflops: float = DEFAULTS["device_tflops"]
     host_update_gbps: float = DEFAULTS["host_update_gbps"]
+    hop_gbps: float = DEFAULTS["hop_gbps"]  # bytes copied a second by the hop between clients
     dispatch_us: float = DEFAULTS["dispatch_us"]
 
     def __post_init__(self):
@@ -108,6 +116,9 @@ class StepShape:
     # submitted as soon as its gradient is on the host, during the backward (no exact clipping,
     # no non-finite check: not the engine's; a what-if for hiding the update)
     head_update_bytes: int = 0  # the part of stages_update_bytes that is the last stage's own
+    first_hop_bytes: int = 0  # bytes the host thread copies between the clients for a unit's
+    layer_hop_bytes: int = 0  # update (its gradient in, its bus copy out to pinned memory), at
+    head_hop_bytes: int = 0  # hop_gbps: the first stage's unit, a layer's, the last stage's
     # unit (final norm, untied head), updated last; the rest is the first stage's, updated first
     # The host lookup (engine/lookup.py; flops.host_lookup decides as the engine does): the
     # first stage runs on the host, its weights never cross; its rows (all micro-batches, the
@@ -128,6 +139,11 @@ class StepShape:
         first = self.rows_bytes if self.host_lookup else 2 * self.first_bytes
         return (2 * self.layers * self.layer_bytes + first + self.last_bytes
                 + self.layers * self.act_bytes)
+
+    @property
+    def hop_bytes(self) -> int:
+        """Bytes the host thread copies between the clients per step (the units' updates)."""
+        return self.first_hop_bytes + self.layers * self.layer_hop_bytes + self.head_hop_bytes
 
     @property
     def d2h_bytes(self) -> int:
@@ -175,8 +191,8 @@ class Prediction:
     def report(self, peak_tflops: float = DEFAULTS["device_tflops"]) -> str:
         r = self.rates
         lines = [f"rates: bus {r.h2d_gbps:.3g} GB/s in, {r.d2h_gbps:.3g} GB/s out; device "
-                 f"{r.device_tflops:.4g} TFLOP/s; host update {r.host_update_gbps:.3g} GB/s; "
-                 f"dispatch {r.dispatch_us:.3g} us",
+                 f"{r.device_tflops:.4g} TFLOP/s; host update {r.host_update_gbps:.3g} GB/s, "
+                 f"hop {r.hop_gbps:.3g} GB/s; dispatch {r.dispatch_us:.3g} us",
                  f"predicted step: {self.step_s * 1e3:,.1f} ms, {self.tokens_per_s:,.0f} tokens/s, "
                  f"MFU {self.mfu(peak_tflops):.1%} of {peak_tflops:g} TFLOP/s; bound by "
                  f"{self.bound}",
@@ -223,10 +239,11 @@ class _Timeline:
         d = self.call(label)
         return self.op("device", label, flops / (self.rates.device_tflops * 1e12), [d, *after])
 
-    def update(self, label, nbytes, after) -> Op:
+    def update(self, label, nbytes, after, hop_bytes=0) -> Op:
         d = self.call(label)
-        return self.op("host update", label, nbytes / (self.rates.host_update_gbps * GB),
-                       [d, *after])
+        r = self.rates
+        seconds = nbytes / (r.host_update_gbps * GB) + hop_bytes / (r.hop_gbps * GB)
+        return self.op("host update", label, seconds, [d, *after])
 
 
 def _stream(t: _Timeline, order, fetch, body, prefetch):
@@ -293,7 +310,7 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
         grads[1 + i] = t.d2h(f"gradient {i}", s.layer_grad_bytes, [dxs[-1]])
         if not s.updates_wait_for_norm:  # submitted as soon as its gradient is on the host
             updates[1 + i] = t.update(f"update unit {1 + i}", s.layer_update_bytes,
-                                      [grads[1 + i]])
+                                      [grads[1 + i]], s.layer_hop_bytes)
         return [squares[-1]]
 
     _stream(t, reversed(range(s.layers)), fetch_back, backward, s.prefetch)
@@ -318,9 +335,11 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
     # update, on the host thread, in the order the next forward needs them: the first stage's
     # unit, the layers, the last stage's
     nbytes = {0: s.stages_update_bytes - s.head_update_bytes, s.layers + 1: s.head_update_bytes}
+    hops = {0: s.first_hop_bytes, s.layers + 1: s.head_hop_bytes}
     for u in range(s.layers + 2) if s.updates_wait_for_norm else [0, s.layers + 1]:
         after = [grads[u], norm] if s.updates_wait_for_norm else [grads[u]]
-        updates[u] = t.update(f"update unit {u}", nbytes.get(u, s.layer_update_bytes), after)
+        updates[u] = t.update(f"update unit {u}", nbytes.get(u, s.layer_update_bytes), after,
+                              hops.get(u, s.layer_hop_bytes))
     if s.host_lookup:
         t.call("wait for the norm", after=[norm])
     return t.call("read loss", after=[loss])  # the bench's float(loss): the step's sync point
@@ -365,9 +384,12 @@ def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True) -> StepSh
     attention = attention_flops(model, T) / model.num_layers  # one layer's forward, on average
     params = c.stages + c.layers * c.layer
     opt_per_param = c.optimizer / params  # bytes of optax state per parameter (AdamW: 8)
-    # params read and written, optax state read and written, the gradient's hop to the CPU
-    # client (read, written) and its read by the update, the bus copy written
-    touched = lambda n: n * (8 + 2 * opt_per_param + 3 * c.grad + c.compute)
+    # params read and written, optax state read and written, the gradient read, the bus copy
+    # written (bench_optimizer.py's count); on an accelerator the host thread also copies, at
+    # hop_gbps, the gradient from the compute device's pinned memory to the CPU client and the
+    # new bus copy back to pinned memory (transfer.across_clients)
+    touched = lambda n: n * (8 + 2 * opt_per_param + c.grad + c.compute)
+    hop = lambda n: n * (c.grad + c.compute) if c.accelerator else 0
     lookup = host_lookup(c, tokens)
     rows = M * tokens * c.hidden * c.compute if lookup else 0
     # the host lookup's first stage backward (HostBackward), as scripts/bench_lookup.py measured
@@ -376,11 +398,12 @@ def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True) -> StepSh
     # their gradient read, cast to an fp32 copy (written, read), the table's rows it adds to
     # read and written; then unit 0's gradient: the accumulator itself in fp32 (donated), else
     # cast (read, written in train.grad_dtype); and read for its sum of squares. Unit 0's
-    # gradient is then made on the host: no hop between clients in its update
+    # gradient is then made on the host and its bus copy stays there (the lookup reads it): no
+    # hop between clients in its update
     rows_scatter = M * tokens * c.hidden * (c.compute + 4 + 4 + 8)
     cast = 0 if c.grad == 4 else 4 + c.grad
     host_backward = rows_scatter + c.first * (4 + cast + c.grad) if lookup else 0
-    first_update = touched(c.first) - (2 * c.grad * c.first if lookup else 0)
+    first_update = touched(c.first)
     last_unit = c.stages - c.first
     return StepShape(
         layers=c.layers, micro_batches=M, prefetch=c.prefetch, tokens_per_step=M * tokens,
@@ -394,6 +417,8 @@ def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True) -> StepSh
         head_flops=tokens * 6 * head,
         stages_update_bytes=int(first_update + touched(last_unit)),
         layer_update_bytes=int(touched(c.layer)), head_update_bytes=int(touched(last_unit)),
+        first_hop_bytes=0 if lookup else int(hop(c.first)), layer_hop_bytes=int(hop(c.layer)),
+        head_hop_bytes=int(hop(last_unit)),
         model_flops=float(useful * M * tokens),
         updates_wait_for_norm=updates_wait_for_norm, rows_bytes=rows,
         host_backward_bytes=int(host_backward))
@@ -432,7 +457,9 @@ def measured_rates(path: str, shape: StepShape = None) -> tuple:
     engine's own paths (engine/transfer.py). device: the FLOPs the engine's device functions execute in a step / their
     time run back to back with no transfers (bench.py's resident_compute_s_per_step), else
     bench.py's measured matmul. host update: bench_optimizer.py's update_gb_s, else bench.py's
-    host-update seconds per step. dispatch: bench_transfer.py's tiny jitted op to completion."""
+    host-update seconds per step less the hop's time. hop: the slower of bench_transfer.py's two
+    numpy-view rows between the clients (HOP_PATHS). dispatch: bench_transfer.py's tiny jitted
+    op to completion."""
     values, sources, bench = dict(DEFAULTS), {k: "default" for k in DEFAULTS}, None
     results = _load_results(path)
     for f, r in results:
@@ -448,6 +475,11 @@ def measured_rates(path: str, shape: StepShape = None) -> tuple:
         for key, row in (("h2d_gbps", "pinned_host -> device"), ("d2h_gbps", "device -> pinned_host")):
             if paths.get(row, {}).get("gb_per_s"):
                 values[key], sources[key] = paths[row]["gb_per_s"], f"{f}: {row}"
+        hops = [(paths[row]["gb_per_s"], row) for row in HOP_PATHS
+                if paths.get(row, {}).get("gb_per_s")]
+        if hops:  # the slower way: a unit's update waits for both
+            values["hop_gbps"], row = min(hops)
+            sources["hop_gbps"] = f"{f}: {row}"
         tiny = (r.get("small_d2h") or {}).get("tiny_op_ms")
         if tiny:
             values["dispatch_us"], sources["dispatch_us"] = tiny * 1e3, f"{f}: tiny jitted op"
@@ -470,11 +502,14 @@ def measured_rates(path: str, shape: StepShape = None) -> tuple:
         values["host_update_gbps"] = r["update_gb_s"]
         sources["host_update_gbps"] = f"{f}: update_gb_s ({r.get('threads')} threads)"
     elif bench is not None and bench[1]["streamed"].get("host_update_s_per_step"):
-        seconds = bench[1]["streamed"]["host_update_s_per_step"]
+        seconds = (bench[1]["streamed"]["host_update_s_per_step"]
+                   - shape.hop_bytes / (values["hop_gbps"] * GB))  # the update's own time
         total = (shape.stages_update_bytes + shape.layers * shape.layer_update_bytes
                  + shape.host_backward_bytes)
-        values["host_update_gbps"] = total / seconds / GB
-        sources["host_update_gbps"] = f"{bench[0]}: host update seconds per step (in the run)"
+        if seconds > 0:
+            values["host_update_gbps"] = total / seconds / GB
+            sources["host_update_gbps"] = (f"{bench[0]}: host update seconds per step (in the "
+                                           "run), less the hop's")
     return Rates(**values), sources, bench[1] if bench else None
 
 

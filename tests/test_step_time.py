@@ -76,6 +76,19 @@ def test_waiting_for_the_norm_exposes_only_the_updates_the_first_layer_needs():
     assert math.isclose(deeper.step_s, device + 0.5 + 2 * 0.25, rel_tol=1e-9)
 
 
+def test_the_hop_between_clients_is_the_host_threads_at_its_own_rate():
+    """A unit's update on the host thread takes its bytes at host_update_gbps plus its hop's
+    between the clients (gradient in, bus copy out) at hop_gbps: 1 s + 0.5 GB at 0.25 GB/s a
+    layer here, nothing else in the step."""
+    s = shape(layers=3, layer_update_bytes=int(1e9), layer_hop_bytes=int(0.5e9),
+              stages_update_bytes=int(1e9), head_update_bytes=int(0.5e9),
+              first_hop_bytes=int(0.25e9), head_hop_bytes=int(0.5e9))
+    p = simulate(s, dataclasses.replace(UNIT, hop_gbps=0.25))
+    busy = 3 * (1 + 2) + (0.5 + 1) + (0.5 + 2)  # the layers, the first stage's, the last's
+    assert math.isclose(p.busy_s["host update"], busy, rel_tol=1e-9)
+    assert s.hop_bytes == int(3 * 0.5e9 + 0.25e9 + 0.5e9)
+
+
 def test_each_gradients_copy_out_overlaps_the_next_layers_backward():
     """A backward layer retires on its sum of squares, so its gradient (0.5 s on the bus) crosses
     while the next layer (1 s) computes: only the last layer's shows, and only because the next
@@ -183,6 +196,10 @@ def test_a_configs_shape_moves_the_bytes_the_engine_counts(tied, setting):
     s = step_shape(cfg, offload=False)
     assert engine.host_lookup == s.host_lookup == (not tied and setting == "auto")
     assert (engine.counters.bytes_h2d, engine.counters.bytes_d2h) == (s.h2d_bytes, s.d2h_bytes)
+    # the host thread's hops between the clients (the h100 preset: an accelerator): a layer's
+    # gradient in and its bus copy out; none for unit 0 with the lookup (made and kept on the host)
+    assert s.layer_hop_bytes == s.layer_grad_bytes + s.layer_bytes > 0
+    assert s.first_hop_bytes == (0 if s.host_lookup else 2 * s.first_bytes)  # bf16 both ways
     engine.close()
 
 
@@ -199,7 +216,9 @@ def results(tmp_path, s: StepShape):
             {"path": "pinned_host -> device", "gb_per_s": 40.0},
             {"path": "device -> pinned_host", "gb_per_s": 3.0},
             {"path": "device -> cpu backend", "gb_per_s": 2.0},
-            {"path": "numpy -> device", "gb_per_s": 9.0}],
+            {"path": "numpy -> device", "gb_per_s": 9.0},
+            {"path": "pinned_host -> cpu backend, numpy view", "gb_per_s": 8.0},
+            {"path": "cpu backend -> pinned_host, numpy view", "gb_per_s": 11.0}],
             "small_d2h": {"tiny_op_ms": 0.05}},
         "bench_1b.json": {"kind": "train", "tokens_per_step": s.tokens_per_step,
                           "flops": {"per_step": s.model_flops}, "matmul_peak": {"tflops": 700.0},
@@ -224,6 +243,19 @@ def test_measured_rates_come_from_the_engines_own_paths(tmp_path):
     assert math.isclose(rates.device_tflops, executed_flops(s) / 0.5 / 1e12)
     assert "resident compute" in sources["device_tflops"] and "16 threads" in sources["host_update_gbps"]
     assert bench["streamed"]["step_s"] == 2.0
+    # the hop between the clients: the slower of the engine's two numpy-view ways
+    assert rates.hop_gbps == 8.0 and "pinned_host -> cpu backend" in sources["hop_gbps"]
+    # without an optimizer run, bench.py's host-update seconds less the hop's time
+    for name in ("optimizer.json", "optimizer_1_core.json"):
+        os.rename(tmp_path / name, tmp_path / f"{name}.off")
+    hops = dataclasses.replace(s, stages_update_bytes=int(2e9), layer_update_bytes=int(1e9),
+                               layer_hop_bytes=int(0.5e9), first_hop_bytes=int(0.4e9))
+    rates, sources, _ = measured_rates(str(tmp_path), hops)
+    own = 1.5 - (4 * 0.5 + 0.4) / 8.0  # seconds: the bench's, less 2.4 GB at 8 GB/s
+    assert math.isclose(rates.host_update_gbps, (2 + 4 * 1) / own)
+    assert "less the hop's" in sources["host_update_gbps"]
+    for name in ("optimizer.json", "optimizer_1_core.json"):
+        os.rename(tmp_path / f"{name}.off", tmp_path / name)
     # another step's bench gives only its measured matmul, and no comparison
     other = dataclasses.replace(s, tokens_per_step=65)
     rates, sources, bench = measured_rates(str(tmp_path), other)
