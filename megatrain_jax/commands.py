@@ -101,7 +101,7 @@ def _machine(args):
     else:
         raise ConfigError(f"--device {args.device!r}: expected local or one of "
                           f"{', '.join(MACHINES)}")
-    for key in ("host_memory_gb", "device_memory_gb"):
+    for key in ("host_memory_gb", "device_memory_gb", "devices"):
         value = getattr(args, key)
         if value is not None:
             if value <= 0:
@@ -142,6 +142,8 @@ def plan(argv=None, prog=None) -> int:
     parser.add_argument("--device", default="h100", help=f"{', '.join(MACHINES)} or local")
     parser.add_argument("--host-memory-gb", type=float, help="host RAM the run may use (GB)")
     parser.add_argument("--device-memory-gb", type=float, help="device memory the run may use (GB)")
+    parser.add_argument("--devices", type=int, help="compute devices the machine has (a preset's "
+                        "count is unknown: distributed.local_devices 0 is planned as 1)")
     parser.add_argument("--sweep", help="comma-separated data.seq_len values, one row each")
     parser.add_argument("--json", help="write the plan(s) to this file")
     parser.add_argument("--step-time", action="store_true",

@@ -21,8 +21,8 @@ from typing import Callable
 import numpy as np
 
 from megatrain_jax.config import Config, DiskTier
-from megatrain_jax.flops import (ASSUMED_MFU, Counts, counts, flops_per_token, host_lookup,
-                                  tokens_to_hide)
+from megatrain_jax.flops import (ASSUMED_MFU, Counts, counts, devices_assumed, flops_per_token,
+                                  host_lookup, tokens_to_hide)
 from megatrain_jax.machines import GB, Machine
 from megatrain_jax.memory_model import (PHASES, compile_device, device_bytes, fits, host_bytes,
                                         host_bytes_on_disk, peak_bytes, pinned_bytes,
@@ -56,6 +56,7 @@ def plan(cfg: Config, machine: Machine) -> Plan:
                     "disk": host_bytes_on_disk(c, B * T, offload, read_ahead)}
     host = host_by_tier[cfg.offload.tier]
     notes += _pinned_pool_notes(pinned_bytes(c, B * T, host), machine)
+    notes += [n for n in [devices_assumed(cfg, machine)] if n]
     if host_lookup(c, B * T):
         notes.append("the first stage runs on the host (the host lookup, engine/lookup.py: its "
                      "rows cross, not its weights, and their gradient comes back); unit 0's bus "

@@ -207,6 +207,28 @@ def test_the_host_lookups_gradients_on_the_host(grad_dtype):
     assert p.host["gradients"] == g * (c.stages + c.layers * c.layer) + accumulator + rows
 
 
+@pytest.mark.parametrize("devices", [0, 1, 4])
+def test_every_local_device_plans_as_the_engine_runs(devices):
+    """distributed.local_devices 0 takes every accelerator (distributed.devices): on a machine
+    with several the engine runs data parallel, where the host lookup does not serve
+    (lookup.serves), so the plan predicts the device path and counts its memory; on one device
+    the lookup, where the rule takes it (this config's shapes); with the count unknown (a
+    preset) it plans 1 device and says so."""
+    cfg = config(SEQ["lookup"])
+    assert cfg.distributed.local_devices == 0
+    p = plan(cfg, dataclasses.replace(MACHINE, devices=devices))
+    device_path = plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
+                                                                          host_lookup=False)),
+                       MACHINE)
+    assert p.host_lookup == (devices < 2)
+    assert (p.device == device_path.device) == (devices > 1)
+    assert (p.host == device_path.host) == (devices > 1)
+    assumed = [n for n in p.notes if "gives no device count: planned for 1 a process" in n]
+    assert len(assumed) == (devices == 0)
+    if assumed:  # one line of its report
+        assert "note: " + assumed[0] + "\n" in p.report() + "\n"
+
+
 def test_sharded_host_state_plans_each_process_its_share():
     """distributed.shard_optimizer over two processes: the plan counts half of every unit's host
     state per process, so a host that holds half fits where the replicated layout does not."""
@@ -278,3 +300,5 @@ def test_script_prints_the_plan_and_writes_json(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.strip().count("\n") == 0 and "Traceback" not in err
     assert "error: --device 'tpu'" in err
+    assert run("--devices", "0") == 2
+    assert "error: --devices must be > 0, got 0" in capsys.readouterr().err
