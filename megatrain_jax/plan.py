@@ -24,7 +24,7 @@ from megatrain_jax.config import Config, DiskTier
 from megatrain_jax.flops import (ASSUMED_MFU, Counts, counts, devices_assumed, flops_per_token,
                                   host_lookup, tokens_to_hide)
 from megatrain_jax.machines import GB, Machine
-from megatrain_jax.memory_model import (PHASES, compile_device, device_bytes, fits, host_bytes,
+from megatrain_jax.memory_model import (compile_device, device_bytes, fits, host_bytes,
                                         host_bytes_on_disk, peak_bytes, pinned_bytes,
                                         workspace_bytes)
 from megatrain_jax.model import Execution
@@ -170,11 +170,11 @@ def _largest_search(cfg: Config, machine: Machine, c: Counts, temps: Callable, w
             w4 = temps(B, 4 * T)  # the guess: workspaces linear in T
             guess = _largest_int(lambda t: fits_at(B, t, {
                 phase: max(0, workspace[phase] + (t - T) * (w4[phase] - workspace[phase]) / (3 * T))
-                for phase in PHASES}))
+                for phase in workspace}))
             return _largest_compiled(lambda t: fits_at(B, t, temps(B, t)), quantum, guess)
         w1, w2 = workspace, temps(2 * B, T)
         return _largest_int(lambda b: fits_at(b, T, {
-            phase: max(0, w1[phase] + (b - B) * (w2[phase] - w1[phase]) / B) for phase in PHASES}))
+            phase: max(0, w1[phase] + (b - B) * (w2[phase] - w1[phase]) / B) for phase in workspace}))
 
     return largest
 
