@@ -209,7 +209,7 @@ def plan_advice(cfg, machine, run_plan, args) -> list:
     if machine.bf16_tflops <= 0 and args.device_tflops is None and not args.rates:
         return [f"advice: none before the run: {machine.name} has no known peak for the step-time "
                 f"model (--tflops, --rates); the run advises after its first steps"]
-    shape = step_time.step_shape(cfg, run_plan.offload_activations)
+    shape = step_time.step_shape(cfg, run_plan.offload_activations, devices=machine.devices)
     prediction = step_time.simulate(shape, _rates(machine, args, shape)[0])
     return advice.for_plan(cfg, machine, run_plan, prediction)
 
@@ -217,7 +217,8 @@ def plan_advice(cfg, machine, run_plan, args) -> list:
 def _step_time(cfg, machine, args) -> dict:
     """Prints the step-time prediction of cfg; returns it as plain data."""
     offload = cfg.train.offload_activations is True
-    shape = step_time.step_shape(cfg, offload)
+    from megatrain_jax.flops import devices_assumed
+    shape = step_time.step_shape(cfg, offload, devices=machine.devices)
     rates, sources, bench = _rates(machine, args, shape)
     prediction = step_time.simulate(shape, rates)
     peak = machine.bf16_tflops or step_time.DEFAULTS["device_tflops"]
@@ -229,6 +230,8 @@ def _step_time(cfg, machine, args) -> dict:
           + ("; the first stage on the host (the host lookup: its rows cross, not its weights)"
              if shape.host_lookup else ""))
     print(prediction.report(peak))
+    if devices_assumed(cfg, machine):
+        print(f"note: {devices_assumed(cfg, machine)}")
     for key, source in sources.items():
         print(f"  {key:<17} {source}")
     out = {"kind": "step_time", **prediction.to_dict(), "rate_sources": sources,
