@@ -230,8 +230,9 @@ def _step_time(cfg, machine, args) -> dict:
           + ("; the first stage on the host (the host lookup: its rows cross, not its weights)"
              if shape.host_lookup else ""))
     print(prediction.report(peak))
-    if devices_assumed(cfg, machine):
-        print(f"note: {devices_assumed(cfg, machine)}")
+    assumed = devices_assumed(cfg, machine)
+    if assumed:
+        print(f"note: {assumed}")
     for key, source in sources.items():
         print(f"  {key:<17} {source}")
     out = {"kind": "step_time", **prediction.to_dict(), "rate_sources": sources,

@@ -174,7 +174,8 @@ def _largest_search(cfg: Config, machine: Machine, c: Counts, temps: Callable, w
             return _largest_compiled(lambda t: fits_at(B, t, temps(B, t)), quantum, guess)
         w1, w2 = workspace, temps(2 * B, T)
         return _largest_int(lambda b: fits_at(b, T, {
-            phase: max(0, w1[phase] + (b - B) * (w2[phase] - w1[phase]) / B) for phase in workspace}))
+            phase: max(0, w1[phase] + (b - B) * (w2[phase] - w1[phase]) / B)
+            for phase in workspace}))
 
     return largest
 
