@@ -96,7 +96,8 @@ def host_bytes(c: Counts, tokens: int, offload: bool) -> dict:
     offloaded activations) live in XLA's pinned host pool, a BFC allocator that keeps what it
     has grown to. (On a CPU-only run the released bus copies make room for the gradients.)
     With the host lookup (flops.host_lookup) unit 0's bus copy is in host memory instead
-    (pinned_bytes), and so not staged."""
+    (pinned_bytes), and so not staged. The host thread's compiled temps are not counted (the
+    host lookup's sum of squares of unit 0's gradient takes none on XLA:CPU)."""
     params = c.stages + c.layers * c.layer
     bus_is_master = not c.accelerator and c.compute == 4
     share = lambda n: -(-n // c.host_shards)  # this process's rows of the state
