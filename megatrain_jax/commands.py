@@ -103,7 +103,7 @@ def _machine(args):
     else:
         raise ConfigError(f"--device {args.device!r}: expected local or one of "
                           f"{', '.join(MACHINES)}")
-    for key in ("host_memory_gb", "device_memory_gb"):
+    for key in ("host_memory_gb", "device_memory_gb", "devices"):
         value = getattr(args, key)
         if value is not None:
             if value <= 0:
@@ -144,6 +144,8 @@ def plan(argv=None, prog=None) -> int:
     parser.add_argument("--device", default="h100", help=f"{', '.join(MACHINES)} or local")
     parser.add_argument("--host-memory-gb", type=float, help="host RAM the run may use (GB)")
     parser.add_argument("--device-memory-gb", type=float, help="device memory the run may use (GB)")
+    parser.add_argument("--devices", type=int, help="compute devices the machine has (a preset's "
+                        "count is unknown: distributed.local_devices 0 is planned as 1)")
     parser.add_argument("--sweep", help="comma-separated data.seq_len values, one row each")
     parser.add_argument("--json", help="write the plan(s) to this file")
     parser.add_argument("--step-time", action="store_true",
@@ -209,7 +211,7 @@ def plan_advice(cfg, machine, run_plan, args) -> list:
     if machine.bf16_tflops <= 0 and args.device_tflops is None and not args.rates:
         return [f"advice: none before the run: {machine.name} has no known peak for the step-time "
                 f"model (--tflops, --rates); the run advises after its first steps"]
-    shape = step_time.step_shape(cfg, run_plan.offload_activations)
+    shape = step_time.step_shape(cfg, run_plan.offload_activations, devices=machine.devices)
     prediction = step_time.simulate(shape, _rates(machine, args, shape)[0])
     return advice.for_plan(cfg, machine, run_plan, prediction)
 
@@ -217,7 +219,8 @@ def plan_advice(cfg, machine, run_plan, args) -> list:
 def _step_time(cfg, machine, args) -> dict:
     """Prints the step-time prediction of cfg; returns it as plain data."""
     offload = cfg.train.offload_activations is True
-    shape = step_time.step_shape(cfg, offload)
+    from megatrain_jax.flops import devices_assumed
+    shape = step_time.step_shape(cfg, offload, devices=machine.devices)
     rates, sources, bench = _rates(machine, args, shape)
     prediction = step_time.simulate(shape, rates)
     peak = machine.bf16_tflops or step_time.DEFAULTS["device_tflops"]
@@ -229,6 +232,9 @@ def _step_time(cfg, machine, args) -> dict:
           + ("; the first stage on the host (the host lookup: its rows cross, not its weights)"
              if shape.host_lookup else ""))
     print(prediction.report(peak))
+    assumed = devices_assumed(cfg, machine)
+    if assumed:
+        print(f"note: {assumed}")
     for key, source in sources.items():
         print(f"  {key:<17} {source}")
     out = {"kind": "step_time", **prediction.to_dict(), "rate_sources": sources,

@@ -130,9 +130,27 @@ def counts(cfg: Config, execution: Execution, machine: Machine) -> Counts:
         layer_state=4 * size(block) + optimizer_bytes(block),
         host_shards=cfg.distributed.num_processes if cfg.distributed.shard_optimizer else 1,
         lookup_serves=lookup.serves(
-            cfg.distributed.local_devices > 1 or cfg.distributed.num_processes > 1, parts,
+            (local_devices(cfg, machine) or 1) > 1 or cfg.distributed.num_processes > 1, parts,
             stage_units.indices(stage_units.split(stages)[0])),
         lookup_setting=host_lookup_setting(cfg))
+
+
+def local_devices(cfg: Config, machine: Machine) -> int:
+    """The compute devices each process of `cfg` runs on, as distributed.devices picks them on
+    `machine`: distributed.local_devices, or with 0 every accelerator (machine.devices) and one
+    on a CPU-only machine; 0 where the machine's count is unknown (the plan assumes 1 and says
+    so: devices_assumed)."""
+    return cfg.distributed.local_devices or (1 if machine.compute_on_host else machine.devices)
+
+
+def devices_assumed(cfg: Config, machine: Machine) -> str:
+    """What the plan assumed of the device count ('' where it knows it: local_devices)."""
+    if local_devices(cfg, machine):
+        return ""
+    return (f"distributed.local_devices 0 takes every accelerator, and {machine.name} gives no "
+            f"device count: planned for 1 a process (with several the run is data parallel and "
+            f"the first stage runs on the device); plan on the machine (--device local), pass "
+            f"--devices or set distributed.local_devices")
 
 
 def host_lookup(c: Counts, tokens: int) -> bool:

@@ -30,6 +30,9 @@ class Machine:
     host_device_gbps: float  # host <-> device, each way, GB/s (1e9 bytes)
     platform: str = "gpu"  # JAX platform of the compute device: picks the attention implementation
     compute_on_host: bool = False  # a CPU-only run: the compute device is the host's own memory
+    # compute devices one process sees (distributed.local_devices 0 takes them all); 0: unknown
+    # (the presets describe one device of a machine with any number)
+    devices: int = 0
 
 
 _MIB = 2**20 / GB
@@ -71,7 +74,8 @@ def machine_from_device(device=None, *, host_memory_gb=None) -> Machine:
     device = device or jax.devices()[0]
     host = host_memory_gb or _total_ram_gb()
     if device.platform == "cpu":
-        return Machine("local CPU", host, host, 0.0, 0.0, platform="cpu", compute_on_host=True)
+        return Machine("local CPU", host, host, 0.0, 0.0, platform="cpu", compute_on_host=True,
+                       devices=1)
     limit = (device.memory_stats() or {}).get("bytes_limit")
     if not limit:
         raise ValueError(f"{device} reports no memory limit (memory_stats()['bytes_limit'])")
@@ -80,4 +84,5 @@ def machine_from_device(device=None, *, host_memory_gb=None) -> Machine:
     preset = MACHINES[key or "h100"]
     name = f"local {kind}" + ("" if key else f" (throughput of the {preset.name} assumed)")
     return Machine(name, limit / GB, host, peak_bf16_tflops(kind) or preset.bf16_tflops,
-                   preset.host_device_gbps, platform=device.platform)
+                   preset.host_device_gbps, platform=device.platform,
+                   devices=len(jax.local_devices(backend=device.platform)))

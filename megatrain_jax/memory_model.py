@@ -25,6 +25,10 @@ from megatrain_jax.model import Execution, ModelConfig
 # workspace is XLA:CPU's with that pass off: fp32 copies stay one tile in size.
 _HOISTING_PASS = "while-loop-invariant-code-motion"
 PHASES = ("embed", "forward", "loss", "backward", "embed backward")
+# Beside each phase's function, a workspace that is no phase's: with the host lookup, the sums of
+# squares of the last unit's gradient leaves (f.leaf_squares), made at the loss for the host
+# thread's global norm once the head's call has ended
+LOSS_SQUARES = "loss squares"
 DEVICE_KINDS = ("inputs", "weights", "gradients", "activations", "cotangents", "workspace")
 
 
@@ -44,7 +48,8 @@ def workspace_bytes(model: ModelConfig, execution: Execution, compute_dtype: str
                     batch: int, seq: int, document_mask: bool, device,
                     hoisting: bool = False) -> dict:
     """Phase -> temp bytes of the engine's jitted function for that phase on one micro-batch of
-    (batch, seq), compiled for `device` with the argument shapes and dtypes the step passes.
+    (batch, seq), compiled for `device` with the argument shapes and dtypes the step passes, and
+    LOSS_SQUARES -> the temp bytes of the host lookup's sums of squares at the loss.
     On XLA:CPU, LLVM's optimisation level does not change buffer assignment: it is turned off,
     halving the compile time; so is loop-invariant code motion unless `hoisting` (the bf16
     estimate, see _HOISTING_PASS)."""
@@ -63,7 +68,9 @@ def workspace_bytes(model: ModelConfig, execution: Execution, compute_dtype: str
              "forward": (f.block_fwd, (w, x, context)),
              "loss": (f.head, (like(last, c), x, tokens, like(last, jnp.float32))),
              "backward": (f.block_bwd, (w, x, context, x, like(block, jnp.float32))),
-             "embed backward": (f.embed_bwd, (like(first, c), tokens, x, like(first, jnp.float32)))}
+             "embed backward": (f.embed_bwd, (like(first, c), tokens, x, like(first, jnp.float32))),
+             # the last unit's leaves: the last stage's (untied, where the lookup serves)
+             LOSS_SQUARES: (f.leaf_squares, (like(last, jnp.dtype(grad_dtype)),))}
     options = {}
     if device.platform == "cpu":
         options = {"xla_backend_optimization_level": 0,
@@ -89,7 +96,8 @@ def host_bytes(c: Counts, tokens: int, offload: bool) -> dict:
     offloaded activations) live in XLA's pinned host pool, a BFC allocator that keeps what it
     has grown to. (On a CPU-only run the released bus copies make room for the gradients.)
     With the host lookup (flops.host_lookup) unit 0's bus copy is in host memory instead
-    (pinned_bytes), and so not staged."""
+    (pinned_bytes), and so not staged. The host thread's compiled temps are not counted (the
+    host lookup's sum of squares of unit 0's gradient takes none on XLA:CPU)."""
     params = c.stages + c.layers * c.layer
     bus_is_master = not c.accelerator and c.compute == 4
     share = lambda n: -(-n // c.host_shards)  # this process's rows of the state
@@ -181,8 +189,9 @@ def device_bytes(c: Counts, tokens: int, offload: bool, workspace: dict) -> dict
                                cotangents=act))
     loss = [moment("loss", weights=weights(c.last), gradients=4 * c.last,
                    activations=(1 if offload else L + 1) * act, cotangents=act)]
-    if lookup:  # its leaves for the host made: the last unit's gradient twice, no head input
-        loss.append(moment(gradients=4 * c.last + c.grad * c.last,
+    if lookup:  # its leaves for the host made, and their sums of squares: the last unit's
+        # gradient twice, no head input
+        loss.append(moment(LOSS_SQUARES, gradients=4 * c.last + c.grad * c.last,
                            activations=0 if offload else L * act, cotangents=act))
     return {
         "embed": (moment(activations=act) if lookup else

@@ -21,10 +21,10 @@ from typing import Callable
 import numpy as np
 
 from megatrain_jax.config import Config, DiskTier
-from megatrain_jax.flops import (ASSUMED_MFU, Counts, counts, flops_per_token, host_lookup,
-                                  tokens_to_hide)
+from megatrain_jax.flops import (ASSUMED_MFU, Counts, counts, devices_assumed, flops_per_token,
+                                  host_lookup, tokens_to_hide)
 from megatrain_jax.machines import GB, Machine
-from megatrain_jax.memory_model import (PHASES, compile_device, device_bytes, fits, host_bytes,
+from megatrain_jax.memory_model import (compile_device, device_bytes, fits, host_bytes,
                                         host_bytes_on_disk, peak_bytes, pinned_bytes,
                                         workspace_bytes)
 from megatrain_jax.model import Execution
@@ -56,6 +56,7 @@ def plan(cfg: Config, machine: Machine) -> Plan:
                     "disk": host_bytes_on_disk(c, B * T, offload, read_ahead)}
     host = host_by_tier[cfg.offload.tier]
     notes += _pinned_pool_notes(pinned_bytes(c, B * T, host), machine)
+    notes += [n for n in [devices_assumed(cfg, machine)] if n]
     if host_lookup(c, B * T):
         notes.append("the first stage runs on the host (the host lookup, engine/lookup.py: its "
                      "rows cross, not its weights, and their gradient comes back); unit 0's bus "
@@ -169,11 +170,12 @@ def _largest_search(cfg: Config, machine: Machine, c: Counts, temps: Callable, w
             w4 = temps(B, 4 * T)  # the guess: workspaces linear in T
             guess = _largest_int(lambda t: fits_at(B, t, {
                 phase: max(0, workspace[phase] + (t - T) * (w4[phase] - workspace[phase]) / (3 * T))
-                for phase in PHASES}))
+                for phase in workspace}))
             return _largest_compiled(lambda t: fits_at(B, t, temps(B, t)), quantum, guess)
         w1, w2 = workspace, temps(2 * B, T)
         return _largest_int(lambda b: fits_at(b, T, {
-            phase: max(0, w1[phase] + (b - B) * (w2[phase] - w1[phase]) / B) for phase in PHASES}))
+            phase: max(0, w1[phase] + (b - B) * (w2[phase] - w1[phase]) / B)
+            for phase in workspace}))
 
     return largest
 

@@ -369,14 +369,16 @@ def simulate(shape: StepShape, rates: Rates, steps: int = 4) -> Prediction:
 # the shape of a configured step
 
 
-def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True) -> StepShape:
-    """The shape of one step of `cfg` on an accelerator (`offload`: activations offloaded)."""
+def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True,
+               devices: int = 0) -> StepShape:
+    """The shape of one step of `cfg` on an accelerator (`offload`: activations offloaded) of a
+    machine with `devices` of them (0: unknown, 1 assumed: flops.local_devices)."""
     # lazy: jax and the model (`megatrain --help` stays quick)
     from megatrain_jax.flops import attention_flops, counts, flops_per_token, host_lookup
     from megatrain_jax.machines import MACHINES
     from megatrain_jax.recipes import execution_for  # the model
     execution, _ = execution_for(cfg, "gpu")
-    c = counts(cfg, execution, MACHINES["h100"])
+    c = counts(cfg, execution, dataclasses.replace(MACHINES["h100"], devices=devices))
     model, (M, B, T) = cfg.model, (cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len)
     tokens = B * T  # per micro-batch
     head = model.hidden_size * model.vocab_size

@@ -40,11 +40,12 @@ SETUPS = {"resident": dict(offload=False),
 SEQ = {"resident": 64, "offloaded": 64, "lookup": 32}  # each engine's config (engines())
 
 
-def config(seq, offload=False, grad_dtype="float32", document_mask=False, prefetch=1) -> Config:
-    return Config(model=MODEL, optimizer=OptimizerConfig(),
+def config(seq, offload=False, grad_dtype="float32", document_mask=False, prefetch=1,
+           model=MODEL, compute_dtype="float32") -> Config:
+    return Config(model=model, optimizer=OptimizerConfig(),
                   data=DataConfig(seq_len=seq, batch_size=2, micro_batches=2,
                                   document_mask=document_mask),
-                  train=TrainConfig(steps=4, compute_dtype="float32", grad_dtype=grad_dtype,
+                  train=TrainConfig(steps=4, compute_dtype=compute_dtype, grad_dtype=grad_dtype,
                                     prefetch=prefetch, offload_activations=offload,
                                     attention="blockwise", attention_block=32, tile_size=64,
                                     loss_chunk=64, loss_vocab_chunk=40))
@@ -81,7 +82,8 @@ def measure_step(engine, cfg, workspace=None) -> tuple[dict, dict]:
     The peak of a phase: the largest, over the calls of the step's device functions in it, of the
     bytes of live arrays on the compute device right after the call (its inputs still held, its
     outputs made, donated inputs gone) plus the call's compiled temp bytes: `workspace[phase]`,
-    or, when None, the engine's own compiled program's, compiled here."""
+    or, when None, the engine's own compiled program's, compiled here (with "loss squares", the
+    host lookup's sums of squares at the loss, whether the step made them or not)."""
     M, B, T = cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len
     tokens = np.random.default_rng(0).integers(0, MODEL.vocab_size, (M, B, T + 1), dtype=np.int32)
     inputs, targets = tokens[..., :-1], tokens[..., 1:]
@@ -91,9 +93,12 @@ def measure_step(engine, cfg, workspace=None) -> tuple[dict, dict]:
     compute = engine.compute_device
     temps = dict(workspace or {})
     samples, peaks = [], {}
+    leaf_squares = f.leaf_squares
+    # leaf_squares: with the host lookup, the last unit's gradient leaves' sums of squares, made
+    # at the loss (the memory model's "loss squares" workspace)
     for name, phase in [("embed", "embed"), ("block_fwd", "forward"), ("head", "loss"),
                         ("block_bwd", "backward"), ("embed_bwd", "embed backward"),
-                        ("zeros", None)]:
+                        ("leaf_squares", "loss squares"), ("zeros", None)]:
         def call(*args, fn=getattr(f, name), phase=phase):
             if phase and phase not in temps:
                 temps[phase] = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
@@ -104,7 +109,7 @@ def measure_step(engine, cfg, workspace=None) -> tuple[dict, dict]:
     # Where the host lookup runs no device function: the rows put on the device (embed), the
     # last unit's gradient made for the host (loss), the scalars the host thread reads (embed
     # backward; the device path's too, after its embed backward). Their temps are not counted.
-    for owner, name in [(engine.transfers, "rows_in"), (f, "leaf_squares"), (f, "total")]:
+    for owner, name in [(engine.transfers, "rows_in"), (f, "total")]:
         def sampled(*args, fn=getattr(owner, name)):
             out = fn(*args)
             samples.append(device_bytes(compute) - baseline)
@@ -131,6 +136,12 @@ def measure_step(engine, cfg, workspace=None) -> tuple[dict, dict]:
     finally:
         gc.enable()
         del engine.transfers.rows_in  # the class's again
+    if "loss squares" not in temps:  # the device path: as the host lookup would compile it
+        host = engine.host
+        last = engine.parts.take("last", [jax.ShapeDtypeStruct(s, host.grad_dtype)
+                                          for s in host.shapes[0]])
+        temps["loss squares"] = (leaf_squares.lower(last).compile().memory_analysis()
+                                 .temp_size_in_bytes)
     return peaks, temps
 
 
@@ -172,6 +183,32 @@ def test_device_plan_matches_the_engine(engines, setup, seq):
         assert 0 <= measured[phase] - predicted <= scalars, (phase, predicted, measured[phase])
 
 
+def test_the_lookups_squares_at_the_loss_are_counted():
+    """With the host lookup the last unit's gradient leaves and their sums of squares are made on
+    the device at the loss, after the head's call: the squares' compiled workspace (LOSS_SQUARES)
+    is counted in that moment. On XLA:CPU the head's own workspace outweighs the difference, so
+    the moment is pinned with the head's workspace taken as 0, in the plan and the measurement
+    alike: with a large head, bf16 weights and fp32 gradients the moment is then the peak."""
+    from megatrain_jax import memory_model
+    model = dataclasses.replace(MODEL, vocab_size=4096)
+    cfg = config(32, model=model, compute_dtype="bfloat16")
+    p = plan(cfg, MACHINE)
+    no_head = {**p.workspace, "loss": 0}
+    engine = build_engine(cfg, p.execution)
+    try:
+        _, temps = measure_step(engine, cfg)  # each function the step calls, compiled
+        measured, _ = measure_step(engine, cfg, no_head)
+    finally:
+        engine.close()
+    assert engine.host_lookup and p.host_lookup
+    assert {k: p.workspace[k] for k in temps} == temps and temps[memory_model.LOSS_SQUARES] > 0
+    c, act = p.counts, 2 * 2 * 32 * MODEL.hidden_size * 2
+    assert 2 * c.last > act  # the leaves' moment (gradient in fp32 twice) passes the head's
+    predicted = sum(memory_model.device_bytes(c, 2 * 32, False, no_head)["loss"].values())
+    scalars = 4 * (2 * 2 + len(engine.parts.last))  # losses, weights, the leaves' squares
+    assert 0 <= measured["loss"] - predicted <= scalars, (predicted, measured["loss"])
+
+
 @pytest.mark.parametrize("setup", SETUPS)
 def test_host_plan_matches_the_engine(engines, setup):
     engine, cfg = engines(setup)
@@ -205,6 +242,28 @@ def test_the_host_lookups_gradients_on_the_host(grad_dtype):
     accumulator = 4 * MODEL.vocab_size * MODEL.hidden_size if grad_dtype == "bfloat16" else 0
     assert c.first == MODEL.vocab_size * MODEL.hidden_size
     assert p.host["gradients"] == g * (c.stages + c.layers * c.layer) + accumulator + rows
+
+
+@pytest.mark.parametrize("devices", [0, 1, 4])
+def test_every_local_device_plans_as_the_engine_runs(devices):
+    """distributed.local_devices 0 takes every accelerator (distributed.devices): on a machine
+    with several the engine runs data parallel, where the host lookup does not serve
+    (lookup.serves), so the plan predicts the device path and counts its memory; on one device
+    the lookup, where the rule takes it (this config's shapes); with the count unknown (a
+    preset) it plans 1 device and says so."""
+    cfg = config(SEQ["lookup"])
+    assert cfg.distributed.local_devices == 0
+    p = plan(cfg, dataclasses.replace(MACHINE, devices=devices))
+    device_path = plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
+                                                                          host_lookup=False)),
+                       MACHINE)
+    assert p.host_lookup == (devices < 2)
+    assert (p.device == device_path.device) == (devices > 1)
+    assert (p.host == device_path.host) == (devices > 1)
+    assumed = [n for n in p.notes if "gives no device count: planned for 1 a process" in n]
+    assert len(assumed) == (devices == 0)
+    if assumed:  # one line of its report
+        assert "note: " + assumed[0] + "\n" in p.report() + "\n"
 
 
 def test_sharded_host_state_plans_each_process_its_share():
@@ -278,3 +337,5 @@ def test_script_prints_the_plan_and_writes_json(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.strip().count("\n") == 0 and "Traceback" not in err
     assert "error: --device 'tpu'" in err
+    assert run("--devices", "0") == 2
+    assert "error: --devices must be > 0, got 0" in capsys.readouterr().err

@@ -175,6 +175,26 @@ def test_the_host_lookups_backward_touches_the_rows_per_micro_batch_not_the_tabl
         assert s.host_backward_bytes == table * (4 + cast + g) + M * rows * (2 + 8 + 8)
 
 
+def test_every_local_device_predicts_as_the_engine_runs():
+    """distributed.local_devices 0 (every accelerator): on a machine with several the run is data
+    parallel and the first stage on the device (lookup.serves), as `plan --step-time --devices`
+    predicts it; on one device, or a preset's unknown count (1 assumed, said in a note), the
+    host lookup where the rule takes it (bench_1b, 4,096 tokens)."""
+    from megatrain_jax.config import load_config
+    from megatrain_jax.step_time import step_shape
+    overrides = ["data.seq_len=4096", "data.batch_size=1"]
+    cfg = load_config("configs/bench_1b.yaml", overrides)
+    assert cfg.distributed.local_devices == 0
+    assert [step_shape(cfg, offload=False, devices=n).host_lookup for n in (0, 1, 4)] == [
+        True, True, False]
+    on_host = "the first stage on the host (the host lookup"
+    assumed = "gives no device count: planned for 1 a process"
+    for devices, lookup in ([], True), (["--devices", "4"], False):
+        proc = plan_cli("--config", "configs/bench_1b.yaml", *overrides, "--step-time", *devices)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert (on_host in proc.stdout) == lookup and (assumed in proc.stdout) == lookup
+
+
 @pytest.mark.parametrize("tied,setting", [(True, "auto"), (False, "auto"), (False, "false")])
 def test_a_configs_shape_moves_the_bytes_the_engine_counts(tied, setting):
     """step_shape's bytes each way per step equal the engine's own counters after a real step
