@@ -347,8 +347,9 @@ def print_report(rows, reference, overlap, latency, probe):
             print(f"{r['path']:<42} {r['direction']:<5} {'skipped':>8}  {r['skipped']}")
             continue
         same = {True: " (zero-copy: the source's memory)", False: " (a copy)"}.get(
-            r.get("zero_copy"), "") + {True: " (then put as it is: aliased)",
-                                       False: " (then put: another copy)"}.get(r.get("put_aliases"), "")
+            r.get("zero_copy"), "")
+        same += {True: " (then put as it is: aliased)", False: " (then put: another copy)"}.get(
+            r.get("put_aliases"), "")
         print(f"{r['path']:<42} {r['direction']:<5} {r['gb_per_s']:8.2f} "
               f"{fmt(r.get('ratio_to_torch'), '9.2f'):>9}  {r['engine']}{same}")
     if "skipped" in reference:
