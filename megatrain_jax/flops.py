@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from megatrain_jax.config import Config
-from megatrain_jax.engine import lookup, stage_units
+from megatrain_jax.engine import direct, lookup, stage_units
 from megatrain_jax.engine.functions import stage_parts
 from megatrain_jax.machines import Machine
 from megatrain_jax.model import Execution, ModelConfig, make_block, make_stages
@@ -73,7 +73,10 @@ class Counts:
     last: int  # parameters the last stage reads (final norm, head)
     stages: int  # parameters of the stages unit
     optimizer: int  # bytes of every unit's optax state
-    accelerator: bool  # compute device apart from the host: fetches copy, bus copies are staged
+    accelerator: bool  # compute device apart from the host: fetches copy
+    # the host update called directly (engine/direct.py): bus copies written in place, nothing
+    # staged; else a jitted update whose bus copies an accelerator's staging buffers take first
+    direct: bool = False
     stages_state: int = 0  # bytes of the stages' master weights and optax state
     layer_state: int = 0  # bytes of one layer's
     # distributed.shard_optimizer over P processes: each holds ~1/P of every unit's rows (master,
@@ -126,6 +129,8 @@ def counts(cfg: Config, execution: Execution, machine: Machine) -> Counts:
         optimizer=sum(map(optimizer_bytes, stage_units.split(stages)))
         + cfg.model.num_layers * optimizer_bytes(block),
         accelerator=not machine.compute_on_host,
+        direct=direct.available(build_optimizer(cfg.optimizer, cfg.train.steps),
+                                cfg.offload.tier == "disk" or None) is None,
         stages_state=4 * size(stages) + optimizer_bytes(stages),
         layer_state=4 * size(block) + optimizer_bytes(block),
         host_shards=cfg.distributed.num_processes if cfg.distributed.shard_optimizer else 1,

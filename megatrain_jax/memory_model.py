@@ -118,7 +118,7 @@ def host_bytes(c: Counts, tokens: int, offload: bool) -> dict:
         "bus": 0 if bus_is_master else share(c.compute * bus),
         "gradients": share(c.grad * c.layers * c.layer + stage_grads),
         "staging": (share(c.compute * (c.stages - lookup * c.first + c.layer))
-                    if c.accelerator else 0),
+                    if c.accelerator and not c.direct else 0),
         "activations": c.layers * activation_bytes(c, tokens) if offload else 0,
     }
 

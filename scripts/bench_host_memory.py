@@ -80,7 +80,8 @@ def child(args):
                             grad_dtype=jnp.dtype(args.grad_dtype), compute_device=compute,
                             host_device=host)
     del first, last
-    sizes = [sum(x.size for x in jax.tree.leaves(u.params)) for u in engine.host.units]
+    sizes = [sum(x.size for x in jax.tree.leaves(engine.host.unit_state(u)[0]))
+             for u in range(len(engine.host.units))]
     n = sum(sizes)
     built = hostmem.rss_bytes()
 

@@ -171,9 +171,12 @@ def measure() -> dict:
     del first, last
     host_state = engine.host
     units = host_state.units
-    leaf_sizes = [x.size for u in units for x in jax.tree.leaves(u.params)]
+    # shapes only: a held view of the state would make every update copy its unit first
+    unit_params = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                host_state.unit_state(u)[0]) for u in range(len(units))]
+    leaf_sizes = [x.size for p in unit_params for x in jax.tree.leaves(p)]
     grad_dtype = host_state.grad_dtype
-    fill = jax.jit(lambda p: jax.tree.map(lambda x: jnp.full(x.shape, 1e-3, grad_dtype), p))
+    fill = lambda p: jax.tree.map(lambda x: jnp.full(x.shape, 1e-3, grad_dtype), p)
     on_host = lambda x: jax.device_put(x, engine.host_sharding)
     # The global norm of the scaled gradient (below max_grad_norm: clipping changes nothing) and
     # the scale 1 / sum(weight), as host scalars, as the step computes them.
@@ -184,7 +187,7 @@ def measure() -> dict:
         # the host and its bus copy released; fresh each time, since the update may take a
         # gradient's buffer over (donation)
         for u in range(len(units)):
-            send[u] = on_host(fill(units[u].params))
+            send[u] = on_host(fill(unit_params[u]))
             host_state.release_bus(u)
         jax.block_until_ready(send)
 
@@ -224,7 +227,7 @@ def measure() -> dict:
     pool.shutdown()
     engine.close()
     return {"params": sum(leaf_sizes), "units": len(units), "layer_params": sum(
-        x.size for x in jax.tree.leaves(units[1].params)), "runs": out,
+        x.size for x in jax.tree.leaves(unit_params[1])), "runs": out,
         "native_kernel": not args.optax and fused_adamw.native(),
         "huge_pages": hostmem.huge_pages_on(), "thp_mode": hostmem.thp_setting(),
         "mmap_threshold_mib": args.mmap_threshold}

@@ -188,8 +188,9 @@ def test_nonfinite_norm_changes_nothing(devices, fused):
     engine.wait()
     for x, y in zip(jax.tree.leaves(engine.state()), jax.tree.leaves(kept), strict=True):
         np.testing.assert_array_equal(np.asarray(x), y)
-    for u in engine.host.units[1:3]:
-        for b, p in zip(jax.tree.leaves(u.bus), jax.tree.leaves(u.params), strict=True):
+    for u in (1, 2):
+        for b, p in zip(jax.tree.leaves(engine.host.bus(u)),
+                        jax.tree.leaves(engine.host.unit_state(u)[0]), strict=True):
             np.testing.assert_array_equal(np.asarray(b), np.asarray(p.astype(jnp.bfloat16)))
     engine.close()
 
@@ -346,7 +347,7 @@ def test_update_takes_no_fresh_memory(devices):
                             make_block=lambda i: Wide(nnx.Rngs(i)), num_layers=1,
                             optimizer=build_optimizer(OptimizerConfig(), 10), max_grad_norm=1.0,
                             compute_dtype=jnp.bfloat16, compute_device=compute, host_device=host)
-    grads = random_grads(engine.host.units[1].params, np.random.default_rng(5))
+    grads = random_grads(engine.host.unit_state(1)[0], np.random.default_rng(5))
     faults = []
     for _ in range(3):  # the first compiles
         args = jax.block_until_ready(jax.device_put(  # copies: the update takes them over

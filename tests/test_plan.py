@@ -218,9 +218,9 @@ def test_host_plan_matches_the_engine(engines, setup):
     assert engine.host_lookup == p.host_lookup
     nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
     host = engine.host  # bus(u): the bus copy, remade if a step released it
-    # each array once (with the host lookup in fp32, unit 0's bus copy is its master weights)
-    held = nbytes({id(x): x for i, u in enumerate(host.units)
-                   for x in jax.tree.leaves((u.params, u.opt_state, host.bus(i)))})
+    # each buffer once (in fp32 on the host device a bus copy is its unit's master weights)
+    held = nbytes({x.unsafe_buffer_pointer(): x for i in range(len(host.units))
+                   for x in jax.tree.leaves((host.unit_state(i), host.bus(i)))})
     assert held == p.host["master"] + p.host["optimizer"] + p.host["bus"]
     assert nbytes(host.staging) == p.host["staging"]
     M, B, T, L, D = 2, 2, SEQ[setup], MODEL.num_layers, MODEL.hidden_size

@@ -7,17 +7,24 @@
 // One call per unit, not per leaf: XLA:CPU runs independent custom calls concurrently on its own
 // threads, so one call per leaf ran several leaves at once, each over its own threads, more
 // threads than cores. Here the unit's leaves, laid end to end, are cut into one contiguous range
-// per thread (cuts on cache-line boundaries of every array), so each core streams its share once.
+// per thread (cuts on cache-line boundaries of every array), so each core streams its share once,
+// on a persistent pool of one thread per core. The same loop is called two ways: as an XLA FFI
+// handler (FusedAdamw, FusedAdamwBus) inside a jit, and directly (megatrain_adamw, through
+// ctypes: engine/direct.py) on buffers the caller owns.
 #include <sched.h>
+#include <unistd.h>
 
 #if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
 #include <algorithm>
+#include <condition_variable>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -191,19 +198,80 @@ void RunRange(const float* s, const std::vector<Leaf>& leaves, Cut from, Cut to)
   }
 }
 
+// A persistent pool of worker threads (one per core of the process's affinity, the caller being
+// one of them): a thread spawned per call costs page faults and tens of microseconds a unit.
+// One job at a time (the host-update thread and XLA's FFI calls may both submit). A child process
+// made by fork() has no workers: it builds a pool of its own on first use.
+class Pool {
+ public:
+  static Pool& Get() {
+    static std::mutex made;
+    static Pool* pool = nullptr;
+    std::lock_guard<std::mutex> lock(made);
+    if (pool == nullptr || pool->pid_ != getpid()) pool = new Pool(Threads());  // never freed
+    return *pool;
+  }
+
+  int size() const { return n_; }
+
+  // fn(t) for t in [0, k), k <= size(); the calling thread runs t = 0.
+  void Run(int k, const std::function<void(int)>& fn) {
+    std::lock_guard<std::mutex> job(job_);
+    k = std::max(1, std::min(k, n_));
+    if (k > 1) {
+      std::lock_guard<std::mutex> lock(m_);
+      task_ = &fn;
+      k_ = k;
+      pending_ = k - 1;
+      ++generation_;
+    }
+    cv_.notify_all();
+    fn(0);
+    if (k > 1) {
+      std::unique_lock<std::mutex> lock(m_);
+      finished_.wait(lock, [&] { return pending_ == 0; });
+    }
+  }
+
+ private:
+  explicit Pool(int n) : n_(n), pid_(getpid()) {
+    for (int t = 1; t < n_; ++t) std::thread([this, t] { Work(t); }).detach();
+  }
+
+  void Work(int t) {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* task;
+      {
+        std::unique_lock<std::mutex> lock(m_);
+        cv_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (t >= k_) continue;
+        task = task_;
+      }
+      (*task)(t);
+      std::lock_guard<std::mutex> lock(m_);
+      if (--pending_ == 0) finished_.notify_one();
+    }
+  }
+
+  const int n_;
+  const pid_t pid_;
+  std::mutex job_, m_;
+  std::condition_variable cv_, finished_;
+  const std::function<void(int)>* task_ = nullptr;
+  int k_ = 0, pending_ = 0;
+  uint64_t generation_ = 0;
+};
+
 void Parallel(const float* s, const std::vector<Leaf>& leaves) {
-  static const int threads = Threads();
+  Pool& pool = Pool::Get();
   size_t total = 0;
   for (const Leaf& x : leaves) total += x.n;
   const size_t min_chunk = size_t(1) << 18;  // below this, a thread costs more than it saves
-  const int k = int(std::min<size_t>(threads, std::max<size_t>(1, total / min_chunk)));
+  const int k = int(std::min<size_t>(pool.size(), std::max<size_t>(1, total / min_chunk)));
   const std::vector<Cut> cuts = Cuts(leaves, total, k);
-  std::vector<std::thread> pool;
-  for (int t = 1; t < k; ++t) {
-    pool.emplace_back([&, t] { RunRange(s, leaves, cuts[t], cuts[t + 1]); });
-  }
-  RunRange(s, leaves, cuts[0], cuts[1]);
-  for (auto& t : pool) t.join();
+  pool.Run(k, [&](int t) { RunRange(s, leaves, cuts[t], cuts[t + 1]); });
 }
 
 template <typename T>
@@ -272,6 +340,69 @@ ffi::Error UpdateNoBus(ffi::Buffer<ffi::F32> s, ffi::RemainingArgs args, ffi::Re
 }
 
 }  // namespace
+
+// ------------------------------------------------------------------------------------------
+// The same update called directly (engine/direct.py, through ctypes, which releases the GIL): on
+// buffers the caller owns, in place. One range per leaf (or per piece of a leaf), each with its
+// own gradient buffer, bf16 or f32, and optionally its bf16 bus copy.
+extern "C" {
+
+struct MegatrainRange {
+  float* p;
+  float* m;
+  float* v;
+  const void* g;
+  uint16_t* bus;  // nullptr: no bus copy written
+  uint64_t n;
+  int32_t grad_bf16;
+  int32_t decay;
+};
+
+// scalars: SCALARS (engine/fused_adamw.py) without the decay flags. Returns 0, or -1 when a range
+// has a null buffer.
+int megatrain_adamw(const float* scalars, const MegatrainRange* ranges, int64_t count) {
+  const bool clip = scalars[kClip] != 0.0f;
+  std::vector<Leaf> leaves;
+  for (int64_t i = 0; i < count; ++i) {
+    const MegatrainRange& r = ranges[i];
+    if (r.p == nullptr || r.m == nullptr || r.v == nullptr || (r.g == nullptr && r.n > 0)) return -1;
+    const bool bus = r.bus != nullptr;
+    const Loop loop = r.grad_bf16 ? Pick<uint16_t>(clip, r.decay != 0, bus)
+                                  : Pick<float>(clip, r.decay != 0, bus);
+    leaves.push_back({r.p, r.m, r.v, r.p, r.m, r.v, r.g, r.bus, size_t(r.n), loop});
+  }
+  if (!leaves.empty()) Parallel(scalars, leaves);
+  return 0;
+}
+
+// dst[0, nbytes) = src[0, nbytes), spread over the pool (each thread's pages are first touched by
+// it: a fresh buffer's page faults are taken by every core, not one).
+void megatrain_copy(void* dst, const void* src, uint64_t nbytes) {
+  Pool& pool = Pool::Get();
+  const size_t chunk = size_t(1) << 20;
+  const int k = int(std::min<size_t>(pool.size(), std::max<size_t>(1, nbytes / chunk)));
+  const size_t per = (nbytes / k + 63) & ~size_t(63);
+  pool.Run(k, [&](int t) {
+    const size_t lo = std::min<size_t>(nbytes, per * t), hi = std::min<size_t>(nbytes, lo + per);
+    if (hi > lo) std::memcpy(static_cast<char*>(dst) + lo, static_cast<const char*>(src) + lo, hi - lo);
+  });
+}
+
+// dst[i] = bf16(src[i]) for i < n, rounded as the update rounds its bus copy.
+void megatrain_to_bf16(uint16_t* dst, const float* src, uint64_t n) {
+  Pool& pool = Pool::Get();
+  const size_t chunk = size_t(1) << 18;
+  const int k = int(std::min<size_t>(pool.size(), std::max<size_t>(1, n / chunk)));
+  const size_t per = (n / k + 31) & ~size_t(31);
+  pool.Run(k, [&](int t) {
+    const size_t lo = std::min<size_t>(n, per * t), hi = std::min<size_t>(n, lo + per);
+    for (size_t i = lo; i < hi; ++i) dst[i] = f32_to_bf16(src[i]);
+  });
+}
+
+int megatrain_threads() { return Pool::Get().size(); }
+
+}  // extern "C"
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedAdamwBus, UpdateWithBus,
                               ffi::Ffi::Bind()

@@ -72,12 +72,14 @@ def _cpu_key() -> str:
 
 
 @functools.cache
-def native() -> bool:
-    """Builds (once, cached) and registers the kernel; False, logged once, when it cannot."""
+def library():
+    """The kernel's shared library (ctypes), built once and cached; None, logged once with the
+    reason, where it cannot be (no compiler, or the compiler's own error)."""
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
-        log.info("fused AdamW: no C++ compiler; the host update runs its JAX fallback")
-        return False
+        log.warning("fused AdamW: no C++ compiler (%s); the host update runs its JAX fallback",
+                    os.environ.get("CXX", "g++"))
+        return None
     key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, jax.__version__, _cpu_key(),
                                     *FLAGS]).encode()).hexdigest()[:16]
     lib = _cache_dir() / f"fused_adamw-{key}.so"
@@ -90,14 +92,39 @@ def native() -> bool:
             os.replace(tmp, lib)
         dll = ctypes.cdll.LoadLibrary(str(lib))
     except (OSError, subprocess.CalledProcessError) as e:
-        why = (e.stderr or "").strip().splitlines()[-1:] if hasattr(e, "stderr") else e
+        why = ((e.stderr or "").strip().splitlines() or ["the build failed"])[-1] \
+            if isinstance(e, subprocess.CalledProcessError) else e
         log.warning("fused AdamW: the kernel is not available (%s); the host update runs its JAX "
                     "fallback", why)
+        return None
+    dll.megatrain_adamw.argtypes = [ctypes.c_void_p, ctypes.POINTER(Range), ctypes.c_int64]
+    dll.megatrain_adamw.restype = ctypes.c_int
+    dll.megatrain_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
+    dll.megatrain_copy.restype = None
+    dll.megatrain_to_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
+    dll.megatrain_to_bf16.restype = None
+    dll.megatrain_threads.restype = ctypes.c_int
+    return dll
+
+
+@functools.cache
+def native() -> bool:
+    """Builds (once, cached) and registers the kernel with jax.ffi; False when it cannot."""
+    dll = library()
+    if dll is None:
         return False
     for name in ("FusedAdamw", "FusedAdamwBus"):
         jax.ffi.register_ffi_target(f"megatrain_{name}", jax.ffi.pycapsule(getattr(dll, name)),
                                     platform="cpu")
     return True
+
+
+class Range(ctypes.Structure):
+    """One range of the direct call (fused_adamw.cc MegatrainRange): a leaf, or a piece of one,
+    updated in place."""
+    _fields_ = [("p", ctypes.c_void_p), ("m", ctypes.c_void_p), ("v", ctypes.c_void_p),
+                ("g", ctypes.c_void_p), ("bus", ctypes.c_void_p), ("n", ctypes.c_uint64),
+                ("grad_bf16", ctypes.c_int32), ("decay", ctypes.c_int32)]
 
 
 # ----------------------------------------------------------------------------- the update
@@ -138,18 +165,15 @@ def _unit_native(s: dict, decays: list, ps, ms, vs, gs, buses):
     return p, m, v, bus[0] if bus else None
 
 
-def update(hyper: Hyper, params, opt_state, grads, old_bus, grad_norm, scale, max_grad_norm,
-           bus_dtype, use_native: bool) -> tuple:
-    """(params, opt_state, bus) after one AdamW step, as optax.adamw's update + apply_updates of
-    the gradient `grads * scale` clipped to `max_grad_norm` (None: not clipped) by `grad_norm`,
-    exactly as optax.clip_by_global_norm. `bus` is the new weights in `bus_dtype` (None: none
-    wanted), written into `old_bus` when given. To be traced inside a jit."""
-    adam, decay_state, lr_state = opt_state
-    count = numerics.safe_increment(adam.count)
-    # The scalars as optax computes them (bias corrections, the schedule at the step's count).
+def step_scalars(hyper: Hyper, adam_count, lr_count, grad_norm, scale, max_grad_norm) -> tuple:
+    """(the kernel's scalars as a dict of f32, the new Adam count, the new schedule count or None),
+    as optax.adamw computes them at this step (bias corrections, the schedule at its count). To be
+    traced inside a jit: the FFI path traces it in its update, the direct path (engine/direct.py)
+    jits it alone, so both compute the same bits."""
+    count = numerics.safe_increment(adam_count)
     if callable(hyper.learning_rate):
-        step = -1 * hyper.learning_rate(lr_state.count)
-        lr_state = lr_state._replace(count=numerics.safe_increment(lr_state.count))
+        step = -1 * hyper.learning_rate(lr_count)
+        lr_count = numerics.safe_increment(lr_count)
     else:
         step = -1 * hyper.learning_rate
     f32 = lambda x: jnp.asarray(x).astype(jnp.float32)
@@ -159,10 +183,31 @@ def update(hyper: Hyper, params, opt_state, grads, old_bus, grad_norm, scale, ma
          "bc1": f32(1 - hyper.b1 ** count), "bc2": f32(1 - hyper.b2 ** count),
          "wd": f32(hyper.weight_decay), "b1": f32(hyper.b1), "c1": f32(1 - hyper.b1),
          "b2": f32(hyper.b2), "c2": f32(1 - hyper.b2), "eps": f32(hyper.eps)}
+    return s, count, lr_count
+
+
+def decay_flags(hyper: Hyper, params) -> list:
+    """Whether each leaf of `params` (in tree order) takes weight decay (optax.adamw's mask)."""
     mask = hyper.mask(params) if callable(hyper.mask) else hyper.mask
     decays = (jax.tree.map(lambda _: True, params) if mask is None else mask)
+    leaves = jax.tree.leaves(params)
+    return [bool(d) for _, d in zip(leaves, jax.tree.leaves(decays), strict=True)]
+
+
+def update(hyper: Hyper, params, opt_state, grads, old_bus, grad_norm, scale, max_grad_norm,
+           bus_dtype, use_native: bool) -> tuple:
+    """(params, opt_state, bus) after one AdamW step, as optax.adamw's update + apply_updates of
+    the gradient `grads * scale` clipped to `max_grad_norm` (None: not clipped) by `grad_norm`,
+    exactly as optax.clip_by_global_norm. `bus` is the new weights in `bus_dtype` (None: none
+    wanted), written into `old_bus` when given. To be traced inside a jit."""
+    adam, decay_state, lr_state = opt_state
+    s, count, lr_count = step_scalars(
+        hyper, adam.count, lr_state.count if callable(hyper.learning_rate) else None, grad_norm,
+        scale, max_grad_norm)
+    if callable(hyper.learning_rate):
+        lr_state = lr_state._replace(count=lr_count)
+    decays = decay_flags(hyper, params)
     leaves, treedef = jax.tree.flatten(params)
-    decays = [bool(d) for _, d in zip(leaves, jax.tree.leaves(decays), strict=True)]
     fused_bus = use_native and jnp.dtype(bus_dtype or jnp.float32) == jnp.bfloat16
     state = (leaves, jax.tree.leaves(adam.mu), jax.tree.leaves(adam.nu), jax.tree.leaves(grads))
     if use_native:

@@ -4,6 +4,7 @@ and the optax update that runs on the host CPU device in a background thread."""
 import concurrent.futures
 import dataclasses
 import itertools
+import logging
 import time
 from typing import Any, Optional
 
@@ -13,11 +14,14 @@ import numpy as np
 import optax
 
 from megatrain_jax.engine import bus as bus_lib
+from megatrain_jax.engine import direct as direct_lib
 from megatrain_jax.engine import fused_adamw
 from megatrain_jax.engine import stage_units
 from megatrain_jax.engine import store as store_lib
 from megatrain_jax.engine import tier as tier_lib
 from megatrain_jax.engine import transfer
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -30,6 +34,8 @@ class Unit:
     spare: Any = None  # the released bus copy when it is a host buffer: kept for the update to
     # write the new one into (freed and allocated again, it would be page-faulted in each step)
     pending: Optional[concurrent.futures.Future] = None  # the host update still running
+    arrays: Optional[direct_lib.UnitArrays] = None  # the direct update's state (params and
+    # opt_state None then): numpy buffers the engine owns, updated in place
 
 
 class HostState:
@@ -87,9 +93,21 @@ class HostState:
         shape = lambda params: (jax.eval_shape(lambda p: p, params),
                                 jax.eval_shape(optimizer.init, params))
         self.stage_units = {0: shape(first), self.last: shape(last)}
+        # The host update (direct.py): the fused AdamW kernel called directly on numpy state the
+        # engine owns, where it can run; else one jitted update per unit (optax, or the kernel
+        # through jax.ffi), said once in the log.
+        why = direct_lib.available(optimizer, disk_tier)
+        self.direct = None
+        if why is None:
+            self.direct = direct_lib.DirectAdamW(optimizer.hyper, max_grad_norm, host_device,
+                                                 counters, fused_adamw.library())
+            log.info("host update: the fused AdamW kernel, called directly (%d threads)",
+                     fused_adamw.library().megatrain_threads())
+        else:
+            log.info("host update: a jitted update per unit (%s)", why)
         # Where params and optax state live between updates (store.py): RAM or the disk tier.
         self.store = store_lib.choose(disk_tier, self.last + 1, self.stage_units[self.last],
-                                      self.host)
+                                      self.host, self.direct)
 
         # Donating (store.donate) params, optax state and the old bus copy makes the update write
         # in place. keep_unused: the old bus is never read, only donated; jit would otherwise
@@ -120,12 +138,30 @@ class HostState:
             self.units.append(self._new_unit(params))
             self.store.add(self.units)  # the disk tier: the state to its file
         for u in (0, 1, self.last):  # one per structure (pinned bus copies only)
-            self.buses[u].make_staging(self.units[u].bus, host_device)
+            if self.direct is None:
+                self.buses[u].make_staging(self.units[u].bus, host_device)
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-optim")
 
     def _new_unit(self, params) -> Unit:
         """Unit len(units), its optax state and bus copy made from its fp32 master weights."""
-        return Unit(params, self._init(params), self.make_bus(params, len(self.units)))
+        u = len(self.units)
+        if self.direct is None:
+            return Unit(params, self._init(params), self.make_bus(params, u))
+        unit = Unit(None, None, arrays=direct_lib.UnitArrays.of(params, self._init(params),
+                                                                self.direct.lib))
+        self._direct_bus(u, unit, fresh=True)
+        return unit
+
+    def _direct_bus(self, u: int, unit: Unit, fresh: bool):
+        """The direct update's bus copy of unit u: the weights themselves (wrapped, ParamsBus), or
+        a persistent buffer per leaf, made (`fresh`) or rewritten in place from the weights."""
+        if self.buses[u].is_params:
+            unit.bus = self.store.view(u, unit)[0]
+        elif fresh or unit.bus is None:
+            unit.bus = self.make_bus(self.store.view(u, unit)[0], u)
+        else:
+            self.direct.write_bus(unit.arrays, jax.tree.leaves(unit.bus))
+        unit.arrays.settle()
 
     @property
     def tier(self):
@@ -175,6 +211,10 @@ class HostState:
             return
         self.staging.pop(self._structure(u), None)
         self.buses[u] = self._on_host
+        if self.direct is not None:
+            unit.bus = None
+            self._direct_bus(u, unit, fresh=True)
+            return
         unit.bus, unit.spare = self.make_bus(self.unit_state(u)[0], u), None
 
     def bus(self, u: int):
@@ -199,8 +239,10 @@ class HostState:
 
     def release_bus(self, u: int):
         """After a unit's last use in a step (bus.py: a host buffer is kept for the update to
-        write in place, a pinned one goes back to the accelerator's pinned pool)."""
-        self.buses[u].release(self.units[u])
+        write in place, a pinned one goes back to the accelerator's pinned pool). The direct
+        update keeps every bus copy where it is and writes it in place."""
+        if self.direct is None:
+            self.buses[u].release(self.units[u])
 
     # ----------------------------------------------------------------- the update
     def _prepare(self, grads, grad_norm, scale):
@@ -227,6 +269,31 @@ class HostState:
         return params, opt_state, None if bus_is_params else jax.tree.map(
             lambda p: p.astype(self.compute_dtype), params)
 
+    def _apply_direct(self, u: int, grads, grad_norm, scale):
+        """Runs on the host-optimizer thread: unit u's update by the kernel called directly
+        (direct.py), reading the gradient's pieces where they are and writing the bus copy in
+        place: no copy, no jit but the step's scalars."""
+        t0 = time.perf_counter()
+        if self.on_update is not None:
+            self.on_update(u)
+        grads, grad_norm, scale = (x() if callable(x) else x for x in (grads, grad_norm, scale))
+        grad_norm = np.float32(np.asarray(grad_norm))  # a view of the pinned scalar: waits for it
+        unit = self.units[u]
+        if np.isfinite(grad_norm):  # else skipped (as optax.apply_if_finite): nothing changes
+            pieces = (grads.pieces if isinstance(grads, transfer.Parcel)
+                      else [[g] for g in jax.tree.leaves(grads)])
+            params_bus = self.buses[u].is_params
+            bus = None if params_bus else jax.tree.leaves(unit.bus)
+            what = "the stages' unit" if u in (0, self.last) else f"layer {u - 1}"
+            arrays = self.direct.apply(u, unit.arrays, pieces, grad_norm,
+                                       np.float32(np.asarray(scale)), bus, what)
+            if arrays is not unit.arrays:  # copied: a reader holds the old state
+                unit.arrays = arrays
+                if params_bus:
+                    self._direct_bus(u, unit, fresh=True)
+                arrays.settle()
+        self.counters.host_update_s += time.perf_counter() - t0
+
     def _apply(self, u: int, bus, grads, grad_norm, scale):
         """Runs on the host-optimizer thread: one jitted, in-place optax step of one unit, its
         bus copy (kept by `bus`, unit u's policy) written in the same call. XLA:CPU spreads each
@@ -235,6 +302,9 @@ class HostState:
         if self.on_update is not None:
             self.on_update(u)
         grads, grad_norm, scale = (x() if callable(x) else x for x in (grads, grad_norm, scale))
+        if isinstance(grads, transfer.Parcel):  # the hop between the clients (copies, counted)
+            self.counters.host_copy_bytes += sum(
+                p.nbytes for p in grads.token() if p.sharding.device_set != self.host.device_set)
         grads, grad_norm, scale = transfer.arrive((grads, grad_norm, scale), self.host)
         unit = self.units[u]
         self.store.load(u, unit)  # the disk tier: the state from its file (read ahead)
@@ -252,6 +322,8 @@ class HostState:
                 unit.params, unit.opt_state, grads, old_bus, grad_norm, scale, self._prepare_first,
                 bus.is_params)
             unit.bus = bus.after_update(unit, new_bus)
+            if not bus.on_host:  # the refresh to the accelerator's pinned memory
+                self.counters.host_copy_bytes += transfer.nbytes(unit.bus)
         self.store.store(u, unit)  # the disk tier: written back behind, out of RAM
         jax.block_until_ready(unit.bus)  # the future completes when the weights are usable
         self.counters.host_update_s += time.perf_counter() - t0
@@ -262,6 +334,10 @@ class HostState:
         compute device's pinned host memory, or host scalars). Each may instead be a function
         called on the host thread that returns it (the host lookup's, engine/lookup.py)."""
         self.store.expect(u)  # the disk tier: its read may start ahead
+        if self.direct is not None:
+            self.units[u].pending = self._thread.submit(self._apply_direct, u, grads, grad_norm,
+                                                        scale)
+            return
         self.units[u].pending = self._thread.submit(self._apply, u, self.buses[u], grads,
                                                     grad_norm, scale)
 
@@ -292,6 +368,10 @@ class HostState:
     def load_unit(self, u: int, unit_state: dict):
         """Replaces unit u's state with `unit_state` ({"params", "opt_state"})."""
         unit = self.ready(u)
+        if self.direct is not None:
+            self.store.put(u, unit, unit_state["params"], unit_state["opt_state"])
+            self._direct_bus(u, unit, fresh=False)
+            return
         params = jax.device_put(unit_state["params"], self.host)
         opt_state = jax.device_put(unit_state["opt_state"], self.host)
         self.store.put(u, unit, params, opt_state)

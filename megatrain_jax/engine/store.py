@@ -10,6 +10,7 @@ queued; `load(u, unit)` and `store(u, unit)` around the update, on the host thre
 old bus copy 3).
 """
 
+from megatrain_jax.engine import direct as direct_lib
 from megatrain_jax.engine import tier as tier_lib
 
 
@@ -101,6 +102,25 @@ class DiskStore:
             self.tier.close()
 
 
-def choose(disk_tier, num_units: int, last_shapes, host):
-    """The store for `disk_tier` (DiskTierOptions, or None: RAM)."""
+class DirectStore(RamStore):
+    """In host RAM, as numpy buffers the engine owns (`unit.arrays`, direct.UnitArrays), updated
+    in place by the kernel called directly (direct.py); read as jax arrays over read-only views
+    of them."""
+
+    def __init__(self, update):
+        self.update = update  # direct.DirectAdamW
+
+    def put(self, u: int, unit, params, opt_state):
+        """Copied into new buffers (the caller's arrays are left as they are)."""
+        unit.arrays = direct_lib.UnitArrays.of(params, opt_state, self.update.lib)
+
+    def view(self, u: int, unit) -> tuple:
+        return unit.arrays.trees(self.update.wrap)
+
+
+def choose(disk_tier, num_units: int, last_shapes, host, direct=None):
+    """The store for `disk_tier` (DiskTierOptions, or None: RAM; `direct`, a direct.DirectAdamW:
+    the direct update's numpy buffers)."""
+    if direct is not None:
+        return DirectStore(direct)
     return RamStore() if disk_tier is None else DiskStore(disk_tier, num_units, last_shapes, host)

@@ -28,6 +28,12 @@ class Counters:
     bytes_d2h: int = 0
     host_update_s: float = 0.0
     host_wait_s: float = 0.0
+    # Bytes the host update copied on its thread besides its own work: hops between jax's clients
+    # and any gradient it could not read in place (the direct update's path: 0)
+    host_copy_bytes: int = 0
+    # Bytes of unit state copied because a reader (a checkpoint being written, a caller's view)
+    # still held the old state (direct.py's copy-on-write)
+    host_snapshot_bytes: int = 0
 
 
 def delete(tree):

@@ -304,9 +304,11 @@ class StreamedEngine:
     def params(self) -> dict:
         """fp32 master weights on the host: {"stages": tree, "layers": [tree, ...]}.
 
-        A view, not a copy: valid until the next `train_step`, which updates these buffers in
-        place (reading one afterwards raises "Array has been deleted"); copy what you keep
-        (`jax.tree.map(np.array, ...)`). `nnx.merge(engine.stages_graphdef, params["stages"])`
+        A view, not a copy. With the host update called directly (engine/direct.py, the fused
+        AdamW with its kernel built) it stays the state of this moment: while anything holds it,
+        each unit's update first copies the unit (slower steps), so drop it or copy what you keep
+        (`jax.tree.map(np.array, ...)`). Otherwise it is valid until the next `train_step`, which
+        updates these buffers in place (reading one afterwards raises "Array has been deleted"). `nnx.merge(engine.stages_graphdef, params["stages"])`
         gives back (first, last)."""
         self.wait()
         layers = [self.host.unit_state(1 + i)[0] for i in range(self.num_layers)]

@@ -1,0 +1,228 @@
+"""The host update called directly (engine/direct.py): the same bits as the FFI kernel in a jit, each
+gradient read where the device wrote it (its pinned piece's own buffer), each bus copy written in
+place (the same buffer every step), no copy on the update's thread, state handed to a reader never
+changed under it, and the jit path where the direct one cannot run, said in the log."""
+
+import logging
+import resource
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from toy_model import Embed, Head
+
+from megatrain_jax import StreamedEngine
+from megatrain_jax.config import OptimizerConfig
+from megatrain_jax.engine import direct, fused_adamw, transfer
+from megatrain_jax.engine.stream import Counters
+from megatrain_jax.recipes import build_optimizer
+
+pytestmark = pytest.mark.skipif(fused_adamw.library() is None, reason="no C++ compiler")
+
+CPU = jax.devices("cpu")
+D, V, L = 32, 11, 3
+SHAPES = {"one_leaf": [(1000,)], "mixed": [(64, 96), (96,), (1,), (33, 7), (3000,)]}
+
+
+def unit(shapes, rng, count, schedule):
+    params = {f"w{i}": jnp.asarray(rng.normal(size=s), jnp.float32) for i, s in enumerate(shapes)}
+    lr = optax.linear_schedule(1e-2, 1e-3, 10) if schedule else 1e-2
+    hyper = fused_adamw.adamw(lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
+                              mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)).hyper
+    tx = fused_adamw.adamw(lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+    adam, decay, lr_state = tx.init(params)
+    moment = lambda scale: jax.tree.map(
+        lambda p: jnp.asarray(np.abs(rng.normal(size=p.shape)) * scale, jnp.float32), params)
+    adam = adam._replace(count=jnp.int32(count), mu=moment(0.1), nu=moment(0.01))
+    if schedule:
+        lr_state = lr_state._replace(count=jnp.int32(count))
+    return hyper, params, (adam, decay, lr_state)
+
+
+def bits(x):
+    x = np.asarray(x)
+    return x.view(np.uint16) if x.dtype == jnp.bfloat16 else x.view(np.uint32)
+
+
+@pytest.mark.parametrize("shapes", SHAPES)
+@pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0], ids=["noclip", "clip"])
+@pytest.mark.parametrize("schedule", [False, True], ids=["constant", "schedule"])
+def test_direct_kernel_equals_the_ffi_kernel_bit_for_bit(shapes, grad_dtype, max_grad_norm,
+                                                         schedule):
+    rng = np.random.default_rng(0)
+    hyper, params, opt_state = unit(SHAPES[shapes], rng, 2, schedule)
+    lib = fused_adamw.library()
+    assert fused_adamw.native()
+    update = direct.DirectAdamW(hyper, max_grad_norm, CPU[0], Counters(), lib)
+    arrays = direct.UnitArrays.of(params, opt_state, lib)
+    bus = [jnp.zeros(p.shape, jnp.bfloat16, device=CPU[0]) for p in jax.tree.leaves(params)]
+    ffi = jax.jit(lambda p, o, g, b, norm: fused_adamw.update(
+        hyper, p, o, g, b, norm, jnp.float32(0.5), max_grad_norm, jnp.bfloat16, True))
+    ffi_state = (params, opt_state)
+    for step in range(2):
+        grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), grad_dtype), params)
+        norm = jnp.float32(2.0 + step)  # clipped (norm > 1) where clipping is on
+        p, o, ffi_bus = ffi(*ffi_state, grads, [jnp.zeros_like(b) for b in bus], norm)
+        ffi_state = (p, o)
+        arrays = update.apply(1, arrays, [[g] for g in jax.tree.leaves(grads)], norm,
+                              np.float32(0.5), bus, "a unit")
+        got_params, (adam, _, lr_state) = arrays.trees(np.asarray)
+        want = (p, o[0].mu, o[0].nu, jax.tree.leaves(ffi_bus))
+        got = (got_params, adam.mu, adam.nu, bus)
+        for w, g in zip(want, got):
+            for a, b in zip(jax.tree.leaves(w), jax.tree.leaves(g), strict=True):
+                np.testing.assert_array_equal(bits(a), bits(b))
+        assert int(adam.count) == int(o[0].count) == 3 + step
+        if schedule:
+            assert int(lr_state.count) == int(o[2].count)
+
+
+def engine_on(devices, optimizer=None, **kwargs):
+    compute, host = devices
+    return StreamedEngine(first=Embed(V, D, nnx.Rngs(0)), last=Head(D, V, nnx.Rngs(1)),
+                          make_block=lambda i: Wide(nnx.Rngs(10 + i)), num_layers=L,
+                          optimizer=optimizer or build_optimizer(OptimizerConfig(), 10),
+                          max_grad_norm=1.0, compute_dtype=jnp.bfloat16, compute_device=compute,
+                          host_device=host, **kwargs)
+
+
+class Wide(nnx.Module):
+    def __init__(self, rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (D, 4 * D)) * 0.1)
+        self.b = nnx.Param(jnp.zeros((4 * D,)))
+        self.out = nnx.Param(jax.random.normal(rngs.params(), (4 * D, D)) * 0.1)
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.w[...] + self.b[...]) @ self.out[...]
+
+
+TOKENS = np.random.default_rng(1).integers(0, V, size=(4, 2, 2, 9))
+
+
+def steps(engine, n):
+    return [float(engine.train_step(t[..., :-1], t[..., 1:])["loss"]) for t in TOKENS[:n]]
+
+
+def test_engine_reads_gradients_in_place_and_writes_the_bus_in_place():
+    """Two CPU devices, device 1 standing for the accelerator (its pinned_host memory kind): the
+    kernel's gradient pointers are the pinned pieces' own buffers, each unit's bus copy is the same
+    buffer every step and the one the kernel writes, and nothing is copied on the update thread."""
+    engine = engine_on((CPU[1], CPU[0]))
+    host = engine.host
+    assert host.direct is not None and engine.transfers.out_kind == transfer.PINNED
+    pieces, kernel = {}, {}
+    submit = host.submit
+
+    def spy(u, grads, grad_norm, scale):  # the pieces as the step hands them over
+        pieces.setdefault(u, []).append(
+            [(p.sharding.memory_kind, p.unsafe_buffer_pointer()) for p in grads.token()])
+        submit(u, grads, grad_norm, scale)
+
+    host.submit = spy
+    host.direct.on_kernel = lambda u, ranges: kernel.setdefault(u, []).append(
+        [(r.g, r.bus) for r in ranges])
+    bus_pointers = []
+    for _ in range(3):
+        steps(engine, 1)
+        engine.wait()
+        bus_pointers.append({u: [b.unsafe_buffer_pointer() for b in jax.tree.leaves(host.bus(u))]
+                             for u in range(L + 2)})
+    for u in range(L + 2):
+        for made, used in zip(pieces[u], kernel[u], strict=True):
+            assert {kind for kind, _ in made} == {transfer.PINNED}
+            assert [g for g, _ in used] == [ptr for _, ptr in made]
+        assert bus_pointers[0][u] == bus_pointers[1][u] == bus_pointers[2][u]
+        assert [b for _, b in kernel[u][-1]] == bus_pointers[2][u]
+    assert engine.counters.host_copy_bytes == 0
+    engine.close()
+
+
+@pytest.mark.parametrize("devices", ["accelerator", "one_device"])
+def test_direct_and_jit_paths_train_the_same_bits(devices, monkeypatch):
+    """The direct update against the FFI kernel in a jit (the engine's other path), three steps:
+    the same losses and the same state, bit for bit."""
+    pair = (CPU[1], CPU[0]) if devices == "accelerator" else (CPU[0], CPU[0])
+    engine = engine_on(pair)
+    assert engine.host.direct is not None
+    losses = steps(engine, 3)
+    state = jax.tree.map(np.array, engine.state())
+    engine.close()
+    monkeypatch.setattr(direct, "available", lambda optimizer, disk_tier: "forced (test)")
+    jit = engine_on(pair)
+    assert jit.host.direct is None
+    assert steps(jit, 3) == losses
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(jax.tree.map(np.array, jit.state())),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    jit.close()
+
+
+def test_a_warm_direct_update_faults_in_no_memory():
+    """The update writes params, moments and the bus copy where they are: after the first, an
+    update page-faults in (almost) nothing (RUSAGE_SELF counts every thread's faults, the kernel
+    pool's too)."""
+    engine = engine_on((CPU[1], CPU[0]))
+    params = engine.host.unit_state(1)[0]
+    grads = jax.tree.map(lambda p: jnp.asarray(np.random.default_rng(5).normal(size=p.shape),
+                                               jnp.float32), params)
+    del params
+    faults = []
+    for _ in range(3):
+        args = jax.block_until_ready(jax.device_put(
+            (grads, jnp.float32(0.5), jnp.float32(1.0)), CPU[0], may_alias=False))
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        engine.host.submit(1, *args)
+        engine.wait()
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    state_pages = 3 * 4 * sum(p.size for p in jax.tree.leaves(engine.host.unit_state(1)[0])) // 4096
+    engine.close()
+    assert max(faults[1:]) <= max(2, state_pages // 100), (faults, state_pages)
+
+
+def test_state_handed_to_a_reader_never_changes_under_it():
+    """engine.state() while steps run (as an asynchronous checkpoint holds it): the units updated
+    meanwhile are copied first, the reader's arrays keep the state of their step; once the reader
+    lets go, updates are in place again."""
+    engine = engine_on((CPU[1], CPU[0]))
+    steps(engine, 1)
+    held = engine.state()
+    snapshot = jax.tree.map(np.array, held)
+    steps(engine, 2)
+    engine.wait()
+    for a, b in zip(jax.tree.leaves(held), jax.tree.leaves(snapshot), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    copied = engine.counters.host_snapshot_bytes
+    assert copied > 0
+    live = jax.tree.map(np.array, engine.state())
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(live),
+                                                          jax.tree.leaves(snapshot)))
+    del held, live
+    steps(engine, 1)
+    engine.wait()
+    assert engine.counters.host_snapshot_bytes == copied
+    engine.close()
+
+
+def test_the_jit_path_is_named_in_the_log_where_the_direct_one_cannot_run(caplog):
+    with caplog.at_level(logging.INFO, logger="megatrain_jax.engine.host"):
+        engine = engine_on((CPU[1], CPU[0]), optimizer=optax.adamw(1e-3))
+    assert engine.host.direct is None
+    assert "a jitted update per unit (the optimizer is not fused_adamw.adamw" in caplog.text
+    engine.close()
+
+
+def test_a_deleted_bus_copy_is_one_line_naming_the_unit():
+    """A bus copy that is not where the engine writes it is never silently replaced."""
+    engine = engine_on((CPU[1], CPU[0]))
+    params = engine.host.unit_state(2)[0]
+    grads = jax.tree.map(lambda p: jnp.ones(p.shape, jnp.float32), params)
+    del params
+    jax.tree.leaves(engine.host.bus(2))[0].delete()
+    engine.host.submit(2, grads, jnp.float32(1.0), jnp.float32(1.0))
+    with pytest.raises(ValueError, match="^layer 1: its bus copy was deleted"):
+        engine.wait()
+    engine.host._thread.shutdown()
