@@ -54,11 +54,11 @@ HOP_PATHS = ("pinned_host -> cpu backend, numpy view", "cpu backend -> pinned_ho
 
 # Defaults: an H100 SXM on PCIe 5.
 # - device: 989 TFLOP/s, the H100 SXM datasheet's dense bf16 tensor-core peak (no sparsity); an
-#   8192^3 bf16 matmul measured 769-798 TFLOP/s on the device tool's H100 (its KINDS.md).
+#   8192^3 bf16 matmul measured 769-798 TFLOP/s on an H100 80GB HBM3 (PCIe).
 # - bus: ~55 GB/s each way, a typical measured pinned-memory copy on PCIe Gen5 x16 (63 GB/s on
 #   paper); the same figure as machines.MACHINES["h100"].
 # - host update: 69.8 GB/s (30 B/param), the engine's fused AdamW update (clipping on) at all 16
-#   cores of the device tool's H100 host (Intel Xeon, 1 socket), 2026-11-26, jax 0.11.2
+#   cores of an H100 host (Intel Xeon, 1 socket), 2026-11-26, jax 0.11.2
 #   (docs/results/2026-11-26-h100/optimizer.json; torch's fused AdamW did 133 GB/s there).
 # - dispatch: 20 us per jitted call or device_put, an assumption (no figure measured yet): the
 #   checklist measures a tiny jitted op to completion (transfer.json, small_d2h.tiny_op_ms).

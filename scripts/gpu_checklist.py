@@ -1,5 +1,5 @@
-"""The GPU checklist of docs/benchmarks.md ("GPU figures still to be taken"): every benchmark of a
-GPU run, each under its own timeout, in four parts of at most 10 minutes each.
+"""The GPU checklist (docs/gpu-checklist.md): every benchmark of a GPU run, each under its own
+timeout, in four parts of at most 10 minutes each; run them in order.
 
     python3 scripts/gpu_checklist.py 1    # machine, transfers, bench_1b, host update, step-time
                                           # prediction against bench_1b, the engine's tests
@@ -10,12 +10,12 @@ GPU run, each under its own timeout, in four parts of at most 10 minutes each.
     python3 scripts/gpu_checklist.py 4    # long context at 256K
     python3 scripts/gpu_checklist.py 1 2 3 4 --smoke --out /tmp/smoke   # on a CPU, tiny sizes
 
-Results go to $OUT when it is set (the `device` tool's results folder), else to --out DIR: per part
-part<N>.txt (every command and its output, in order), part<N>.json (the steps: command, exit
-status, seconds, timed out or skipped; rewritten after each step, so a part cut short still says
-how far it got) and the JSON each benchmark writes. A part writes at most MAX_FILES files (the
-device tool brings back only a few) and its steps' timeouts together stay within PART_BUDGET_S,
-under the tool's 10-minute limit; a step never runs past what is left of that budget.
+Results go to the folder $OUT names when it is set, else to --out DIR: per part part<N>.txt
+(every command and its output, in order), part<N>.json (the steps: command, exit status, seconds,
+timed out or skipped; rewritten after each step, so a part cut short still says how far it got)
+and the JSON each benchmark writes. A part writes at most MAX_FILES files (few enough to copy
+whole into docs/results/) and its steps' timeouts together stay within PART_BUDGET_S, under the
+part's 10 minutes; a step never runs past what is left of that budget.
 
 --smoke runs the same steps with tiny sizes (each step's own small command line, in STEPS) on
 whatever machine this is; steps that need an NVIDIA GPU (nvidia-smi) are skipped. --only picks
@@ -34,8 +34,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PART_BUDGET_S = 560  # the device tool's limit is 600 s a call; the rest is start-up and margin
-MAX_FILES = 8  # the device tool returns only a few files per call
+PART_BUDGET_S = 560  # a part is at most 10 minutes (600 s); the rest is start-up and margin
+MAX_FILES = 8  # a part's results stay a handful of files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +192,7 @@ def parse_args(argv):
                                     f"part {n}: " + ", ".join(s.name for s in steps)
                                     for n, steps in STEPS.items()))
     p.add_argument("parts", nargs="+", type=int, choices=sorted(STEPS), metavar="PART",
-                   help="1, 2 or 3 (several run one after the other)")
+                   help="1, 2, 3 or 4 (several run one after the other)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, any machine (the test suite)")
     p.add_argument("--out", default="gpu_results", help="results folder when $OUT is unset")
     p.add_argument("--only", default="", help="comma-separated step names (default: all)")
@@ -239,7 +239,7 @@ def run_step(step: Step, cmd: list, timeout: float, log) -> dict:
 
 
 def _end_group(proc):
-    """SIGTERM to the step's process group (it is its own session), SIGKILL if it lingers."""
+    """SIGTERM to the step's process group (started apart from ours), SIGKILL if it lingers."""
     for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
         try:
             os.killpg(proc.pid, sig)
@@ -276,7 +276,7 @@ def run_part(part: int, args, out: str) -> bool:
                 offset = log.tell()
                 record = run_step(step, cmd, timeout, log)
                 ok &= record["rc"] == 0
-                with open(log_path) as f:  # the step's output, also for the device tool's tail
+                with open(log_path) as f:  # the step's output on stdout too, as it runs
                     f.seek(offset)
                     sys.stdout.write(f.read())
                     sys.stdout.flush()

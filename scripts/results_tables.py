@@ -277,7 +277,7 @@ GPU_KINDS = {"train": ("Training throughput (scripts/bench.py)", train_rows),
 
 
 def render_folder(folder) -> list:
-    """The tables of one folder of a GPU session's results."""
+    """The tables of one folder of a GPU run's results."""
     items = {}
     for f in sorted(glob.glob(os.path.join(folder, "*.json"))):
         r = load(f)

@@ -498,11 +498,11 @@ def test_dpo_tiny_runs_and_resumes_via_the_command_line(tmp_path, capsys):
         1, 2, 3]
 
 
-def readme_commands(section: str) -> list:
-    """The bash block of README.md's `section`, as argv lists (continuations joined, comments
-    dropped), with its variable assignments substituted."""
+def doc_commands(doc: str, section: str) -> list:
+    """The bash block of `doc`'s `section` (doc: a path from the repository root), as argv lists
+    (continuations joined, comments dropped), with its variable assignments substituted."""
     import shlex
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
     block = re.search(re.escape(section) + r"\n.*?```bash\n(.*?)```", text, re.S).group(1)
     commands, variables = [], {}
     for line in block.replace("\\\n", " ").splitlines():
@@ -519,8 +519,8 @@ def readme_commands(section: str) -> list:
     return commands
 
 
-def test_readme_sft_then_dpo_commands_run(chat_model, tmp_path):
-    """README's "SFT then DPO from a local HF model" commands, as written, on the tiny chat model
+def test_documented_sft_then_dpo_commands_run(chat_model, tmp_path):
+    """docs/finetuning.md's "SFT then DPO from a local HF model" commands, as written, on the tiny chat model
     (its directory for MODEL, small data files, run directories under tmp_path, and fewer steps
     and shorter rows appended): both runs train, both exports load in transformers, and DPO moved
     the SFT model's weights."""
@@ -532,7 +532,7 @@ def test_readme_sft_then_dpo_commands_run(chat_model, tmp_path):
     pairs = write_pairs(tmp_path / "pairs.jsonl", bundled_pairs(8))
     scripts = {"scripts/train.py": commands.train, "scripts/export_hf.py": commands.export}
     ran = []
-    for argv in readme_commands("### SFT then DPO from a local HF model"):
+    for argv in doc_commands("docs/finetuning.md", "### SFT then DPO from a local HF model"):
         assert argv[0] == "python" and argv[1] in scripts, argv
         args = [a.replace("models/Qwen2.5-0.5B-Instruct", model_dir)
                 .replace("=chats.jsonl", f"={chats}").replace("=pairs.jsonl", f"={pairs}")

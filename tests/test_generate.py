@@ -2,8 +2,8 @@
 transformers' generate(do_sample=False) token for token (Llama, Gemma 3 with local and
 global layers, Qwen3-MoE; and a run's checkpoint after a few training steps, through the CLI), the
 cache's logits equal the full-sequence forward's, seeded sampling is reproducible, the layers
-stream with bounded residency, the README's commands (the tiny run's sample, the fine-tuning
-recipe through a sample), and bad input."""
+stream with bounded residency, the documented commands (the README's tiny-run sample, the
+fine-tuning recipe of docs/finetuning.md through a sample), and bad input."""
 
 import os
 import shutil
@@ -274,12 +274,12 @@ def test_hf_directory_with_its_tokenizer_through_the_cli(tmp_path, capsys):
                                  f"encode the prompt\n")
 
 
-def test_readme_finetuning_recipe_as_written_through_a_sample(tmp_path, capsys):
-    """README's "Fine-tuning a Hugging Face model" commands, as written (train, export, sample),
+def test_documented_finetuning_recipe_as_written_through_a_sample(tmp_path, capsys):
+    """docs/finetuning.md's "Fine-tuning a Hugging Face model" commands, as written (train, export, sample),
     on the tiny Llama with its tokenizer (its directory for the model's, two small Parquet shards, run
     directories under tmp_path; fewer steps and shorter rows appended to the training)."""
     import numpy as np
-    from test_dpo import readme_commands
+    from test_dpo import doc_commands
     model_dir = tmp_path / "model"
     llama_with_tokenizer(model_dir)
     import pyarrow as pa
@@ -294,7 +294,7 @@ def test_readme_finetuning_recipe_as_written_through_a_sample(tmp_path, capsys):
     scripts = {"scripts/train.py": commands.train, "scripts/export_hf.py": commands.export,
                "scripts/generate.py": commands.generate}
     ran = []
-    for argv in readme_commands("## Fine-tuning a Hugging Face model"):
+    for argv in doc_commands("docs/finetuning.md", "## Fine-tuning a Hugging Face model"):
         assert argv[0] == "python" and argv[1] in scripts, argv
         args = [a.replace("models/Qwen2.5-0.5B", str(model_dir))
                 .replace("=datasets/", f"={tmp_path}/datasets/")

@@ -1,4 +1,4 @@
-"""scripts/gpu_checklist.py: each part fits one device call (timeouts within the budget, few result
+"""scripts/gpu_checklist.py: each part fits its 10 minutes (timeouts within the budget, few result
 files, every script and config it names exists), and --smoke runs its steps end to end on the CPU.
 
 The smoke test runs a representative subset of part 1 (the machine, transfer and step-time steps; see
@@ -29,21 +29,21 @@ checklist, tables = load_script("gpu_checklist"), load_script("results_tables")
 
 
 def run(*args, timeout=240):
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}  # --out, not the device's $OUT
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}  # --out, not a caller's $OUT
     env["PYTHONPATH"] = ROOT
     return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=timeout)
 
 
-def test_each_part_fits_one_device_call():
-    assert checklist.PART_BUDGET_S <= 570  # the device tool stops a command at 600 s
+def test_each_part_fits_ten_minutes():
+    assert checklist.PART_BUDGET_S <= 570  # a part is at most 10 minutes
     for part, steps in checklist.STEPS.items():
         assert sum(s.timeout_s for s in steps) <= checklist.PART_BUDGET_S, part
         files = checklist.files_of(part)
         assert len(files) <= checklist.MAX_FILES and len(set(files)) == len(files), part
         names = [s.name for s in steps]
         assert len(set(names)) == len(names), part
-    # one session's parts are copied into one folder (docs/results/<date>-<gpu>/): no clashes
+    # one GPU run's parts are copied into one folder (docs/results/<date>-<gpu>/): no clashes
     every = [f for part in checklist.STEPS for f in checklist.files_of(part)]
     assert len(set(every)) == len(every)
     for part, steps in checklist.STEPS.items():

@@ -1,6 +1,6 @@
 """scripts/results_tables.py: the generated tables of docs/benchmarks.md are what the committed JSON
 in docs/results/ says (a stale table fails here), a changed figure changes its table, and a GPU
-session's folder of results renders as tables."""
+run's folder of results renders as tables."""
 
 import importlib.util
 import json
@@ -45,16 +45,16 @@ def test_a_changed_figure_changes_its_table(tmp_path):
     assert tables.main(["--check", "--results", str(results)]) == 1  # the document is now stale
 
 
-def test_a_gpu_sessions_folder_renders_as_tables(tmp_path):
+def test_a_gpu_runs_folder_renders_as_tables(tmp_path):
     results = tmp_path / "results"
     shutil.copytree(RESULTS, results)
-    for committed in [d for d in results.iterdir() if d.is_dir()]:  # real sessions' folders
+    for committed in [d for d in results.iterdir() if d.is_dir()]:  # the committed GPU runs' folders
         shutil.rmtree(committed)
-    session = results / "2026-12-01-h100"
-    session.mkdir()
-    shutil.copy(results / "cpu_long_context_32k.json", session / "long_32k_auto.json")
-    shutil.copy(results / "plan_qwen2_5_7b_h100_host128gib.json", session / "plan_local.json")
-    (session / "part2.json").write_text(json.dumps({"kind": "gpu_checklist", "steps": [
+    run = results / "2026-12-01-h100"
+    run.mkdir()
+    shutil.copy(results / "cpu_long_context_32k.json", run / "long_32k_auto.json")
+    shutil.copy(results / "plan_qwen2_5_7b_h100_host128gib.json", run / "plan_local.json")
+    (run / "part2.json").write_text(json.dumps({"kind": "gpu_checklist", "steps": [
         {"name": "long_32k_auto", "rc": 0, "seconds": 80.5, "timeout_s": 150, "timed_out": False},
         {"name": "long_128k_auto", "rc": 124, "seconds": 170, "timeout_s": 170, "timed_out": True}]}))
     section = "\n".join(tables.gpu(str(results)))

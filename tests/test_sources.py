@@ -561,13 +561,13 @@ def test_sources_mixture_with_sft_or_preference_is_one_line_exit_2(tmp_path, cap
     assert not (tmp_path / "run").exists()
 
 
-def test_readme_mixture_recipe_loads(tmp_path, monkeypatch):
-    """README's data.sources block as written: Parquet shards by a glob and a directory of JSONL
+def test_documented_mixture_recipe_loads(tmp_path, monkeypatch):
+    """docs/data.md's data.sources block as written: Parquet shards by a glob and a directory of JSONL
     whose field is `content`, mixed 3:1."""
     import yaml
 
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    block = readme.split("`data.sources` mixes several such paths by weight:")[1]
+    guide = open(os.path.join(ROOT, "docs", "data.md"), encoding="utf-8").read()
+    block = guide.split("`data.sources` mixes several such paths by weight:")[1]
     block = block.split("```yaml")[1].split("```")[0]
     (tmp_path / "datasets/fineweb-edu/data").mkdir(parents=True)
     for k in range(2):
