@@ -20,7 +20,7 @@ from megatrain_jax.engine import direct, fused_adamw, transfer
 from megatrain_jax.engine.stream import Counters
 from megatrain_jax.recipes import build_optimizer
 
-pytestmark = pytest.mark.skipif(fused_adamw.library() is None, reason="no C++ compiler")
+pytestmark = pytest.mark.skipif(fused_adamw.kernel() is None, reason="no C++ compiler")
 
 CPU = jax.devices("cpu")
 D, V, L = 32, 11, 3
@@ -55,7 +55,7 @@ def test_direct_kernel_equals_the_ffi_kernel_bit_for_bit(shapes, grad_dtype, max
                                                          schedule):
     rng = np.random.default_rng(0)
     hyper, params, opt_state = unit(SHAPES[shapes], rng, 2, schedule)
-    lib = fused_adamw.library()
+    lib = fused_adamw.kernel()
     assert fused_adamw.native()
     update = direct.DirectAdamW(hyper, max_grad_norm, CPU[0], Counters(), lib)
     arrays = direct.UnitArrays.of(params, opt_state, lib)

@@ -15,7 +15,7 @@ The engine writes unit u's bus copy only in u's update, which starts once u's gr
 Every fetch of u's bus copy in a step fed that gradient (the forward's through the loss, the
 backward's through u's backward); a fetch of another call (evaluation, generation) is followed,
 on the device's one stream, by the compute of the next step's gradient. So no copy that reads it
-is in flight. `check_fetches` (debug mode, `MEGATRAIN_DEBUG_BUS=1`) verifies it at each write.
+is in flight.
 
 **Readers of the state.** `view` hands out the state as jax arrays over read-only views of the
 unit's buffers (no copy). While anything references them (a checkpoint being written in the
@@ -28,7 +28,6 @@ reader, as XLA does for a donated buffer that a numpy view still references.
 import ctypes
 import dataclasses
 import mmap
-import os
 import sys
 from typing import Any, Optional
 
@@ -40,7 +39,6 @@ from megatrain_jax.engine import fused_adamw
 
 ALIGN = 2 * 2**20  # a huge page: the kernel's threads stream whole pages, TLB misses are rare
 LEAF_ALIGN = 64  # each leaf on a cache line (the kernel's cuts fall on lines of every array)
-DEBUG_BUS = "MEGATRAIN_DEBUG_BUS"
 
 
 def _madvise_huge(raw: np.ndarray):
@@ -162,7 +160,6 @@ class DirectAdamW:
                                                                    counters, lib)
         self.host = jax.sharding.SingleDeviceSharding(host_device)
         self.on_kernel = None  # on_kernel(u, ranges), when set: each call's ranges (for tests)
-        self.debug = os.environ.get(DEBUG_BUS) == "1"
         self._decays = {}  # per params structure: the leaves' weight-decay flags
 
         def scalars(count, lr_count, norm, scale):
@@ -285,6 +282,6 @@ def available(optimizer, disk_tier) -> Optional[str]:
         return "the optimizer is not fused_adamw.adamw (optax runs it in a jit)"
     if disk_tier is not None:
         return "the disk tier's state is updated through the jit path"
-    if fused_adamw.library() is None:
+    if fused_adamw.kernel() is None:
         return "the fused AdamW kernel could not be built"
     return None

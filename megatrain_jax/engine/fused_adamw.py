@@ -72,7 +72,7 @@ def _cpu_key() -> str:
 
 
 @functools.cache
-def library():
+def kernel():
     """The kernel's shared library (ctypes), built once and cached; None, logged once with the
     reason, where it cannot be (no compiler, or the compiler's own error)."""
     compiler = shutil.which(os.environ.get("CXX", "g++"))
@@ -110,7 +110,7 @@ def library():
 @functools.cache
 def native() -> bool:
     """Builds (once, cached) and registers the kernel with jax.ffi; False when it cannot."""
-    dll = library()
+    dll = kernel()
     if dll is None:
         return False
     for name in ("FusedAdamw", "FusedAdamwBus"):

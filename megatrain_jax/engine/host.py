@@ -100,9 +100,9 @@ class HostState:
         self.direct = None
         if why is None:
             self.direct = direct_lib.DirectAdamW(optimizer.hyper, max_grad_norm, host_device,
-                                                 counters, fused_adamw.library())
+                                                 counters, fused_adamw.kernel())
             log.info("host update: the fused AdamW kernel, called directly (%d threads)",
-                     fused_adamw.library().megatrain_threads())
+                     fused_adamw.kernel().megatrain_threads())
         else:
             log.info("host update: a jitted update per unit (%s)", why)
         # Where params and optax state live between updates (store.py): RAM or the disk tier.
