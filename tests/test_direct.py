@@ -225,4 +225,30 @@ def test_a_deleted_bus_copy_is_one_line_naming_the_unit():
     engine.host.submit(2, grads, jnp.float32(1.0), jnp.float32(1.0))
     with pytest.raises(ValueError, match="^layer 1: its bus copy was deleted"):
         engine.wait()
-    engine.host._thread.shutdown()
+    engine.close()  # (the failed update is not run again)
+
+
+def test_debug_mode_refuses_to_write_a_bus_copy_a_fetch_still_reads(monkeypatch):
+    """MEGATRAIN_DEBUG_BUS=1: steps run as always (every fetch is done by its unit's update), and
+    an update queued while a fetch of its unit is still copying (here: a fetch made inside a long
+    computation, recorded as the step records its fetches) is refused, naming the unit."""
+    monkeypatch.setenv("MEGATRAIN_DEBUG_BUS", "1")
+    engine = engine_on((CPU[1], CPU[0]))
+    assert engine.host.fetches is not None
+    losses = steps(engine, 2)
+    engine.wait()
+    assert all(np.isfinite(losses))
+    device = jax.sharding.SingleDeviceSharding(CPU[1])
+    a = jax.device_put(jnp.ones((256, 256)), CPU[1])
+    slow = jax.jit(lambda a, bus: (jax.lax.fori_loop(0, 400, lambda i, c: jnp.tanh(c @ a), a),
+                                   jax.device_put(bus, device)))
+    params = engine.host.unit_state(2)[0]
+    grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    del params
+    done, copies = slow(a, engine.host.bus(2))  # its fetched copies are ready when it ends
+    engine.host.fetched(2, copies)
+    engine.host.submit(2, grads, jnp.float32(1.0), jnp.float32(1.0))
+    with pytest.raises(RuntimeError, match="^layer 1: its bus copy would be written while"):
+        engine.wait()
+    assert not done.is_ready()  # the check ran while the fetch was in flight
+    engine.close()  # (the failed update is not run again)

@@ -15,7 +15,8 @@ The engine writes unit u's bus copy only in u's update, which starts once u's gr
 Every fetch of u's bus copy in a step fed that gradient (the forward's through the loss, the
 backward's through u's backward); a fetch of another call (evaluation, generation) is followed,
 on the device's one stream, by the compute of the next step's gradient. So no copy that reads it
-is in flight.
+is in flight. In debug mode (`MEGATRAIN_DEBUG_BUS=1`) the engine keeps every fetch until the
+unit's update and refuses to write while one is still copying (HostState.fetched).
 
 **Readers of the state.** `view` hands out the state as jax arrays over read-only views of the
 unit's buffers (no copy). While anything references them (a checkpoint being written in the

@@ -5,6 +5,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from typing import Any, Optional
 
@@ -22,6 +23,7 @@ from megatrain_jax.engine import tier as tier_lib
 from megatrain_jax.engine import transfer
 
 log = logging.getLogger(__name__)
+DEBUG_BUS = "MEGATRAIN_DEBUG_BUS"
 
 
 @dataclasses.dataclass
@@ -105,6 +107,10 @@ class HostState:
                      fused_adamw.kernel().megatrain_threads())
         else:
             log.info("host update: a jitted update per unit (%s)", why)
+        # Debug mode (MEGATRAIN_DEBUG_BUS=1): every fetch of a unit's bus copy is kept until the
+        # unit's update, which refuses to write the copy while one of them is still copying
+        # (direct.py: when the bus copy may be written)
+        self.fetches = {} if self.direct is not None and os.environ.get(DEBUG_BUS) == "1" else None
         # Where params and optax state live between updates (store.py): RAM or the disk tier.
         self.store = store_lib.choose(disk_tier, self.last + 1, self.stage_units[self.last],
                                       self.host, self.direct)
@@ -237,6 +243,20 @@ class HostState:
                 leaves.update({i: bus[i] for i in held})
         return [leaves[i] for i in indices]
 
+    def fetched(self, u: int, copies):
+        """Debug mode: `copies` (device arrays) are a fetch of unit u's bus copy, to be done before
+        u's update writes it."""
+        if self.fetches is not None:
+            self.fetches.setdefault(u, []).extend(jax.tree.leaves(copies))
+
+    def _check_fetches(self, u: int, what: str):
+        copying = [x for x in (self.fetches or {}).pop(u, ()) if not x.is_deleted()
+                   and not x.is_ready()]
+        if copying:
+            raise RuntimeError(f"{what}: its bus copy would be written while {len(copying)} of "
+                               f"its fetched arrays are still being copied (the update must start "
+                               f"after every fetch of the unit fed its gradient)")
+
     def release_bus(self, u: int):
         """After a unit's last use in a step (bus.py: a host buffer is kept for the update to
         write in place, a pinned one goes back to the accelerator's pinned pool). The direct
@@ -285,6 +305,7 @@ class HostState:
             params_bus = self.buses[u].is_params
             bus = None if params_bus else jax.tree.leaves(unit.bus)
             what = "the stages' unit" if u in (0, self.last) else f"layer {u - 1}"
+            self._check_fetches(u, what)
             arrays = self.direct.apply(u, unit.arrays, pieces, grad_norm,
                                        np.float32(np.asarray(scale)), bus, what)
             if arrays is not unit.arrays:  # copied: a reader holds the old state

@@ -47,7 +47,9 @@ from megatrain_jax.engine.stream import LayerStream, delete
 def fetch_unit(engine, u):
     """Unit u's bus copy put on the compute device, once u's pending host update has finished."""
     shapes = None if engine.placement.shards is None else engine.host.shapes[1]
-    return engine.transfers.weights_in(engine.host.bus(u), shapes)
+    w = engine.transfers.weights_in(engine.host.bus(u), shapes)
+    engine.host.fetched(u, w)
+    return w
 
 
 def fetch_stage(engine, part):
@@ -57,7 +59,10 @@ def fetch_stage(engine, part):
     shapes = None
     if engine.placement.shards is not None:  # each device gets its piece, then they all-gather
         shapes = engine.parts.take(part, engine.host.shapes[0])
-    return engine.transfers.weights_in(engine.host.stage_bus(indices), shapes)
+    w = engine.transfers.weights_in(engine.host.stage_bus(indices), shapes)
+    for u in (0, engine.host.last):
+        engine.host.fetched(u, w)
+    return w
 
 
 def first_stage(engine, inputs) -> list:
@@ -76,8 +81,11 @@ def first_stage(engine, inputs) -> list:
 
 def fetched_copy(engine, w):
     """What a step may delete of a fetch: with state and compute on one device (no accelerator),
-    a fetch is the bus copy itself, which must live on."""
-    return w if engine.compute != engine.host.bus_sharding else ()
+    a fetch is the bus copy itself, which must live on; in debug mode the host state keeps every
+    fetch until the unit's update (HostState.fetched)."""
+    if engine.compute == engine.host.bus_sharding or engine.host.fetches is not None:
+        return ()
+    return w
 
 
 def reduced_away(partial, reduced) -> list:
