@@ -23,9 +23,9 @@ given work:
                them (the first stage's, layer 0, 1, ..., the last stage's), each once its gradient and the global norm are on
                the host (the norm needs every unit's sum of squares: exact clipping, and a
                non-finite norm must change nothing): its bytes at `host_update_gbps`, and on an
-               accelerator the host thread's copies between the clients at `hop_gbps` (the
-               gradient from the compute device's pinned memory to the CPU client, the new bus
-               copy back). The next step's fetch of a unit waits for that unit's update.
+               accelerator with the jit path's update (not the direct one: engine/direct.py) the
+               host thread's copies between the clients at `hop_gbps` (the gradient from the
+               compute device's pinned memory to the CPU client, the new bus copy back). The next step's fetch of a unit waits for that unit's update.
 
 With the host lookup (engine/lookup.py, where flops.host_lookup says the engine takes it) the
 first stage's rows cross instead of its weights (after unit 0's update), the last stage's gradient
@@ -387,11 +387,12 @@ def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True,
     params = c.stages + c.layers * c.layer
     opt_per_param = c.optimizer / params  # bytes of optax state per parameter (AdamW: 8)
     # params read and written, optax state read and written, the gradient read, the bus copy
-    # written (bench_optimizer.py's count); on an accelerator the host thread also copies, at
-    # hop_gbps, the gradient from the compute device's pinned memory to the CPU client and the
-    # new bus copy back to pinned memory (transfer.across_clients)
+    # written (bench_optimizer.py's count); on an accelerator the jit path's host thread also
+    # copies, at hop_gbps, the gradient from the compute device's pinned memory to the CPU client
+    # and the new bus copy back to pinned memory (transfer.across_clients); the direct update
+    # (engine/direct.py) reads and writes them where they are: no hop
     touched = lambda n: n * (8 + 2 * opt_per_param + c.grad + c.compute)
-    hop = lambda n: n * (c.grad + c.compute) if c.accelerator else 0
+    hop = lambda n: n * (c.grad + c.compute) if c.accelerator and not c.direct else 0
     lookup = host_lookup(c, tokens)
     rows = M * tokens * c.hidden * c.compute if lookup else 0
     # the host lookup's first stage backward (HostBackward), as scripts/bench_lookup.py measured
