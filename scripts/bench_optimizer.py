@@ -51,8 +51,8 @@ parser.add_argument("--clip", action="store_true",
                     help="global-norm clipping on (max_grad_norm 1.0; the norm given is below it, "
                          "so the clip's arithmetic runs and changes nothing)")
 parser.add_argument("--accelerator-path", action="store_true",
-                    help="state on a second CPU device, so the engine takes the path it takes with a "
-                         "GPU: the update writes a reused staging buffer, copied to pinned host memory")
+                    help="compute on a second CPU device, so the engine takes the path it takes "
+                         "with a GPU: gradients and bus copies in that device's pinned host memory")
 parser.add_argument("--grad-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="the engine's gradient store (train.grad_dtype)")
 parser.add_argument("--optax", action="store_true",
@@ -162,46 +162,65 @@ def measure() -> dict:
         optimizer = optax.adamw(optimizer.hyper.learning_rate, b1=opt_cfg.b1, b2=opt_cfg.b2,
                                 eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay,
                                 mask=optimizer.hyper.mask)
-    first, last = make_stages(cfg, 0)
-    engine = StreamedEngine(first=first, last=last, make_block=lambda i: make_block(cfg, 0, i),
-                            num_layers=cfg.num_layers, optimizer=optimizer,
-                            max_grad_norm=1.0 if args.clip else None, compute_dtype=jnp.bfloat16,
-                            compute_device=compute, host_device=host,
-                            grad_dtype=jnp.dtype(args.grad_dtype))
-    del first, last
-    host_state = engine.host
-    units = host_state.units
-    # shapes only: a held view of the state would make every update copy its unit first
-    unit_params = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                host_state.unit_state(u)[0]) for u in range(len(units))]
-    leaf_sizes = [x.size for p in unit_params for x in jax.tree.leaves(p)]
-    grad_dtype = host_state.grad_dtype
-    fill = lambda p: jax.tree.map(lambda x: jnp.full(x.shape, 1e-3, grad_dtype), p)
-    on_host = lambda x: jax.device_put(x, engine.host_sharding)
-    # The global norm of the scaled gradient (below max_grad_norm: clipping changes nothing) and
-    # the scale 1 / sum(weight), as host scalars, as the step computes them.
-    norm, scale = on_host(jnp.float32(0.5)), on_host(jnp.float32(1.0))
-    send = {}
+    grad_dtype = jnp.dtype(args.grad_dtype)
+    # Where a step leaves each gradient: the compute device's pinned host memory on the
+    # accelerator path (the direct update reads it there), else the host device
+    where = (jax.sharding.SingleDeviceSharding(compute, memory_kind="pinned_host")
+             if args.accelerator_path else jax.sharding.SingleDeviceSharding(host))
 
-    def send_grads():  # untimed: as the step leaves them, each unit's gradient in grad_dtype on
-        # the host and its bus copy released; fresh each time, since the update may take a
-        # gradient's buffer over (donation)
-        for u in range(len(units)):
-            send[u] = on_host(fill(unit_params[u]))
-            host_state.release_bus(u)
-        jax.block_until_ready(send)
+    def engine_runs(host_update):
+        """(the engine, its update as in a step, the same with its gradients kept, the leaves'
+        sizes) for one way of running the host update."""
+        first, last = make_stages(cfg, 0)
+        engine = StreamedEngine(first=first, last=last,
+                                make_block=lambda i: make_block(cfg, 0, i),
+                                num_layers=cfg.num_layers, optimizer=optimizer,
+                                max_grad_norm=1.0 if args.clip else None,
+                                compute_dtype=jnp.bfloat16, compute_device=compute,
+                                host_device=host, grad_dtype=grad_dtype, host_update=host_update)
+        del first, last
+        host_state = engine.host
+        units = range(len(host_state.units))
+        # shapes only: a held view of the state would make every update copy its unit first
+        shapes = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                               host_state.unit_state(u)[0]) for u in units]
+        fill = lambda p: jax.device_put(
+            jax.tree.map(lambda x: jnp.full(x.shape, 1e-3, grad_dtype), p), where)
+        # The global norm of the scaled gradient (below max_grad_norm: clipping changes nothing)
+        # and the scale 1 / sum(weight), as the step leaves them.
+        norm, scale = jax.device_put((jnp.float32(0.5), jnp.float32(1.0)), where)
+        send, kept = {}, []
 
-    def update():  # the engine's own path: every unit's update on its host thread, then wait;
-        # each gradient is freed on the host thread once its update is done, as in a step
-        for u in range(len(units)):
-            host_state.submit(u, send.pop(u), norm, scale)
-        engine.wait()
+        def send_grads():  # untimed: as the step leaves them, each unit's gradient in
+            # grad_dtype and its bus copy released; fresh each time, since the update may take a
+            # gradient's buffer over (donation)
+            for u in units:
+                send[u] = fill(shapes[u])
+                host_state.release_bus(u)
+            jax.block_until_ready(send)
 
-    kept = []
+        def update():  # the engine's own path: every unit's update on its host thread, then
+            # wait; each gradient is freed on the host thread once its update is done, as in a step
+            for u in units:
+                host_state.submit(u, send.pop(u), norm, scale)
+            engine.wait()
 
-    def update_kept():  # the same, the gradients freed after the timing (torch keeps its own)
-        kept.append(dict(send))
-        update()
+        def update_kept():  # the same, the gradients freed after the timing (torch keeps its own)
+            kept.append(dict(send))
+            update()
+            kept.clear()
+
+        sizes = [x.size for p in shapes for x in jax.tree.leaves(p)]
+        return engine, send_grads, update, update_kept, sizes, shapes
+
+    engine, send_grads, update, update_kept, leaf_sizes, unit_params = engine_runs("auto")
+    updates = {"update": (send_grads, update), "update_kept": (send_grads, update_kept)}
+    direct = engine.host.direct is not None
+    jit_engine = None
+    if direct:  # the same kernel through jax.ffi in a jitted update per unit, side by side
+        jit_engine, jit_send, jit_update = engine_runs("jit")[:3]
+        updates["update_jit"] = (jit_send, jit_update)
+    units = unit_params
 
     pool = concurrent.futures.ThreadPoolExecutor(THREADS)
     runs = {"copy": make_copy(sum(leaf_sizes), pool)}
@@ -210,25 +229,26 @@ def measure() -> dict:
         runs.update({"torch_fused": make_torch(leaf_sizes, opt_cfg, "fused"),
                      "torch_fused_bus": make_torch(leaf_sizes, opt_cfg, "fused", bus=True),
                      "torch_foreach": make_torch(leaf_sizes, opt_cfg, "foreach")})
-    send_grads()
-    update()  # compile
+    for prepare, fn in updates.values():
+        prepare()
+        fn()  # compile
     for fn in runs.values():
         fn()
     # Interleaved, so a neighbour's load on this shared machine hits every run alike.
-    out = {k: {"seconds": [], "cpu_seconds": [], "faults": []}
-           for k in ["update", "update_kept", *runs]}
+    out = {k: {"seconds": [], "cpu_seconds": [], "faults": []} for k in [*updates, *runs]}
     for _ in range(args.reps):
-        for k, fn in [("update", update), ("update_kept", update_kept), *runs.items()]:
-            if k.startswith("update"):
-                send_grads()
+        for k, fn in [*((k, fn) for k, (_, fn) in updates.items()), *runs.items()]:
+            if k in updates:
+                updates[k][0]()
             for key, x in zip(("seconds", "cpu_seconds", "faults"), timed(fn)):
                 out[k][key].append(x)
-            kept.clear()
     pool.shutdown()
     engine.close()
+    if jit_engine is not None:
+        jit_engine.close()
     return {"params": sum(leaf_sizes), "units": len(units), "layer_params": sum(
         x.size for x in jax.tree.leaves(unit_params[1])), "runs": out,
-        "native_kernel": not args.optax and fused_adamw.native(),
+        "native_kernel": not args.optax and fused_adamw.native(), "direct": direct,
         "huge_pages": hostmem.huge_pages_on(), "thp_mode": hostmem.thp_setting(),
         "mmap_threshold_mib": args.mmap_threshold}
 
@@ -256,6 +276,7 @@ def ratios(res: dict) -> dict:
     ms = {k: float(np.median(run["seconds"])) for k, run in res["runs"].items()}
     torch_ms = lambda k: ms.get(k, float("nan"))
     return {"update_vs_torch_fused": ms["update"] / torch_ms("torch_fused"),
+            "update_jit_vs_torch_fused": ms.get("update_jit", float("nan")) / torch_ms("torch_fused"),
             "update_kept_vs_torch_fused": ms["update_kept"] / torch_ms("torch_fused"),
             "update_vs_torch_fused_bus": ms["update"] / torch_ms("torch_fused_bus")}
 
@@ -284,16 +305,19 @@ def main():
     n = r["params"]
     grad_bytes = jnp.dtype(args.grad_dtype).itemsize
     bytes_per_param = {"update": 24 + grad_bytes + 2, "update_kept": 24 + grad_bytes + 2,
+                       "update_jit": 24 + grad_bytes + 2,
                        "torch_fused": 28, "torch_fused_bus": 34, "torch_foreach": 28, "copy": 8}
     names = {"update": "engine host update", "update_kept": "  its gradients kept",
+             "update_jit": "  the kernel in a jit",
              "torch_fused": "torch AdamW fused", "torch_fused_bus": "  + its bf16 copy",
              "torch_foreach": "torch AdamW foreach", "copy": "numpy copy"}
-    path = "optax" if args.optax else "fused, " + ("kernel" if r["native_kernel"] else "JAX")
+    path = "optax" if args.optax else "fused, " + (
+        ("kernel called directly" if r["direct"] else "kernel") if r["native_kernel"] else "JAX")
     print(f"model: {n / 1e6:.1f}M params, {r['units'] - 2} layers of {r['layer_params'] / 1e6:.1f}M "
           f"and the 2 stage units | "
           f"AdamW ({path}), bf16 bus copy, "
           f"{args.grad_dtype} gradients, clipping {'on' if args.clip else 'off'}, "
-          f"{'accelerator path (staging + pinned copy)' if args.accelerator_path else 'bus in place'}"
+          f"{'accelerator path (gradients and bus copies in pinned memory)' if args.accelerator_path else 'bus on the host device'}"
           f"{f', mmap threshold {args.mmap_threshold:g} MiB' if args.mmap_threshold else ''}"
           f"{', huge pages' if r['huge_pages'] else ''}"
           f" | median of {args.reps}, interleaved"
@@ -332,6 +356,8 @@ def main():
                        "update_vs_torch_fused": ratio, "update_vs_torch_fused_1": ratio_1,
                        "update_kept_vs_torch_fused": ratio_kept,
                        "update_vs_torch_fused_bus": ratio_bus, "processes": args.processes,
+                       "update_jit_vs_torch_fused": median(THREADS, "update_jit_vs_torch_fused"),
+                       "direct": r["direct"],
                        "per_process": {str(t): x for t, x in per_process.items()},
                        "update_vs_torch_fused_1_cpu": cpu_ratio_1, "jax": jax.__version__,
                        "torch": torch.__version__ if torch else None}, f, indent=1)
@@ -341,6 +367,9 @@ def main():
                   + ", ".join(f"{x['update_vs_torch_fused']:.3f}" for x in xs))
     print(f"at one thread, update / torch fused: {ratio_1:.3f} (wall), {cpu_ratio_1:.3f} (CPU)")
     print(f"update / (torch fused + its bf16 copy): {ratio_bus:.3f}")
+    if r["direct"]:
+        print(f"the kernel in a jit / torch fused: "
+              f"{median(THREADS, 'update_jit_vs_torch_fused'):.3f}")
     print(f"its gradients kept, update / torch fused: {ratio_kept:.3f}")
     print(f"update_vs_torch_fused: {ratio:.3f}")
 

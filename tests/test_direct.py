@@ -142,7 +142,7 @@ def test_engine_reads_gradients_in_place_and_writes_the_bus_in_place():
 
 
 @pytest.mark.parametrize("devices", ["accelerator", "one_device"])
-def test_direct_and_jit_paths_train_the_same_bits(devices, monkeypatch):
+def test_direct_and_jit_paths_train_the_same_bits(devices):
     """The direct update against the FFI kernel in a jit (the engine's other path), three steps:
     the same losses and the same state, bit for bit."""
     pair = (CPU[1], CPU[0]) if devices == "accelerator" else (CPU[0], CPU[0])
@@ -151,8 +151,7 @@ def test_direct_and_jit_paths_train_the_same_bits(devices, monkeypatch):
     losses = steps(engine, 3)
     state = jax.tree.map(np.array, engine.state())
     engine.close()
-    monkeypatch.setattr(direct, "available", lambda optimizer, disk_tier: "forced (test)")
-    jit = engine_on(pair)
+    jit = engine_on(pair, host_update="jit")
     assert jit.host.direct is None
     assert steps(jit, 3) == losses
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(jax.tree.map(np.array, jit.state())),
@@ -213,6 +212,13 @@ def test_the_jit_path_is_named_in_the_log_where_the_direct_one_cannot_run(caplog
     assert engine.host.direct is None
     assert "a jitted update per unit (the optimizer is not fused_adamw.adamw" in caplog.text
     engine.close()
+
+
+def test_host_update_setting_says_what_cannot_run():
+    with pytest.raises(ValueError, match="^host_update must be one of auto, direct, jit, got 'x'"):
+        engine_on((CPU[1], CPU[0]), host_update="x")
+    with pytest.raises(ValueError, match="^host_update='direct' cannot run: the optimizer is not"):
+        engine_on((CPU[1], CPU[0]), optimizer=optax.adamw(1e-3), host_update="direct")
 
 
 def test_a_deleted_bus_copy_is_one_line_naming_the_unit():

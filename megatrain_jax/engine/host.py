@@ -24,6 +24,7 @@ from megatrain_jax.engine import transfer
 
 log = logging.getLogger(__name__)
 DEBUG_BUS = "MEGATRAIN_DEBUG_BUS"
+HOST_UPDATES = ("auto", "direct", "jit")
 
 
 @dataclasses.dataclass
@@ -59,7 +60,8 @@ class HostState:
 
     def __init__(self, stages, blocks, optimizer: optax.GradientTransformation, *, max_grad_norm,
                  compute_dtype, grad_dtype, compute_device, host_device, counters, num_blocks: int,
-                 disk_tier: Optional[tier_lib.DiskTierOptions] = None, shards=None):
+                 disk_tier: Optional[tier_lib.DiskTierOptions] = None, shards=None,
+                 host_update: str = "auto"):
         """stages: the stages' params (param_split((first, last))); blocks: an iterable of the
         blocks' params (with the disk tier, one in RAM at a time)."""
         self.optimizer = optimizer
@@ -98,7 +100,13 @@ class HostState:
         # The host update (direct.py): the fused AdamW kernel called directly on numpy state the
         # engine owns, where it can run; else one jitted update per unit (optax, or the kernel
         # through jax.ffi), said once in the log.
-        why = direct_lib.available(optimizer, disk_tier)
+        if host_update not in HOST_UPDATES:
+            raise ValueError(f"host_update must be one of {', '.join(HOST_UPDATES)}, got "
+                             f"{host_update!r}")
+        why = ("host_update='jit'" if host_update == "jit"
+               else direct_lib.available(optimizer, disk_tier))
+        if why is not None and host_update == "direct":
+            raise ValueError(f"host_update='direct' cannot run: {why}")
         self.direct = None
         if why is None:
             self.direct = direct_lib.DirectAdamW(optimizer.hyper, max_grad_norm, host_device,

@@ -92,6 +92,12 @@ class StreamedEngine:
         gradient (decided at the first step, from its shapes); True: wherever it serves; False:
         never. Where it does not run the first stage runs on the device, and the log says why.
         Training equals the device path.
+      host_update: how the host update runs. "auto" (default): with fused_adamw.adamw (the
+        project's AdamW) and its kernel built, the kernel called directly on numpy state the
+        engine owns (engine/direct.py: each gradient read where the device wrote it, each bus copy
+        written in place), else a jitted update per unit; "direct": the direct update or an error
+        saying why it cannot run; "jit": a jitted update per unit (the kernel through jax.ffi, or
+        optax). The log says which. The direct and jit paths give the same bits.
 
     A step whose gradient is not finite changes nothing (see `train_step`); a step that raises
     leaves the state as it was before it.
@@ -103,7 +109,8 @@ class StreamedEngine:
                  compute_device=None, host_device=None, grad_dtype=jnp.float32,
                  offload_activations: bool = False, aux_loss: Optional[Callable] = None,
                  disk_tier: Optional[DiskTierOptions] = None, compute_devices=None,
-                 shard_host_state: bool = False, host_lookup: Optional[bool] = None):
+                 shard_host_state: bool = False, host_lookup: Optional[bool] = None,
+                 host_update: str = "auto"):
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         if prefetch < 0:
@@ -153,7 +160,8 @@ class StreamedEngine:
                               compute_dtype=compute_dtype, grad_dtype=grad_dtype,
                               compute_device=self.compute_device, host_device=self.host_device,
                               counters=self.counters, num_blocks=num_layers,
-                              disk_tier=disk_tier, shards=self.placement.shards)
+                              disk_tier=disk_tier, shards=self.placement.shards,
+                              host_update=host_update)
         del stages
         # where the plan counts them: bus copies in the compute device's pinned host memory
         self.transfers.check(self.host.units[1].bus, self.host.bus_sharding.memory_kind)
