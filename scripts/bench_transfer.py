@@ -5,7 +5,9 @@
 For one buffer the size of a large layer it times every host<->device path JAX offers (numpy,
 the CPU backend, the GPU device's `pinned_host` memory kind), a PyTorch pinned-memory copy as the
 physical reference (in a subprocess, when torch is importable), copies while the GPU runs a large
-matmul (do they overlap compute?), the latency of a small device->host copy and what it does to the
+matmul (do they overlap compute?) in each form the engine could issue them: an eager `device_put`
+dispatched behind the matmul (the engine's form today), dispatched before it, issued from a second
+thread, and made inside the jitted computation beside the matmul, the latency of a small device->host copy and what it does to the
 next kernel (jax#36651), and how much `pinned_host` memory XLA will hand out with and without
 XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (the default cap is reported to be 64 GB). GB = 1e9 bytes.
 
@@ -292,34 +294,101 @@ def measure_overlap(jax, jnp, x_dev, x_pin, pinned, on_dev, on_cpu, nbytes, n, t
 
     one = jax.jit(chain, static_argnums=1)
     t_one = timed(lambda _: one(a, 1))
-    copies = {"pinned_host -> device": lambda: jax.device_put(x_pin, on_dev),
-              "device -> pinned_host": lambda: jax.device_put(x_dev, pinned),
-              "device -> cpu backend": lambda: jax.device_put(x_dev, on_cpu)}
+    copies = {"pinned_host -> device": (x_pin, on_dev), "device -> pinned_host": (x_dev, pinned),
+              "device -> cpu backend": (x_dev, on_cpu)}
     out = {"matmul_n": n, "matmul_tflops": 2 * n ** 3 / t_one / 1e12, "paths": {}}
-    for name, copy in copies.items():
+    for name, (x, target) in copies.items():
         if pinned is None and "pinned" in name:
             out["paths"][name] = {"skipped": "no pinned_host memory kind"}
             continue
+        copy = lambda: jax.device_put(x, target)
         t_copy = timed(lambda _: copy())
         iters = max(1, min(1000, round(t_copy / t_one)))  # compute about as long as the copy
         t_mm = timed(lambda _: one(a, iters))
-        copy_done, both_done = [], []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            r = one(a, iters)  # dispatched first: the copy is queued while the matmul runs
-            y = copy()
-            jax.block_until_ready(y)
-            copy_done.append(time.perf_counter() - t0)
-            jax.block_until_ready(r)
-            both_done.append(time.perf_counter() - t0)
-        t_c, t_b = statistics.median(copy_done), statistics.median(both_done)
-        out["paths"][name] = {
-            "copy_alone_s": t_copy, "matmul_alone_s": t_mm, "copy_during_matmul_s": t_c,
-            "both_s": t_b, "gb_per_s_alone": nbytes / t_copy / GB,
-            "gb_per_s_during_matmul": nbytes / t_c / GB,
-            # 1: the shorter of the two was fully hidden under the other; 0: they ran serially.
-            "overlap": max(0.0, min(1.0, (t_copy + t_mm - t_b) / min(t_copy, t_mm)))}
+        forms = {"": behind(one, a, iters, copy), " (copy first)": first(one, a, iters, copy),
+                 " (second thread)": threaded(one, a, iters, copy)}
+        if "cpu backend" not in name:  # (a jit cannot copy between two clients)
+            forms[" (in jit)"] = in_jit(jax, chain, a, iters, x, target, timed)
+        for form, (t_c, t_b, t_alone) in forms.items():
+            t_alone = t_alone or t_copy
+            out["paths"][name + form] = {
+                "copy_alone_s": t_alone, "matmul_alone_s": t_mm, "copy_during_matmul_s": t_c,
+                "both_s": t_b, "gb_per_s_alone": nbytes / t_alone / GB,
+                "gb_per_s_during_matmul": nbytes / t_c / GB,
+                # 1: the shorter of the two was fully hidden under the other; 0: serial
+                "overlap": max(0.0, min(1.0, (t_alone + t_mm - t_b) / min(t_alone, t_mm)))}
     return out
+
+
+def _medians(run, repeats=3) -> tuple:
+    """Median (copy done, both done) seconds of `run()`, which returns them once."""
+    done = [run() for _ in range(repeats)]
+    return (statistics.median(c for c, _ in done), statistics.median(b for _, b in done), None)
+
+
+def behind(one, a, iters, copy) -> tuple:
+    """The engine's eager form: the matmul dispatched first, then the copy (`jax.device_put`)."""
+    def run():
+        t0 = time.perf_counter()
+        r = one(a, iters)
+        y = copy()
+        y.block_until_ready()
+        c = time.perf_counter() - t0
+        r.block_until_ready()
+        return c, time.perf_counter() - t0
+    return _medians(run)
+
+
+def first(one, a, iters, copy) -> tuple:
+    """The copy dispatched first, then the matmul: whether the order is what serialises them."""
+    def run():
+        t0 = time.perf_counter()
+        y = copy()
+        r = one(a, iters)
+        y.block_until_ready()
+        c = time.perf_counter() - t0
+        r.block_until_ready()
+        return c, time.perf_counter() - t0
+    return _medians(run)
+
+
+def threaded(one, a, iters, copy) -> tuple:
+    """The copy issued and waited for on a second thread while this one dispatches the matmul."""
+    import threading
+
+    def run():
+        done = {}
+
+        def put():
+            copy().block_until_ready()
+            done["copy"] = time.perf_counter()
+        t0 = time.perf_counter()
+        r = one(a, iters)
+        thread = threading.Thread(target=put)
+        thread.start()
+        r.block_until_ready()
+        thread.join()
+        return done["copy"] - t0, time.perf_counter() - t0
+    return _medians(run)
+
+
+def in_jit(jax, chain, a, iters, x, target, timed) -> tuple:
+    """The copy made inside the jitted computation beside the matmul (a memory-kind device_put in
+    the jit, which XLA schedules as an asynchronous copy); its outputs are ready together. Also
+    returns the copy alone as its own jit."""
+    alone = jax.jit(lambda x: jax.device_put(x, target))
+    both = jax.jit(lambda a, x: (chain(a, iters), jax.device_put(x, target)))
+    t_alone = timed(lambda _: alone(x))
+
+    def run():
+        t0 = time.perf_counter()
+        r, y = both(a, x)
+        jax.block_until_ready((r, y))
+        t = time.perf_counter() - t0
+        return t, t
+    jax.block_until_ready(both(a, x))  # compiled
+    c, b, _ = _medians(run)
+    return c, b, t_alone
 
 
 def measure_small_d2h(jax, jnp, on_dev, on_cpu, timed):
@@ -362,9 +431,9 @@ def print_report(rows, reference, overlap, latency, probe):
           f"({overlap['matmul_tflops']:.3g} TFLOP/s alone):")
     for name, o in overlap["paths"].items():
         if "skipped" in o:
-            print(f"  {name:<26} skipped ({o['skipped']})")
+            print(f"  {name:<40} skipped ({o['skipped']})")
         else:
-            print(f"  {name:<26} {o['gb_per_s_alone']:7.2f} GB/s alone, "
+            print(f"  {name:<40} {o['gb_per_s_alone']:7.2f} GB/s alone, "
                   f"{o['gb_per_s_during_matmul']:7.2f} GB/s during matmul, "
                   f"overlap {o['overlap']:.2f}")
     print(f"\nsmall (4 KB) D2H: {latency['small_d2h_ms']:.3f} ms | tiny kernel "

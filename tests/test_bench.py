@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from megatrain_jax import hostmem, step_time
+from megatrain_jax.engine import fused_adamw
 from megatrain_jax.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -118,6 +119,12 @@ def test_bench_transfer_tiny_buffer(tmp_path):
         assert positive(p["gb_per_s"]) and p["threads"] >= 1 and p["exact"] is True
     assert threaded["reused buffer"]["put_aliases"] is True
     assert paths["cpu backend -> pinned_host, numpy view"]["zero_copy"] in (True, False, None)
+    # each copy beside a matmul in every form the engine could issue it (a jit cannot copy
+    # between two clients)
+    forms = ("", " (copy first)", " (second thread)", " (in jit)")
+    assert set(r["overlap"]["paths"]) == {f"{p}{form}" for p in (
+        "pinned_host -> device", "device -> pinned_host", "device -> cpu backend")
+        for form in forms} - {"device -> cpu backend (in jit)"}
     for o in r["overlap"]["paths"].values():
         assert 0 <= o["overlap"] <= 1 and positive(o["gb_per_s_during_matmul"])
     assert r["small_d2h"]["small_d2h_ms"] > 0
@@ -146,9 +153,13 @@ def test_bench_optimizer_tiny(tmp_path):
     r = json.loads(out.read_text())
     threads = {r["threads"], 1}
     rows = {(row["measurement"], row["threads"]): row for row in r["table"]}
-    assert set(rows) == {(m, t) for m in ("update", "update_kept", "torch_fused",
-                                          "torch_fused_bus", "torch_foreach", "copy")
+    # the direct update (the kernel called directly) beside the kernel in a jitted update
+    engine_rows = ("update", "update_kept") + (("update_jit",) if r["direct"] else ())
+    assert r["direct"] is (fused_adamw.kernel() is not None)
+    assert set(rows) == {(m, t) for m in (*engine_rows, "torch_fused", "torch_fused_bus",
+                                          "torch_foreach", "copy")
                          for t in threads}
+    assert not r["direct"] or positive(r["update_jit_vs_torch_fused"])
     assert rows[("torch_fused_bus", 1)]["bytes_per_param"] == 34
     # two processes a thread count, each run's samples pooled, the ratios the processes' median
     assert r["processes"] == 2 and all(len(run["seconds"]) == 2
