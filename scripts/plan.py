@@ -4,7 +4,8 @@
     python scripts/plan.py --config configs/llama3_8b.yaml data.seq_len=131072 --host-memory-gb 128
     python scripts/plan.py --config configs/qwen2_5_7b.yaml --sweep 8192,32768,131072,524288
     python scripts/plan.py --config configs/bench_1b.yaml --step-time [--rates RESULTS_DIR]
-    python scripts/plan.py --config configs/tiny.yaml --largest-model --host-memory-gb 64
+    python scripts/plan.py --config configs/dense_120b.yaml --device h200 --host-memory-gb 1500 \
+        --largest-model
 
 --device is a preset (h100, h200, gh200; default h100) or `local`: this machine's first device.
 --sweep prints one row per sequence length instead of the full report. --largest-model adds the

@@ -361,6 +361,28 @@ def test_the_largest_model_is_the_deepest_that_fits():
     assert plan(cfg, dataclasses.replace(machine, host_memory_gb=1e-6)).largest_num_layers == 0
 
 
+def test_the_120b_config_takes_16_bytes_a_parameter_and_does_not_fit_1500_gb():
+    """configs/dense_120b.yaml: 118.7B parameters; on --device h200 --host-memory-gb 1500 its
+    host RAM is 1,911 GB, 16.1 B/param (master 4, AdamW 8, bus 2, bf16 gradients 2.05, staging):
+    it does not fit. The host figures need no compile: from the counts (memory_model)."""
+    from megatrain_jax.config import load_config
+    from megatrain_jax.flops import counts
+    from megatrain_jax.machines import MACHINES
+    from megatrain_jax.memory_model import host_bytes
+    from megatrain_jax.recipes import execution_for
+    cfg = load_config(os.path.join(ROOT, "configs", "dense_120b.yaml"))
+    machine = dataclasses.replace(MACHINES["h200"], host_memory_gb=1500)
+    c = counts(cfg, execution_for(cfg, "gpu")[0], machine)
+    M, B, T = cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len
+    assert M * B * T == 8192 and round(c.params / 1e8) == 1187
+    host = host_bytes(c, B * T, offload=False)
+    per_param = {kind: round(v / c.params, 2) for kind, v in host.items()}
+    assert per_param == {"master": 4, "optimizer": 8, "bus": 2, "gradients": 2.05,
+                         "staging": 0.04, "activations": 0}
+    assert round(sum(host.values()) / GB) == 1911 > machine.host_memory_gb
+    assert round(sum(host.values()) / c.params, 1) == 16.1
+
+
 def test_script_prints_the_plan_and_writes_json(tmp_path, capsys):
     """`megatrain plan` (= scripts/plan.py's main: tests/test_commands.py), in-process."""
     from megatrain_jax import commands
