@@ -77,7 +77,13 @@ PLAN_EPILOG = """\
 --device is a preset ({presets}; default h100) or `local`: this machine's first device.
 --sweep prints one row per sequence length instead of the full report. --json writes the plan
 (or the sweep's plans) as JSON. Nothing of the model is allocated; on a CPU it takes seconds to a
-minute for an 8B model (it compiles the step's functions to read their workspaces).
+minute for an 8B model (it compiles the step's functions to read their workspaces). The host RAM
+table gives each kind's bytes a parameter of the model as well.
+
+--largest-model adds the largest model of the config's shape family that fits the machine. The
+family: the config's width (hidden_size, intermediate_size, heads, vocabulary) at any depth, so
+model.num_layers is varied and every other key (sequence, batch, dtypes, offload) stays as
+configured; it reports that depth and its parameters.
 
 --step-time predicts the step time instead (megatrain_jax.step_time): a timeline of the engine's
 schedule from component rates, which default to the --device preset's bus and bf16 peak (host
@@ -148,6 +154,9 @@ def plan(argv=None, prog=None) -> int:
                         "count is unknown: distributed.local_devices 0 is planned as 1)")
     parser.add_argument("--sweep", help="comma-separated data.seq_len values, one row each")
     parser.add_argument("--json", help="write the plan(s) to this file")
+    parser.add_argument("--largest-model", action="store_true",
+                        help="also the most layers (model.num_layers) of the config's width "
+                             "that fit, as layers and parameters")
     parser.add_argument("--step-time", action="store_true",
                         help="predict the step time (a timeline simulation) instead")
     parser.add_argument("--rates", help="measured rates: a results folder or a step-time JSON")
@@ -155,11 +164,14 @@ def plan(argv=None, prog=None) -> int:
         parser.add_argument(flag, dest=key, type=float, help=f"rate: {key}")
 
     def go(args):
-        from megatrain_jax.config import load_config
+        from megatrain_jax.config import ConfigError, load_config
         from megatrain_jax.machines import GB
         from megatrain_jax.plan import plan as make_plan, plan_sweep
         from megatrain_jax.plan_report import format_bytes
         machine = _machine(args)
+        if args.largest_model and (args.step_time or args.sweep):
+            raise ConfigError(f"--largest-model goes with the plan's report, not with "
+                              f"{'--step-time' if args.step_time else '--sweep'}")
         if args.step_time:
             out = _step_time(load_config(args.config, args.overrides), machine, args)
         elif args.sweep:
@@ -174,9 +186,13 @@ def plan(argv=None, prog=None) -> int:
             cfg = load_config(args.config, args.overrides)
             p = make_plan(cfg, machine)
             print(p.report())
+            if args.largest_model:
+                print(p.largest_model_line())
             lines = plan_advice(cfg, machine, p, args)
             print("\n".join(lines))
             out = {**p.to_dict(), "advice": lines}
+            if args.largest_model:
+                out["largest_model"] = p.largest_model
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:

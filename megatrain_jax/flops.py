@@ -87,6 +87,20 @@ class Counts:
     lookup_serves: str = ""
     lookup_setting: bool | None = None  # train.host_lookup as the engine takes it (None: auto)
 
+    @property
+    def params(self) -> int:
+        """Parameters of the whole model: the stages' and every layer's."""
+        return self.stages + self.layers * self.layer
+
+
+def with_layers(c: Counts, layers: int) -> Counts:
+    """The Counts of the same config with model.num_layers = layers. Every layer is one block
+    shape, so only the number of layers and the optax state of all of them change (one layer's
+    state is layer_state less its fp32 master weights)."""
+    layer_optimizer = c.layer_state - 4 * c.layer
+    return dataclasses.replace(c, layers=layers,
+                               optimizer=c.optimizer + (layers - c.layers) * layer_optimizer)
+
 
 @functools.lru_cache(maxsize=8)
 def abstract_units(model: ModelConfig, execution: Execution) -> tuple:

@@ -89,6 +89,22 @@ def compile_device(platform: str):
 # bytes at each moment of a step
 
 
+def optimizer_state_bytes(c: Counts) -> int:
+    """Bytes of every unit's optax state, as the optimizer's init makes it (AdamW: m and v in
+    fp32, 8 B/param, and a step count per unit)."""
+    return c.optimizer
+
+
+def bus_bytes(c: Counts, tokens: int) -> int:
+    """Bytes of the bus copies (the weights in the compute dtype that the device fetches) the
+    host holds: every unit's, all step, 2 B/param in bf16. Where the compute dtype is fp32 there
+    is none on a CPU-only run (the bus copy is the master), and with the host lookup unit 0's is
+    its master weights (HostState._is_params)."""
+    if not c.accelerator and c.compute == 4:
+        return 0
+    return c.compute * (c.params - (host_lookup(c, tokens) and c.compute == 4) * c.first)
+
+
 def host_bytes(c: Counts, tokens: int, offload: bool) -> dict:
     """Kind -> bytes of host RAM at the end of a step, `tokens` per micro-batch.
 
@@ -98,12 +114,8 @@ def host_bytes(c: Counts, tokens: int, offload: bool) -> dict:
     With the host lookup (flops.host_lookup) unit 0's bus copy is in host memory instead
     (pinned_bytes), and so not staged. The host thread's compiled temps are not counted (the
     host lookup's sum of squares of unit 0's gradient takes none on XLA:CPU)."""
-    params = c.stages + c.layers * c.layer
-    bus_is_master = not c.accelerator and c.compute == 4
     share = lambda n: -(-n // c.host_shards)  # this process's rows of the state
     lookup = host_lookup(c, tokens)
-    # unit 0's bus copy in host memory is its master weights in fp32 (HostState._is_params)
-    bus = params - (lookup and c.compute == 4) * c.first
     # every unit's, waiting for the global norm. The device path: the stages' first and last
     # parts, then their merged sum. The host lookup: the last unit's once, and on the host
     # thread the rows' gradient, the table's dense fp32 gradient the host scatter-adds it into,
@@ -113,9 +125,9 @@ def host_bytes(c: Counts, tokens: int, offload: bool) -> dict:
     stage_grads = (c.grad * c.stages + accumulator + activation_bytes(c, tokens) if lookup
                    else c.grad * (c.first + c.last + c.stages))
     return {
-        "master": share(4 * params),
-        "optimizer": share(c.optimizer),
-        "bus": 0 if bus_is_master else share(c.compute * bus),
+        "master": share(4 * c.params),
+        "optimizer": share(optimizer_state_bytes(c)),
+        "bus": share(bus_bytes(c, tokens)),
         "gradients": share(c.grad * c.layers * c.layer + stage_grads),
         "staging": (share(c.compute * (c.stages - lookup * c.first + c.layer))
                     if c.accelerator and not c.direct else 0),
@@ -127,7 +139,7 @@ def pinned_bytes(c: Counts, tokens: int, host: dict) -> int:
     """The bytes of `host` (host_bytes' result) in the compute device's pinned host memory: the
     bus copies but unit 0's with the host lookup (this process's rows), offloaded
     activations."""
-    params = c.stages + c.layers * c.layer - host_lookup(c, tokens) * c.first
+    params = c.params - host_lookup(c, tokens) * c.first
     return -(-c.compute * params // c.host_shards) + host["activations"]
 
 
@@ -138,9 +150,8 @@ def host_bytes_on_disk(c: Counts, tokens: int, offload: bool, read_ahead: int) -
     to read_ahead written behind (at least 1), the buffers from one pool; the stages' own
     buffers (one read, one written) stay pooled besides their arrays while they are
     updated."""
-    params = c.stages + c.layers * c.layer
     return {**host_bytes(c, tokens, offload), "master": 0, "optimizer": 0,
-            "bus": c.compute * params,
+            "bus": c.compute * c.params,
             "tier buffers": 3 * c.stages_state
             + (read_ahead + max(1, read_ahead) + 2) * c.layer_state}
 

@@ -5,8 +5,9 @@
 
 For a config and a machine the plan predicts the host RAM the engine holds (by kind), the device
 peak of every phase of a step (by kind), whether both fit, whether activations must be offloaded
-(`train.offload_activations: auto`), the largest micro-batch and sequence that fit, and how many
-tokens a step needs for compute to hide the weight transfers.
+(`train.offload_activations: auto`), the largest micro-batch and sequence that fit, the largest
+model of the config's width (its most layers), and how many tokens a step needs for compute to
+hide the weight transfers.
 
 Its parts: the machines and their peaks (megatrain_jax.machines), the units' parameter counts and
 FLOPs (flops), the bytes held at each moment of the engine's step and each phase's compiled
@@ -22,13 +23,13 @@ import numpy as np
 
 from megatrain_jax.config import Config, DiskTier
 from megatrain_jax.flops import (ASSUMED_MFU, Counts, counts, devices_assumed, flops_per_token,
-                                  host_lookup, tokens_to_hide)
+                                  host_lookup, tokens_to_hide, with_layers)
 from megatrain_jax.machines import GB, Machine
 from megatrain_jax.memory_model import (compile_device, device_bytes, fits, host_bytes,
                                         host_bytes_on_disk, peak_bytes, pinned_bytes,
                                         workspace_bytes)
 from megatrain_jax.model import Execution
-from megatrain_jax.plan_report import Plan, format_bytes
+from megatrain_jax.plan_report import MOST_LAYERS, Plan, format_bytes
 
 PINNED_POOL_DEFAULT_GIB = 64  # XLA:GPU's pinned host pool, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
 LARGEST_SEQ_TOLERANCE = 0.02
@@ -61,7 +62,7 @@ def plan(cfg: Config, machine: Machine) -> Plan:
         notes.append("the first stage runs on the host (the host lookup, engine/lookup.py: its "
                      "rows cross, not its weights, and their gradient comes back); unit 0's bus "
                      "copy stays in host memory")
-    disk_bytes = 4 * (c.stages + c.layers * c.layer) + c.optimizer
+    disk_bytes = 4 * c.params + c.optimizer
     return Plan(host=host, device=device_bytes(c, B * T, offload, workspace),
                 offload_activations=offload, offload_reason=offload_reason,
                 attention=execution.attention, attention_reason=attention_reason,
@@ -148,24 +149,32 @@ def _disk_gbps_to_hide(cfg: Config, machine: Machine, disk_bytes: int) -> float:
 
 def _largest_search(cfg: Config, machine: Machine, c: Counts, temps: Callable, workspace: dict,
                     options: list, quantum: int) -> Callable[[str], int]:
-    """largest(axis): the largest batch_size (axis "batch") or seq_len ("seq") that fits,
-    everything else as configured, offload as `options` allow. The arrays the plan counts are
-    linear in a micro-batch's tokens. For the batch, a workspace is fitted from one more compile,
-    (2B, T), as linear in B: batch rows compute alike. For the sequence, one compile at (B, 4T)
-    fits it as linear in T (blockwise attention, tiles, loss chunks) for a first guess, and the
-    search compiles at each length it tries from there (_largest_compiled), to within
-    LARGEST_SEQ_TOLERANCE of the shortest length that does not fit. `temps(batch, seq)`: the
-    phases' workspaces; `workspace`: theirs at the configured shape."""
+    """largest(axis): the largest batch_size (axis "batch"), seq_len ("seq") or num_layers
+    ("layers") that fits, everything else as configured, offload as `options` allow. The arrays
+    the plan counts are linear in a micro-batch's tokens. For the batch, a workspace is fitted
+    from one more compile, (2B, T), as linear in B: batch rows compute alike. For the sequence,
+    one compile at (B, 4T) fits it as linear in T (blockwise attention, tiles, loss chunks) for a
+    first guess, and the search compiles at each length it tries from there (_largest_compiled),
+    to within LARGEST_SEQ_TOLERANCE of the shortest length that does not fit. For the layers,
+    nothing is compiled: every layer is one block shape, so the workspaces stay and the counts
+    follow (flops.with_layers). `temps(batch, seq)`: the phases' workspaces; `workspace`: theirs
+    at the configured shape."""
     B, T = cfg.data.batch_size, cfg.data.seq_len
     host_of = host_bytes if cfg.offload.tier == "ram" else functools.partial(
         host_bytes_on_disk, read_ahead=cfg.offload.read_ahead)
 
-    def fits_at(b, t, workspace):
-        return any(fits(sum(host_of(c, b * t, o).values()),
-                        peak_bytes(device_bytes(c, b * t, o, workspace)), machine)
-                   for o in options)
+    def fits_at(b, t, workspace, c=c):
+        def fits_with(offload):
+            host = sum(host_of(c, b * t, offload).values())
+            # the host alone over: no need to walk the device's schedule (a layer at a time)
+            return host <= machine.host_memory_gb * GB and fits(
+                host, peak_bytes(device_bytes(c, b * t, offload, workspace)), machine)
+        return any(map(fits_with, options))
 
     def largest(axis: str) -> int:
+        if axis == "layers":
+            return _largest_int(lambda n: fits_at(B, T, workspace, with_layers(c, n)),
+                                most=MOST_LAYERS)
         if axis == "seq":
             w4 = temps(B, 4 * T)  # the guess: workspaces linear in T
             guess = _largest_int(lambda t: fits_at(B, t, {
@@ -180,13 +189,15 @@ def _largest_search(cfg: Config, machine: Machine, c: Counts, temps: Callable, w
     return largest
 
 
-def _largest_int(ok: Callable[[int], bool]) -> int:
-    """The largest n >= 1 with ok(n) (ok monotone: true up to some n), or 0."""
+def _largest_int(ok: Callable[[int], bool], most: int = 2**40) -> int:
+    """The largest n in 1..most with ok(n) (ok monotone: true up to some n), or 0."""
     if not ok(1):
         return 0
-    lo, hi = 1, 2
-    while ok(hi) and hi < 2**40:
-        lo, hi = hi, 2 * hi
+    lo, hi = 1, min(2, most)
+    while lo < hi and ok(hi):
+        lo, hi = hi, min(2 * hi, most)
+    if lo == hi:  # `most` fits
+        return lo
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)

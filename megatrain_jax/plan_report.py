@@ -1,6 +1,7 @@
 """A memory plan's figures and their text: `Plan` (what megatrain_jax.plan.plan returns), its
-one-line verdict, the two lines a run logs (`summary`), the whole report as tables (`report`)
-and plain data for JSON (`to_dict`)."""
+one-line verdict, the two lines a run logs (`summary`), the whole report as tables (`report`),
+the largest model of the config's width that fits (`largest_model_line`) and plain data for
+JSON (`to_dict`)."""
 
 import dataclasses
 import functools
@@ -8,12 +9,15 @@ from typing import Callable
 
 import numpy as np
 
-from megatrain_jax.flops import ASSUMED_MFU, Counts, host_lookup
+from megatrain_jax.flops import ASSUMED_MFU, Counts, host_lookup, with_layers
 from megatrain_jax.machines import GB, Machine
 from megatrain_jax.memory_model import DEVICE_KINDS, PHASES, fits
 from megatrain_jax.model import Execution
 
 _UNITS = (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1))
+# The deepest model the search for the largest one tries: far deeper than models are built, and
+# the device's schedule it walks (engine/schedule.py) costs the square of the depth
+MOST_LAYERS = 1024
 
 
 def _unit(n: float) -> tuple[str, float]:
@@ -23,6 +27,13 @@ def _unit(n: float) -> tuple[str, float]:
 def format_bytes(n: float) -> str:
     unit, size = _unit(n)
     return f"{n / size:.2f} {unit}"
+
+
+def format_params(n: int) -> str:
+    """A parameter count: 118.71B, 93.40M, 36.99k, 12."""
+    unit, size = next(((u, s) for u, s in (("B", 1e9), ("M", 1e6), ("k", 1e3)) if n >= s),
+                      ("", 1))
+    return f"{n / size:.2f}{unit}" if size > 1 else f"{n}"
 
 
 def layer_line(c: Counts) -> str:
@@ -39,7 +50,8 @@ class Plan:
     """A config's predicted memory on a machine, in bytes: `host[kind]`, `device[phase][kind]` (at
     the phase's peak), `workspace[phase]` (the compiled temp bytes of the phase's function, part of
     `device`). `largest_batch` and `largest_seq_len` are worked out on first use: they compile the
-    step's functions at two more shapes (see megatrain_jax.plan's search)."""
+    step's functions at two more shapes (see megatrain_jax.plan's search); `largest_num_layers`
+    too, from the counts alone (no compile)."""
     host: dict
     device: dict
     offload_activations: bool  # resolved
@@ -78,6 +90,36 @@ class Plan:
     @functools.cached_property
     def largest_seq_len(self) -> int:
         return self._largest("seq")
+
+    @functools.cached_property
+    def largest_num_layers(self) -> int:
+        """The most layers that fit (model.num_layers), every other key as configured: the
+        depth of the largest model of this width, up to MOST_LAYERS. 0 if one layer does not
+        fit."""
+        return self._largest("layers")
+
+    @property
+    def largest_model(self) -> dict:
+        """The largest model of the config's width that fits: its num_layers and parameters."""
+        layers = self.largest_num_layers
+        params = with_layers(self.counts, layers).params if layers else 0
+        return {"num_layers": layers, "params": params, "hidden_size": self.counts.hidden,
+                "most_layers_tried": MOST_LAYERS}
+
+    @property
+    def params(self) -> int:
+        """The model's parameters: the denominator of host_bytes_per_param."""
+        return self.counts.params
+
+    @property
+    def host_bytes_per_param(self) -> dict:
+        """Kind -> host bytes a parameter of the model, at the step's peak (`host`: what the
+        step holds at its end). With distributed.shard_optimizer, this process's share."""
+        return {kind: v / self.params for kind, v in self.host.items()}
+
+    @property
+    def host_total_bytes_per_param(self) -> float:
+        return self.host_total / self.params
 
     @property
     def tokens_per_step(self) -> int:
@@ -124,7 +166,8 @@ class Plan:
         m = self.machine
         kinds = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.host.items() if v)
         return (f"plan ({m.name}): host RAM {format_bytes(self.host_total)} of "
-                f"{format_bytes(m.host_memory_gb * GB)} ({kinds}); device peak "
+                f"{format_bytes(m.host_memory_gb * GB)} ({self.host_total_bytes_per_param:.2f} "
+                f"B/param: {kinds}); device peak "
                 f"{format_bytes(self.device_peak)} of {format_bytes(m.device_memory_gb * GB)} "
                 f"in the {self.peak_phase}\n"
                 f"plan: offload activations {'on' if self.offload_activations else 'off'} "
@@ -154,10 +197,14 @@ class Plan:
         m = self.machine
         host_unit, host_size = _unit(self.host_total)
         unit, size = _unit(self.device_peak)
-        lines = [f"host RAM ({host_unit})"]
-        lines += [f"  {kind:<14}{v / host_size:>12.2f}" for kind, v in self.host.items()]
-        lines += [f"  {'total':<14}{self.host_total / host_size:>12.2f} of "
-                  f"{format_bytes(m.host_memory_gb * GB)}", "",
+        per_param = self.host_bytes_per_param
+        lines = [f"{'host RAM (' + host_unit + ')':<28}{'B/param':>12}"]
+        lines += [f"  {kind:<14}{v / host_size:>12.2f}{per_param[kind]:>12.2f}"
+                  for kind, v in self.host.items()]
+        lines += [f"  {'total':<14}{self.host_total / host_size:>12.2f}"
+                  f"{self.host_total_bytes_per_param:>12.2f} of "
+                  f"{format_bytes(m.host_memory_gb * GB)}, {format_params(self.params)} "
+                  f"parameters", "",
                   f"{'device (' + unit + ')':<16}" + "".join(f"{k:>12}" for k in DEVICE_KINDS)
                   + f"{'total':>12}"]
         for phase, kinds in self.device.items():
@@ -167,6 +214,23 @@ class Plan:
         lines.append(f"  {'peak':<14}{self.device_peak / size:>{12 * len(DEVICE_KINDS) + 12}.2f} "
                      f"of {format_bytes(m.device_memory_gb * GB)}, in the {self.peak_phase}")
         return lines
+
+    def largest_model_line(self) -> str:
+        """The largest model of the config's width that fits, and the next depth, which does
+        not."""
+        c, layers = self.counts, self.largest_num_layers
+        family = (f"model.num_layers varied at hidden_size {c.hidden:,}, every other key as "
+                  f"configured; this config: {c.layers} layers, {format_params(self.params)}")
+        if not layers:
+            return f"largest model that fits: none, one layer does not fit ({family})"
+        if layers == MOST_LAYERS:
+            return (f"largest model that fits: {layers:,} layers or more, "
+                    f"{format_params(self.largest_model['params'])} parameters or more (the "
+                    f"search stops at {MOST_LAYERS:,}; {family})")
+        above = with_layers(c, layers + 1).params
+        return (f"largest model that fits: {layers} layers, "
+                f"{format_params(self.largest_model['params'])} parameters ({layers + 1} layers, "
+                f"{format_params(above)}, do not; {family})")
 
     def hide_text(self) -> str:
         """tokens_to_hide_transfers in words, against this step's tokens."""
@@ -213,7 +277,8 @@ class Plan:
                  "offload_activations", "offload_reason", "attention", "attention_reason",
                  "workspace", "largest_batch", "largest_seq_len", "tokens_per_step", "host_lookup",
                  "tokens_to_hide_transfers", "tier", "host_by_tier", "disk_bytes",
-                 "disk_gbps_to_hide", "workspace_cpu_compiled")
+                 "disk_gbps_to_hide", "workspace_cpu_compiled", "params",
+                 "host_bytes_per_param", "host_total_bytes_per_param")
         return {"machine": dataclasses.asdict(self.machine), "micro_batch": list(self.micro_batch),
                 "execution": dataclasses.asdict(self.execution), "notes": list(self.notes),
                 "layer_params": self.counts.layer, "layer_bus_bytes":

@@ -20,7 +20,7 @@ from megatrain_jax.model import ModelConfig, make_block, make_stages
 from megatrain_jax.machines import GB, Machine
 from megatrain_jax.memory_model import PHASES
 from megatrain_jax.plan import plan
-from megatrain_jax.plan_report import format_bytes
+from megatrain_jax.plan_report import format_bytes, format_params
 from megatrain_jax.recipes import build_optimizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -314,6 +314,75 @@ def test_auto_offload_and_what_does_not_fit():
     assert f"DOES NOT FIT: device peak {format_bytes(small.device_peak)} > " in small.summary()
 
 
+def test_host_bytes_a_parameter_are_the_memory_models_bytes():
+    """Each kind's bytes a parameter times the model's parameters is that kind's bytes, in the
+    plan and its table (its JSON: the command's test below); by hand, in bf16: master 4, AdamW's
+    m and v 8 (and a few scalars), bus copies 2."""
+    p = plan(config(64, compute_dtype="bfloat16", grad_dtype="bfloat16"), MACHINE)
+    layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64  # q, o; k, v; the MLP; two norms
+    assert p.params == 3 * layer + 2 * 97 * 64 + 64 == MODEL.num_params()
+    per_param = p.host_bytes_per_param
+    assert set(per_param) == set(p.host)
+    for kind, v in p.host.items():
+        assert per_param[kind] * p.params == pytest.approx(v, rel=1e-12), kind
+    assert p.host_total_bytes_per_param * p.params == pytest.approx(p.host_total, rel=1e-12)
+    assert per_param["master"] == 4 and per_param["bus"] == 2
+    assert 8 <= per_param["optimizer"] < 8.01
+    table = "\n".join(p.tables())
+    for kind in p.host:
+        assert re.search(rf"^  {kind}\s+[\d.]+\s+{per_param[kind]:.2f}$", table, re.M), kind
+    assert f"{p.host_total_bytes_per_param:.2f} B/param" in p.summary()
+
+
+def test_the_largest_model_is_the_deepest_that_fits():
+    """--largest-model's family: the config's width at any depth. Host RAM for 3 layers plus
+    2.5 layers at 20 B/param (fp32 master 4, m and v 8, bus copy 4, gradient 4): 5 layers fit,
+    and the plan of the config at 6 layers does not."""
+    from megatrain_jax.flops import counts, with_layers
+    from megatrain_jax.recipes import execution_for
+    cfg = config(64)
+    at = lambda n: dataclasses.replace(cfg, model=dataclasses.replace(MODEL, num_layers=n))
+    layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64
+    three = plan(cfg, MACHINE)
+    machine = dataclasses.replace(MACHINE, device_memory_gb=10.0,
+                                  host_memory_gb=(three.host_total + 2.5 * 20 * layer) / GB)
+    p = plan(cfg, machine)
+    assert p.fits and p.counts.layer == layer
+    assert p.largest_num_layers == 5
+    assert p.largest_model["params"] == p.params + 2 * layer
+    six = plan(at(6), machine)  # the search's premise: the depth changes no workspace
+    assert not six.fits and six.workspace == p.workspace
+    execution = execution_for(cfg, "cpu")[0]
+    assert with_layers(counts(cfg, execution, machine), 6) == counts(at(6), execution, machine)
+    assert p.largest_model_line().startswith(
+        f"largest model that fits: 5 layers, {format_params(p.params + 2 * layer)} parameters "
+        f"(6 layers, {format_params(p.params + 3 * layer)}, do not; model.num_layers varied")
+    # one layer over the host: none
+    assert plan(cfg, dataclasses.replace(machine, host_memory_gb=1e-6)).largest_num_layers == 0
+
+
+def test_the_120b_config_takes_16_bytes_a_parameter_and_does_not_fit_1500_gb():
+    """configs/dense_120b.yaml: 118.7B parameters; on --device h200 --host-memory-gb 1500 its
+    host RAM is 1,911 GB, 16.1 B/param (master 4, AdamW 8, bus 2, bf16 gradients 2.05, staging):
+    it does not fit. The host figures need no compile: from the counts (memory_model)."""
+    from megatrain_jax.config import load_config
+    from megatrain_jax.flops import counts
+    from megatrain_jax.machines import MACHINES
+    from megatrain_jax.memory_model import host_bytes
+    from megatrain_jax.recipes import execution_for
+    cfg = load_config(os.path.join(ROOT, "configs", "dense_120b.yaml"))
+    machine = dataclasses.replace(MACHINES["h200"], host_memory_gb=1500)
+    c = counts(cfg, execution_for(cfg, "gpu")[0], machine)
+    M, B, T = cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len
+    assert M * B * T == 8192 and round(c.params / 1e8) == 1187
+    host = host_bytes(c, B * T, offload=False)
+    per_param = {kind: round(v / c.params, 2) for kind, v in host.items()}
+    assert per_param == {"master": 4, "optimizer": 8, "bus": 2, "gradients": 2.05,
+                         "staging": 0.04, "activations": 0}
+    assert round(sum(host.values()) / GB) == 1911 > machine.host_memory_gb
+    assert round(sum(host.values()) / c.params, 1) == 16.1
+
+
 def test_script_prints_the_plan_and_writes_json(tmp_path, capsys):
     """`megatrain plan` (= scripts/plan.py's main: tests/test_commands.py), in-process."""
     from megatrain_jax import commands
@@ -321,10 +390,11 @@ def test_script_prints_the_plan_and_writes_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
     run = lambda *args: commands.run(["plan", "--config", os.path.join(ROOT, "configs", "tiny.yaml"),
                                       *args])
-    assert run("--json", str(out)) == 0, capsys.readouterr().err[-3000:]
+    assert run("--json", str(out), "--largest-model") == 0, capsys.readouterr().err[-3000:]
     stdout = capsys.readouterr().out
-    for label in ("host RAM", "master", "optimizer", "device (", "backward", "peak",
-                  "largest that fits", "tokens per step for compute to hide"):
+    for label in ("host RAM", "B/param", "master", "optimizer", "device (", "backward", "peak",
+                  "largest that fits", "tokens per step for compute to hide",
+                  "largest model that fits: "):
         assert label in stdout, label
     # the advice a run prints after step 3, from the predicted step (megatrain_jax.advice)
     assert re.search(r"^advice: steps are bound by (transfers|the host update|device compute): ",
@@ -332,6 +402,10 @@ def test_script_prints_the_plan_and_writes_json(tmp_path, capsys):
     r = json.loads(out.read_text())
     assert r["fits"] and set(r["device"]) == set(PHASES) and r["host_total"] > 0
     assert r["advice"][0].startswith("advice: steps are bound by ")
+    assert set(r["host_bytes_per_param"]) == set(r["host"])
+    assert r["host_total_bytes_per_param"] * r["params"] == pytest.approx(r["host_total"])
+    # tiny.yaml's 4 layers fit the h100 preset: the largest model of its width is deeper
+    assert r["largest_model"]["num_layers"] > 4 and r["largest_model"]["params"] > r["params"]
 
     assert run("--device", "tpu") == 2
     err = capsys.readouterr().err
@@ -339,3 +413,7 @@ def test_script_prints_the_plan_and_writes_json(tmp_path, capsys):
     assert "error: --device 'tpu'" in err
     assert run("--devices", "0") == 2
     assert "error: --devices must be > 0, got 0" in capsys.readouterr().err
+    assert run("--largest-model", "--sweep", "128") == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0
+    assert "error: --largest-model goes with the plan's report, not with --sweep" in err
