@@ -2,6 +2,9 @@
 
 A corpus becomes one flat 1-D stream of token ids (documents joined by EOS), which is cut
 into non-overlapping windows of seq_len + 1 tokens; inputs/targets are the window shifted by one.
+
+The sources package (paths of many files, token caches, mixtures) builds on this module, which
+imports nothing of it.
 """
 
 import json
@@ -11,7 +14,7 @@ import os
 import numpy as np
 
 from megatrain_jax.errors import DataError
-from megatrain_jax.sources.tokenfile import TokenFile
+from megatrain_jax.tokenfile import TokenFile
 
 
 # -----------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from megatrain_jax.sources.cache import fingerprint, open_cache, source_tokens
 from megatrain_jax.sources.files import resolve
 from megatrain_jax.sources.mixture import MixtureDataset
 from megatrain_jax.sources.prefetch import ReadAhead
-from megatrain_jax.sources.tokenfile import TokenFile
+from megatrain_jax.tokenfile import TokenFile
 from megatrain_jax.recipes import load_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -33,7 +33,7 @@ import numpy as np
 from megatrain_jax.data import DataError, jsonl_objects, load_tokens, read_text
 from megatrain_jax.fingerprint import files_identity
 from megatrain_jax.sources.files import TOKEN_KINDS, BadRows, resolve, table_rows
-from megatrain_jax.sources.tokenfile import TokenFile
+from megatrain_jax.tokenfile import TokenFile
 
 CACHE_FORMAT = "megatrain_jax token cache"
 VERSION = 2  # 2: the files' fingerprint as fingerprint.file_identity's, the cache's file sizes
@@ -337,7 +337,7 @@ def source_tokens(path: str, tokenizer, cache_dir: str, *, key: str = "data.path
                   text_field: str = "text", token_dtype: str = "uint16",
                   vocab_size: int | None = None, log=print) -> tuple:
     """(tokens, source files) of a data path (file, glob or directory; `key` names it in errors):
-    a sources.tokenfile.TokenFile of one .bin or .npy file as it is, or of its token cache."""
+    a tokenfile.TokenFile of one .bin or .npy file as it is, or of its token cache."""
     source = resolve(path, key)
     if source.kind in TOKEN_KINDS and len(source.files) == 1:
         tokens = load_tokens(source.files[0], tokenizer, vocab_size=vocab_size,
