@@ -196,6 +196,34 @@ def test_tokenizer_change_makes_the_cache_stale(tmp_path):
     assert load_tokenizer(BUNDLED_TOKENIZER).tok.token_to_id("document") is None
 
 
+def _damage_ids(directory, dtype, at: int, value: int):
+    """Writes `value` over the id at `at` of a cache's tokens.bin: same size, damaged contents."""
+    ids = np.fromfile(os.path.join(directory, "tokens.bin"), dtype=dtype)
+    ids[at] = value
+    ids.tofile(os.path.join(directory, "tokens.bin"))
+    return np.fromfile(os.path.join(directory, "tokens.bin"), dtype=dtype)
+
+
+def test_a_cache_with_ids_past_the_vocabulary_is_refused_naming_it(tmp_path, capsys):
+    """A token cache damaged at the same size (its manifest's sizes still match) trained every
+    step as non-finite and exited 0: it is refused when opened, naming the file, and kept."""
+    _jsonl(tmp_path / "a.jsonl", [{"text": d} for d in DOCS])
+    args = ["--config", TINY, f"data.path={tmp_path}/a.jsonl", f"data.cache_dir={tmp_path}/cache",
+            "data.seq_len=16", "data.batch_size=2", "train.steps=1", f"run_dir={tmp_path}/run"]
+    _, directory = open_cache(resolve(str(tmp_path / "a.jsonl")), BYTE, str(tmp_path / "cache"),
+                              vocab_size=257, log=lambda *a: None)
+    damaged = _damage_ids(directory, np.uint16, 300, 60_000)
+    code = commands.train(args)
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert (f"error: {directory}/tokens.bin: token id 60000 at offset 300 >= model.vocab_size "
+            f"(257): the token cache is damaged; remove {directory} and the next run rebuilds "
+            f"it") in err
+    np.testing.assert_array_equal(np.fromfile(f"{directory}/tokens.bin", np.uint16), damaged)
+    assert not (tmp_path / "run").exists()
+
+
+# -- bad input ----------------------------------------------------------------
 # -- bad input ----------------------------------------------------------------
 
 
@@ -494,6 +522,21 @@ def test_sft_and_preference_tokenized_once_reused_and_rebuilt_when_stale(tmp_pat
     assert (getattr(grown, "num_pairs", None) or grown.num_windows) >= \
         (getattr(dataset, "num_pairs", None) or dataset.num_windows)
     assert len(os.listdir(cache)) == 1  # rebuilt in place: no temporary or old cache left
+
+
+@pytest.mark.parametrize("fmt", ["sft", "preference"])
+def test_an_sft_or_preference_cache_with_ids_past_the_vocabulary_is_refused(tmp_path, fmt):
+    path, cache = _chat_data(tmp_path, fmt), tmp_path / "cache"
+    cfg = load_config(TINY, [f"data.format={fmt}", f"data.path={path}", f"data.cache_dir={cache}",
+                             f"data.tokenizer={BUNDLED_TOKENIZER}", "model.vocab_size=512",
+                             "data.seq_len=48", "data.batch_size=2", f"run_dir={tmp_path}/run"])
+    load_data(cfg, log=lambda *a: None)
+    directory = str(cache / os.listdir(cache)[0])
+    _damage_ids(directory, np.uint16, 5, 512)
+    with pytest.raises(DataError, match=re.escape(
+            f"{directory}/tokens.bin: token id 512 at offset 5 >= model.vocab_size (512): the "
+            f"token cache is damaged; remove {directory}")):
+        load_data(cfg, log=lambda *a: None)
 
 
 PAIRS = [{"prompt": f"q{i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(7)]

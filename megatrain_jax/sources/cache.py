@@ -15,7 +15,8 @@ SFT and preference data have a layout of their own (sources/sequences.py) built 
 the same `build_or_open`.
 
 <id> hashes the identity. A cache whose identity matches and whose fingerprint and file sizes
-match is used as is; one whose fingerprint differs (a source file or the tokenizer changed) is
+match is used as is, once its ids are checked against the vocabulary (contents damaged at the same
+size are refused, naming the file); one whose fingerprint differs (a source file or the tokenizer changed) is
 stale and rebuilt; a directory of that name that is not a cache of this very data is refused and
 left alone. A build writes a temporary directory and renames it into place, so a killed build
 leaves no half cache; processes building the same cache at once keep one.
@@ -30,7 +31,7 @@ import uuid
 
 import numpy as np
 
-from megatrain_jax.data import DataError, jsonl_objects, load_tokens, read_text
+from megatrain_jax.data import DataError, check_token_ids, jsonl_objects, load_tokens, read_text
 from megatrain_jax.fingerprint import files_identity
 from megatrain_jax.sources.files import TOKEN_KINDS, BadRows, resolve, table_rows
 from megatrain_jax.tokenfile import TokenFile
@@ -247,20 +248,23 @@ def _existing(directory: str, ident: dict, expected: dict, path: str):
 
 
 def build_or_open(source, cache_dir: str, ident: dict, expected: dict, build, *, prefix: str,
-                  log=print) -> tuple:
+                  log=print, check=None) -> tuple:
     """(manifest, directory) of the cache in `cache_dir` of the data `ident` names (its
     directory: `prefix`-<hash of ident>), whose data is now `expected` (fingerprint's, with any
     other key a change of which makes the cache stale). Built first when missing or stale:
     `build(directory)` writes the cache's files into the (temporary) directory and returns the
-    manifest's other fields, with "tokens" (how many it wrote). Raises DataError as build does
-    (no cache is left), for an unwritable cache_dir when a build is needed, or for a directory in
-    the cache's place that is not a cache of this data."""
+    manifest's other fields, with "tokens" (how many it wrote). A cache found in place is given
+    to `check(manifest, directory)`, if given, which raises DataError for damaged contents.
+    Raises DataError as build does (no cache is left), for an unwritable cache_dir when a build
+    is needed, or for a directory in the cache's place that is not a cache of this data."""
     name = f"{prefix}-" + hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     directory = os.path.join(cache_dir, name)
     found = _existing(directory, ident, expected, source.path)
     if found is not None:
         manifest, reason = found
         if reason is None:
+            if check is not None:
+                check(manifest, directory)
             return manifest, directory
         log(f"token cache {directory} is stale ({reason}): rebuilding it")
     _check_writable(cache_dir)
@@ -327,10 +331,24 @@ def open_cache(source, tokenizer, cache_dir: str, *, text_field: str = "text",
         return {"dtype": dtype.name, "tokens": sum(counts), "file_tokens": counts}
 
     ident = identity(source, tokenizer, text_field=text_field, token_dtype=token_dtype)
+    check = lambda manifest, directory: check_cached_ids(directory, manifest["dtype"], vocab_size)
     manifest, directory = build_or_open(source, cache_dir, ident, fingerprint(source, tokenizer),
-                                        build, prefix="tokens", log=log)
+                                        build, prefix="tokens", log=log, check=check)
     return np.memmap(os.path.join(directory, "tokens.bin"), dtype=manifest["dtype"],
                      mode="r"), directory
+
+
+def check_cached_ids(directory: str, dtype: str, vocab_size: int):
+    """Raises DataError if an id in the tokens.bin (of `dtype`) of the cache in `directory` is
+    not below vocab_size: contents damaged at the same size, which the manifest's sizes cannot
+    see and which would otherwise be trained on (every step skipped as non-finite). One chunked
+    max over the file."""
+    path = os.path.join(directory, "tokens.bin")
+    try:
+        check_token_ids(TokenFile(path, dtype), vocab_size, path)
+    except DataError as e:
+        raise DataError(f"{e}: the token cache is damaged; remove {directory} and the next run "
+                        f"rebuilds it") from None
 
 
 def source_tokens(path: str, tokenizer, cache_dir: str, *, key: str = "data.path",
