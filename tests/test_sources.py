@@ -104,6 +104,32 @@ def test_text_files_are_one_document_each(tmp_path):
     assert np.asarray(tokens).tolist() == _packed(DOCS[:3])
 
 
+def test_a_directory_of_text_shards_takes_only_data_files_and_says_which(tmp_path):
+    """A LICENSE and a README beside .txt shards were trained on as documents: a directory's
+    shards are its files of a data extension, and the run's log says which it took."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i, doc in enumerate(DOCS[:5]):
+        (shards / f"part-{i}.txt").write_text(doc)
+    (shards / "LICENSE").write_text("Permission is hereby granted")
+    (shards / "README.md").write_text("# shards")
+    cfg = load_config(TINY, [f"data.path={shards}", f"data.cache_dir={tmp_path}/cache",
+                             "data.seq_len=8", "data.batch_size=2", f"run_dir={tmp_path}/run"])
+    lines = []
+    dataset, _ = load_data(cfg, log=lines.append)
+    assert np.asarray(dataset.tokens).tolist() == _packed(DOCS[:5])
+    assert lines[0] == (f"data.path={shards}: 5 text files (part-0.txt, part-1.txt, part-2.txt "
+                        f"and 2 more); left out LICENSE, README.md (not .jsonl, .parquet, .arrow, "
+                        f".bin, .npy or .txt)")
+    for name in os.listdir(shards):
+        if name.endswith(".txt"):
+            os.remove(shards / name)
+    with pytest.raises(DataError, match=re.escape(
+            f"data.path={shards}: the directory holds no data file (none ends in .jsonl, "
+            f".parquet, .arrow, .bin, .npy, .txt); left out LICENSE, README.md")):
+        load_data(cfg, log=lines.append)
+
+
 def test_hf_tokenizer_cache_equals_encoding_each_document(tmp_path):
     tok = load_tokenizer(BUNDLED_TOKENIZER)
     path = _shards(tmp_path, "parquet")
@@ -126,12 +152,14 @@ def test_cache_is_reused_never_retokenized(tmp_path, monkeypatch):
     monkeypatch.setattr(BYTE, "encode_batch", refuse)
     lines.clear()
     again, _ = source_tokens(path, BYTE, cache, log=lines.append)
-    assert lines == [] and np.asarray(again).tolist() == np.asarray(first).tolist()
+    matched = f"data.path={path}: 3 jsonl files (part-0.jsonl, part-1.jsonl, part-2.jsonl)"
+    assert lines == [matched] and np.asarray(again).tolist() == np.asarray(first).tolist()
     # a resume goes through load_data: the same cache, nothing tokenized either
     cfg = load_config(TINY, [f"data.path={path}", f"data.cache_dir={cache}",
                              f"run_dir={tmp_path}/run", "data.seq_len=16", "data.batch_size=2"])
+    lines.clear()
     dataset, _ = load_data(cfg, log=lines.append)
-    assert lines == [] and dataset.next_batch()[0].shape == (1, 2, 16)
+    assert lines == [matched] and dataset.next_batch()[0].shape == (1, 2, 16)
 
 
 def test_stale_cache_is_rebuilt(tmp_path):

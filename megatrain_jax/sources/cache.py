@@ -357,6 +357,8 @@ def source_tokens(path: str, tokenizer, cache_dir: str, *, key: str = "data.path
     """(tokens, source files) of a data path (file, glob or directory; `key` names it in errors):
     a tokenfile.TokenFile of one .bin or .npy file as it is, or of its token cache."""
     source = resolve(path, key)
+    if source.matched():
+        log(source.matched())
     if source.kind in TOKEN_KINDS and len(source.files) == 1:
         tokens = load_tokens(source.files[0], tokenizer, vocab_size=vocab_size,
                              token_dtype=token_dtype)

@@ -62,6 +62,8 @@ def open_sequences(source, tokenizer, template, cache_dir: str, build, *, kind: 
     counts, from the cache of this data in `cache_dir`, built first when missing or stale by
     `build()`, which tokenizes the data and returns those three. Raises DataError as build does
     (no cache is left), or as cache.build_or_open does."""
+    if source.matched():
+        log(source.matched())
     vocab_size = max(settings.get("vocab_size") or 0, tokenizer.vocab_size)
     dtype = token_dtype_for(vocab_size)
 
