@@ -91,9 +91,9 @@ class SourceConfig:
         """As data.sources.<i>."""
         if not self.path:
             raise ConfigError(f"data.sources.{i}.path is empty; give a file, glob or directory")
-        if not self.weight > 0:
-            raise ConfigError(f"data.sources.{i}.weight must be > 0, got {self.weight} "
-                              f"({self.path})")
+        if not 0 < self.weight < math.inf:
+            raise ConfigError(f"data.sources.{i}.weight must be a finite number > 0, got "
+                              f"{self.weight} ({self.path})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +145,10 @@ class DataConfig:
                               f"got {self.eval_fraction}")
         for i, source in enumerate(self.sources):
             source.check(i)
+        if not math.isfinite(sum(s.weight for s in self.sources)):
+            raise ConfigError(f"data.sources: the weights sum to inf ("
+                              f"{' + '.join(f'{s.weight:g}' for s in self.sources)}); only "
+                              f"their ratios matter: scale them down")
         if self.sources and self.format != "text":
             raise ConfigError(f"data.sources (a mixture) is for data.format=text, got "
                               f"data.format={self.format}; give data.path")

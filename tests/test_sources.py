@@ -2,9 +2,11 @@
 cache (built once, rebuilt when stale, a foreign one refused), mixtures resumed exactly, batches
 prepared ahead, SFT and preference data from Parquet, and bad input as one line, exit 2."""
 
+import errno
 import json
 import os
 import re
+import threading
 
 import numpy as np
 import pyarrow as pa
@@ -16,7 +18,7 @@ from megatrain_jax.chat import ChatTemplate, load_examples
 from megatrain_jax.config import ConfigError, load_config
 from megatrain_jax.data import DataError, PackedDataset, load_tokenizer
 from megatrain_jax.preference import load_pairs
-from megatrain_jax.sources import files
+from megatrain_jax.sources import cache, files
 from megatrain_jax.sources.cache import fingerprint, open_cache, source_tokens
 from megatrain_jax.sources.files import resolve
 from megatrain_jax.sources.mixture import MixtureDataset
@@ -262,7 +264,8 @@ def _bad_rows_parquet(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["glob", "mixed", "missing", "missing column", "not a string",
-                                  "unreadable", "cache not writable", "weight"])
+                                  "unreadable", "cache not writable", "weight", "weights overflow",
+                                  "cache full"])
 def test_bad_input_is_one_line_exit_2_before_training(tmp_path, capsys, monkeypatch, case):
     (tmp_path / "d").mkdir()
     _jsonl(tmp_path / "d" / "a.jsonl", [{"text": "hello"}])
@@ -299,10 +302,30 @@ def test_bad_input_is_one_line_exit_2_before_training(tmp_path, capsys, monkeypa
         (tmp_path / "a_file").write_text("x")
         args[1] = f"data.cache_dir={tmp_path}/a_file/cache"
         want = f"data.cache_dir '{tmp_path}/a_file/cache' is not writable"
+    elif case == "weights overflow":
+        args[0] = (f"data.sources=[{{path: {tmp_path}/good.jsonl, weight: 1e308}}, "
+                   f"{{path: {tmp_path}/d/a.jsonl, weight: 1e308}}]")
+        args.append("data.path=''")
+        want = ("data.sources: the weights sum to inf (1e+308 + 1e+308); only their ratios "
+                "matter: scale them down")
+    elif case == "cache full":
+        real_open = open
+
+        def full(path, mode="r", *a, **k):  # the cache's files: no room left after a few bytes
+            f = real_open(path, mode, *a, **k)
+            if "w" in mode and str(path).startswith(f"{tmp_path}/cache"):
+                def write(data):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                f.write = write
+            return f
+        monkeypatch.setattr(cache, "open", full, raising=False)
+        want = (f"data.cache_dir={tmp_path}/cache: writing the token cache of data.path="
+                f"{tmp_path}/good.jsonl failed (No space left on device); free space there or "
+                f"set data.cache_dir to another directory")
     else:
         args[0] = f"data.sources=[{{path: {tmp_path}/good.jsonl, weight: 0}}]"
         args.append("data.path=''")
-        want = f"data.sources.0.weight must be > 0, got 0.0 ({tmp_path}/good.jsonl)"
+        want = f"data.sources.0.weight must be a finite number > 0, got 0.0 ({tmp_path}/good.jsonl)"
     code = commands.train(["--config", TINY, *args, f"run_dir={tmp_path}/run"])
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
@@ -311,6 +334,37 @@ def test_bad_input_is_one_line_exit_2_before_training(tmp_path, capsys, monkeypa
     assert not (tmp_path / "run").exists()
     if os.path.isdir(tmp_path / "cache"):  # a failed build leaves no partial cache
         assert os.listdir(tmp_path / "cache") == []
+
+
+@pytest.mark.parametrize("key", ["data.path", "data.sources", "data.eval_path"])
+def test_a_fifo_as_data_is_refused_by_name_never_waited_on(tmp_path, capsys, key):
+    """Opening a FIFO to read waits for a writer: the run hung before its first line."""
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    _jsonl(tmp_path / "good.jsonl", [{"text": d} for d in DOCS])
+    given = {"data.path": [f"data.path={fifo}"],
+             "data.sources": [f"data.sources=[{{path: {tmp_path}/good.jsonl}}, {{path: {fifo}}}]",
+                              "data.path=''"],
+             "data.eval_path": [f"data.path={tmp_path}/good.jsonl", f"data.eval_path={fifo}"]}
+    culprit = "data.sources.1.path" if key == "data.sources" else key
+
+    def unblock():  # a writer for a reader that waits, so that a regression fails, not hangs
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # no reader: nothing waits
+            pass
+    watchdog = threading.Timer(30, unblock)
+    watchdog.start()
+    try:
+        code = commands.train(["--config", TINY, *given[key], f"data.cache_dir={tmp_path}/cache",
+                               "data.seq_len=16", "data.batch_size=2", "train.steps=1",
+                               f"run_dir={tmp_path}/run"])
+    finally:
+        watchdog.cancel()
+    err = capsys.readouterr().err
+    assert code == 2 and err == (f"error: {culprit}={fifo} is a FIFO (named pipe), not a regular "
+                                 f"file; give a data file\n"), err
+    assert not (tmp_path / "run").exists()
 
 
 def test_data_files_are_every_file_a_config_reads(tmp_path):

@@ -22,6 +22,7 @@ left alone. A build writes a temporary directory and renames it into place, so a
 leaves no half cache; processes building the same cache at once keep one.
 """
 
+import errno
 import hashlib
 import json
 import os
@@ -40,6 +41,7 @@ CACHE_FORMAT = "megatrain_jax token cache"
 VERSION = 2  # 2: the files' fingerprint as fingerprint.file_identity's, the cache's file sizes
 DOC_BATCH = 2048  # documents per encode_batch call
 COPY_CHUNK = 1 << 24  # tokens per chunk copied from a .bin/.npy shard
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a cache_dir with no room for the cache
 
 
 def default_cache_dir() -> str:
@@ -285,6 +287,12 @@ def build_or_open(source, cache_dir: str, ident: dict, expected: dict, build, *,
         if found is not None and found[1] is None:  # another process built it meanwhile
             return found[0], directory
         _replace(tmp, directory)
+    except OSError as e:
+        if e.errno not in FULL:
+            raise
+        raise DataError(f"data.cache_dir={cache_dir}: writing the token cache of {source.key}="
+                        f"{source.path} failed ({e.strerror}); free space there or set "
+                        f"data.cache_dir to another directory") from None
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp)

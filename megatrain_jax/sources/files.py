@@ -18,7 +18,7 @@ import glob
 import json
 import os
 
-from megatrain_jax.data import DataError, jsonl_objects
+from megatrain_jax.data import DataError, check_regular, jsonl_objects
 
 KINDS = {".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow", ".bin": "bin",
          ".npy": "npy"}
@@ -136,6 +136,7 @@ def resolve(path: str, key: str = "data.path") -> Source:
         if kind != kinds[0]:
             raise DataError(f"{f}: a {kind} shard among {kinds[0]} shards of {key}={path}; "
                             f"a data path's shards must all have one format")
+        check_regular(f, key)
         _check_readable(f)
         if os.path.getsize(f) == 0:
             raise DataError(f"{f}: empty file (0 bytes); {key} must name a corpus")
