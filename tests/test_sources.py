@@ -418,6 +418,90 @@ def test_mixture_resumed_mid_epoch_gives_the_uninterrupted_batches():
     assert whole.report().startswith("data mixture: a: ")
 
 
+def test_mixture_resumed_with_its_sources_in_another_order_goes_on_exactly():
+    """data.sources listed in another order on resume continued each source at the other's
+    position, and the token report swapped: the state is keyed by each source's name."""
+    a = np.arange(1000, dtype=np.uint16)
+    b = np.arange(5000, 5090, dtype=np.uint16)
+    whole = _mixture([a, b])
+    batches = [whole.next_batch() for _ in range(12)]
+    first = _mixture([a, b])
+    for _ in range(8):
+        first.next_batch()
+    state = json.loads(json.dumps(first.state()))
+    swapped = MixtureDataset([b, a], [1.0, 3.0], ["b", "a"], seq_len=8, batch_size=4, seed=3,
+                             num_micro_batches=2)
+    swapped.restore(state)
+    for want in batches[8:]:
+        np.testing.assert_array_equal(swapped.next_batch()[0], want[0])
+    tokens = dict(zip(whole.state()["sources"], whole.state()["tokens"]))
+    assert dict(zip(swapped.state()["sources"], swapped.state()["tokens"])) == tokens
+    assert swapped.report().startswith(f"data mixture: b: {tokens['b']:,} tokens")
+    # a source added on resume starts at its beginning; the others go on where they were
+    added = MixtureDataset([a, np.arange(7000, 7400, dtype=np.uint16), b], [3.0, 1.0, 1.0],
+                           ["a", "c", "b"], seq_len=8, batch_size=4, seed=3, num_micro_batches=2)
+    added.restore(state)
+    after = added.state()
+    assert after["numbers"] == [0, 2, 1] and after["tokens"][1] == 0
+    assert [after["epochs"][i] for i in (0, 2)] == state["epochs"]
+    assert [after["indices"][i] for i in (0, 2)] == state["indices"]
+
+
+def test_a_mixture_state_written_before_sources_were_named_resumes_as_before():
+    a, b = np.arange(1000, dtype=np.uint16), np.arange(5000, 5090, dtype=np.uint16)
+    whole = _mixture([a, b])
+    batches = [whole.next_batch() for _ in range(6)]
+    first = _mixture([a, b])
+    for _ in range(4):
+        first.next_batch()
+    old = {k: v for k, v in first.state().items() if k in ("batch", "epochs", "indices", "tokens")}
+    resumed = _mixture([a, b])
+    resumed.restore(old)
+    for want in batches[4:]:
+        np.testing.assert_array_equal(resumed.next_batch()[0], want[0])
+    three = MixtureDataset([a, b, a[:100]], [1.0, 1.0, 1.0], ["a", "b", "c"], seq_len=8,
+                           batch_size=4, seed=3)
+    with pytest.raises(DataError, match=r"written before checkpoints named the sources, it "
+                                        r"resumes only with the data.sources it had \(2\)"):
+        three.restore(old)
+
+
+def test_a_changed_mixture_is_refused_by_name_and_the_advised_key_adds_a_source(tmp_path,
+                                                                                capsys):
+    """Weights edited between checkpoint and resume were accepted silently; adding a source as
+    advised (allow_changes=[data.path]) led to another refusal (a bad data state)."""
+    text = open(os.path.join(ROOT, "megatrain_jax", "texts", "devils_dictionary.txt")).read()
+    for i, name in enumerate("abc"):
+        (tmp_path / f"{name}.txt").write_text(text[i * 20_000:(i + 1) * 20_000])
+    mix = lambda *sources: "data.sources=[" + ", ".join(
+        f"{{path: {tmp_path}/{name}.txt, weight: {w}}}" for name, w in sources) + "]"
+    run = lambda *args: commands.train([
+        "--config", TINY, "data.path=''", "model.num_layers=2", "model.hidden_size=32",
+        "model.intermediate_size=48", "model.num_heads=2", "model.num_kv_heads=1",
+        "data.seq_len=32", "data.batch_size=2", "train.compute_dtype=float32",
+        "train.attention=xla", "checkpoint.async=false", "logging.tensorboard=false",
+        f"data.cache_dir={tmp_path}/cache", f"run_dir={tmp_path}/run", *args])
+    assert run(mix(("a", 1), ("b", 3)), "train.steps=2") == 0
+    capsys.readouterr()
+    assert run(mix(("b", 1), ("a", 1)), "train.steps=2") == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: checkpoint step 2 in {tmp_path}/run/checkpoints does not match this "
+                   f"config: config.data.sources is '{tmp_path}/a.txt weight 1; {tmp_path}/b.txt "
+                   f"weight 3' in the checkpoint, '{tmp_path}/b.txt weight 1; {tmp_path}/a.txt "
+                   f"weight 1' now; to resume with the new value, add "
+                   f"checkpoint.allow_changes=[data.sources]\n")
+    advised = re.search(r"checkpoint.allow_changes=\[(.*)\]$", err.strip()).group(1)
+    assert run(mix(("b", 3), ("a", 1), ("c", 50)), "train.steps=3",
+               f"checkpoint.allow_changes=[train.steps,{advised}]") == 0
+    out = capsys.readouterr().out
+    assert f"resuming with a changed data.sources: '{tmp_path}/a.txt weight 1; " in out
+    assert f"resuming with changed data: {tmp_path}/c.txt is new (checkpoint.allow_changes)" in out
+    report = next(line for line in out.splitlines() if line.startswith("data mixture: "))
+    tokens = dict(re.findall(r"(\S+): ([\d,]+) tokens", report))
+    assert int(tokens[f"{tmp_path}/c.txt"]) > 0 and sum(
+        int(t.replace(",", "")) for t in tokens.values()) == 3 * 2 * 32
+
+
 def test_mixture_data_parallel_shares_are_the_batch():
     a, b = np.arange(1000, dtype=np.uint16), np.arange(5000, 5090, dtype=np.uint16)
     whole, halves = _mixture([a, b]), [_mixture([a, b]), _mixture([a, b])]
