@@ -378,6 +378,23 @@ def test_data_files_are_every_file_a_config_reads(tmp_path):
     assert files.data_files(cfg.data) == shards
 
 
+def test_an_sft_run_s_data_files_hold_its_chat_template_s(tmp_path):
+    """The template renders every sequence: its files are data files too (a resume compares
+    them); a checkpoint written before they were recorded is not refused for lacking them."""
+    from megatrain_jax.fingerprint import files_identity, first_change
+
+    tok = os.path.dirname(BUNDLED_TOKENIZER)
+    path = _chat_data(tmp_path, "sft")
+    cfg = load_config(TINY, ["data.format=sft", f"data.path={path}",
+                             f"data.tokenizer={BUNDLED_TOKENIZER}", "model.vocab_size=512"])
+    assert files.data_files(cfg.data) == [path, f"{tok}/tokenizer_config.json"]
+    now = files_identity(files.data_files(cfg.data))
+    assert first_change(now[:1], now) is None  # saved before templates were recorded
+    jinja = {**now[1], "file": f"{tok}/chat_template.jinja"}
+    assert first_change(now, [*now, jinja]) == f"{tok}/chat_template.jinja (of the chat " \
+                                                f"template) is new"
+
+
 def test_datasets_dict_names_its_splits(tmp_path):
     (tmp_path / "dd" / "train").mkdir(parents=True)
     (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train"]}')

@@ -19,6 +19,7 @@ import json
 import os
 
 from megatrain_jax.data import DataError, check_regular, jsonl_objects
+from megatrain_jax.fingerprint import CHAT_TEMPLATE_FILES
 
 KINDS = {".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow", ".bin": "bin",
          ".npy": "npy"}
@@ -229,10 +230,16 @@ class BadRows:
 
 
 def data_files(d) -> list:
-    """Every file a DataConfig `d` reads (data.path or each of data.sources, then data.eval_path),
-    resolved: what the data of a run is (fingerprint.files_identity says what each one is now)."""
+    """Every file a DataConfig `d` reads (data.path or each of data.sources, then data.eval_path,
+    then for SFT and preference data the files its chat template is read from), resolved: what
+    the data of a run is (fingerprint.files_identity says what each one is now)."""
     paths = [(s.path, f"data.sources.{i}.path") for i, s in enumerate(d.sources)] or \
         [(d.path, "data.path")]
     if d.eval_path:
         paths.append((d.eval_path, "data.eval_path"))
-    return [f for path, key in paths for f in resolve(path, key).files]
+    files = [f for path, key in paths for f in resolve(path, key).files]
+    if d.format in ("sft", "preference"):  # a template edited in place changes every sequence
+        beside = os.path.dirname(os.path.abspath(d.tokenizer))
+        files += [os.path.join(beside, n) for n in CHAT_TEMPLATE_FILES
+                  if os.path.isfile(os.path.join(beside, n))]
+    return files
