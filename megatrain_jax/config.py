@@ -718,7 +718,8 @@ def _sources(sources: list) -> list:
 def _sources_text(sources: list) -> str:
     """_sources' in words: "path weight w[, key value]; ...", or "none"."""
     def one(source: dict) -> str:
-        extra = "".join(f", {k} {v}" for k, v in source.items() if k not in ("path", "weight") and v)
+        extra = "".join(f", {k} {v}" for k, v in source.items()
+                        if k not in ("path", "weight") and v)
         return f"{source['path']} weight {source['weight']:g}{extra}"
     return "; ".join(one(s) for s in sources) or "none"
 

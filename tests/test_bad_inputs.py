@@ -204,10 +204,10 @@ def test_compared_keys_are_explicit():
                            "train.seed", "train.steps", "dpo.beta", "dpo.loss")
     keys = resume_keys(cfg)
     assert {k for k in keys if not k.startswith(("model.", "optimizer."))} <= {
-        "data.path", "data.sources", "data.text_field", "data.tokenizer", "data.eos_token", "data.token_dtype",
-        "data.seq_len", "data.batch_size", "data.micro_batches", "data.document_mask",
-        "data.eval_path", "data.eval_fraction", "data.format", "data.overlong", "train.seed",
-        "train.steps", "dpo.beta", "dpo.loss"}
+        "data.path", "data.sources", "data.text_field", "data.tokenizer", "data.eos_token",
+        "data.token_dtype", "data.seq_len", "data.batch_size", "data.micro_batches",
+        "data.document_mask", "data.eval_path", "data.eval_fraction", "data.format",
+        "data.overlong", "train.seed", "train.steps", "dpo.beta", "dpo.loss"}
     assert {f"optimizer.{k}" for k in to_dict(cfg.optimizer)} <= set(keys)
     assert {f"model.{k}" for k in to_dict(cfg.model)} <= set(keys)
     saved = json.loads(json.dumps(to_dict(cfg)))

@@ -328,7 +328,7 @@ def test_generate_refuses_a_prompt_not_utf8_and_a_seed_past_64_bits(capsys, monk
     def loads(*args):
         raise AssertionError("the model was read before the bad argument was refused")
     monkeypatch.setattr(gen, "from_run", loads)
-    prompt = os.fsdecode(b"caf\xe9 au lait")  # Latin-1 bytes on the command line, as Python has them
+    prompt = os.fsdecode(b"caf\xe9 au lait")  # Latin-1 on the command line, as Python has it
     assert commands.generate(["--run", "r", "--prompt", prompt]) == 2
     assert capsys.readouterr().err == ("error: --prompt is not valid UTF-8 (byte 0xe9 at offset "
                                        "3); give the prompt as UTF-8 text\n")

@@ -425,9 +425,9 @@ def test_sft_tiny_trains_and_resumes_its_data_position(tmp_path):
     tok = tmp_path / "tok"
     shutil.copytree(os.path.dirname(BUNDLED_TOKENIZER), tok)
     lines = []
-    overrides = ["train.steps=2", f"run_dir={tmp_path}", "model.num_layers=2", "model.hidden_size=64",
-                 "model.intermediate_size=128", "data.seq_len=128", "data.batch_size=4",
-                 f"data.tokenizer={tok}/tokenizer.json"]
+    overrides = ["train.steps=2", f"run_dir={tmp_path}", "model.num_layers=2",
+                 "model.hidden_size=64", "model.intermediate_size=128", "data.seq_len=128",
+                 "data.batch_size=4", f"data.tokenizer={tok}/tokenizer.json"]
     cfg = load_config(os.path.join(ROOT, "configs", "sft_tiny.yaml"), overrides)
     history = train(cfg, log=lines.append)
     assert [r["step"] for r in history] == [1, 2]
@@ -452,8 +452,8 @@ def test_sft_tiny_trains_and_resumes_its_data_position(tmp_path):
     more = overrides + ["train.steps=4"]
     with pytest.raises(checkpoint.CheckpointError, match=(
             rf"^checkpoint step 3 in {tmp_path}/checkpoints was trained on other data: "
-            rf"{tok}/tokenizer_config.json \(of the chat template\) is [\d,]+ bytes, [\d,]+ when the "
-            rf"checkpoint was saved; to resume with the data as it is now, add "
+            rf"{tok}/tokenizer_config.json \(of the chat template\) is [\d,]+ bytes, [\d,]+ when "
+            rf"the checkpoint was saved; to resume with the data as it is now, add "
             rf"checkpoint.allow_changes=\[data.path\]$")):
         train(load_config(os.path.join(ROOT, "configs", "sft_tiny.yaml"),
                           more + ["checkpoint.allow_changes=[train.steps]"]), log=lines.append)

@@ -481,6 +481,9 @@ def test_a_mixture_state_written_before_sources_were_named_resumes_as_before():
     with pytest.raises(DataError, match=r"written before checkpoints named the sources, it "
                                         r"resumes only with the data.sources it had \(2\)"):
         three.restore(old)
+    for bad in ({"batch": 1}, [], {**first.state(), "numbers": [0, 0]}):
+        with pytest.raises(DataError, match="^bad data state .* for a mixture of 2 sources$"):
+            resumed.restore(bad)
 
 
 def test_a_changed_mixture_is_refused_by_name_and_the_advised_key_adds_a_source(tmp_path,

@@ -16,10 +16,10 @@ the same `build_or_open`.
 
 <id> hashes the identity. A cache whose identity matches and whose fingerprint and file sizes
 match is used as is, once its ids are checked against the vocabulary (contents damaged at the same
-size are refused, naming the file); one whose fingerprint differs (a source file or the tokenizer changed) is
-stale and rebuilt; a directory of that name that is not a cache of this very data is refused and
-left alone. A build writes a temporary directory and renames it into place, so a killed build
-leaves no half cache; processes building the same cache at once keep one.
+size are refused, naming the file); one whose fingerprint differs (a source file or the tokenizer
+changed) is stale and rebuilt; a directory of that name that is not a cache of this very data is
+refused and left alone. A build writes a temporary directory and renames it into place, so a
+killed build leaves no half cache; processes building the same cache at once keep one.
 """
 
 import errno

@@ -188,9 +188,11 @@ def _saved_sources(state: dict, names: list) -> dict:
     """{name: (number, (epoch, index), tokens)} of a mixture's state. Raises DataError for a
     state that is not one (`names`: this mixture's sources, in data.sources' order)."""
     bad = DataError(f"bad data state {state!r} for a mixture of {len(names)} sources")
+    if not isinstance(state, dict):
+        raise bad
+    named = "sources" in state
     try:
         columns = [list(state[k]) for k in ("epochs", "indices", "tokens")]
-        named = "sources" in state
         listed = [str(n) for n in state["sources"]] if named else list(names)
         numbers = list(state["numbers"]) if named else list(range(len(columns[0])))
         rows = [(int(n), (int(e), int(i)), int(t))
