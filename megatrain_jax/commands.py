@@ -15,6 +15,7 @@ runs, so `megatrain --help` is quick.
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 
@@ -112,8 +113,9 @@ def _machine(args):
     for key in ("host_memory_gb", "device_memory_gb", "devices"):
         value = getattr(args, key)
         if value is not None:
-            if value <= 0:
-                raise ConfigError(f"--{key.replace('_', '-')} must be > 0, got {value:g}")
+            if not 0 < value < math.inf:
+                what = "> 0" if key == "devices" else "a finite number > 0"
+                raise ConfigError(f"--{key.replace('_', '-')} must be {what}, got {value:g}")
             machine = dataclasses.replace(machine, **{key: value})
     return machine
 
@@ -168,6 +170,8 @@ def plan(argv=None, prog=None) -> int:
         from megatrain_jax.machines import GB
         from megatrain_jax.plan import plan as make_plan, plan_sweep
         from megatrain_jax.plan_report import format_bytes
+        if args.json:
+            _check_json_out(args.json)
         machine = _machine(args)
         if args.largest_model and (args.step_time or args.sweep):
             raise ConfigError(f"--largest-model goes with the plan's report, not with "
@@ -194,11 +198,34 @@ def plan(argv=None, prog=None) -> int:
             if args.largest_model:
                 out["largest_model"] = p.largest_model
         if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)
 
     return _run(lambda: parser.parse_args(argv), go)
+
+
+def _check_json_out(path: str):
+    """Raises ConfigError, before any planning, if --json `path` cannot be written: a directory,
+    a folder that cannot be made, or a file that cannot be opened for writing (tried by opening
+    it to append, which changes nothing of a file there; one made by the try is removed). Makes
+    the folder."""
+    from megatrain_jax.config import ConfigError
+    if os.path.isdir(path):
+        raise ConfigError(f"--json {path} is a directory; give the name of the file to write")
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        why = "a file is in the way" if isinstance(e, FileExistsError) else e.strerror
+        raise ConfigError(f"--json {path}: cannot make its folder {folder} ({why})") from None
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--json {path} cannot be written ({e.strerror})") from None
+    if not existed:
+        os.remove(path)
 
 
 def _rates(machine, args, shape=None) -> tuple:
@@ -210,7 +237,8 @@ def _rates(machine, args, shape=None) -> tuple:
         value = getattr(args, key)
         if value is not None:
             if not step_time.valid_rate(key, value):
-                raise ConfigError(f"{flag} must be > 0, got {value:g}")
+                least = ">= 0" if key == "dispatch_us" else "> 0"
+                raise ConfigError(f"{flag} must be a finite number {least}, got {value:g}")
             flags[key] = (value, flag)
     if args.rates and not os.path.exists(args.rates):
         raise ConfigError(f"--rates {args.rates}: no such file or folder")
@@ -361,6 +389,9 @@ def generate(argv=None, prog=None) -> int:
             raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p:g}")
         if args.step is not None and not args.run:
             raise ConfigError("--step is a checkpoint step of --run; --hf has none")
+        if not -(1 << 63) <= args.seed < 1 << 63:
+            raise ConfigError(f"--seed must fit in 64 bits (-2**63 to 2**63 - 1), got {args.seed}")
+        _check_utf8(args.prompt)
         if args.run:
             model = gen.from_run(args.run, args.step)
         else:
@@ -392,6 +423,19 @@ def generate(argv=None, prog=None) -> int:
               f"{rate:.1f} tokens/s{why}", file=sys.stderr)
 
     return _run(lambda: parser.parse_args(argv), go)
+
+
+def _check_utf8(prompt: str):
+    """Raises ConfigError if the --prompt's bytes are not UTF-8 (Python hands such bytes of the
+    command line over as lone surrogates, which no tokenizer can encode)."""
+    from megatrain_jax.config import ConfigError
+    try:
+        os.fsencode(prompt).decode("utf-8")
+    except (UnicodeDecodeError, UnicodeEncodeError) as e:
+        raw = e.object[e.start:e.start + 1]
+        byte = f"byte 0x{raw[0]:02x}" if isinstance(raw, bytes) else f"character {raw!r}"
+        raise ConfigError(f"--prompt is not valid UTF-8 ({byte} at offset {e.start}); give the "
+                          f"prompt as UTF-8 text") from None
 
 
 class _TextStream:

@@ -91,9 +91,9 @@ class SourceConfig:
         """As data.sources.<i>."""
         if not self.path:
             raise ConfigError(f"data.sources.{i}.path is empty; give a file, glob or directory")
-        if not self.weight > 0:
-            raise ConfigError(f"data.sources.{i}.weight must be > 0, got {self.weight} "
-                              f"({self.path})")
+        if not 0 < self.weight < math.inf:
+            raise ConfigError(f"data.sources.{i}.weight must be a finite number > 0, got "
+                              f"{self.weight} ({self.path})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +145,15 @@ class DataConfig:
                               f"got {self.eval_fraction}")
         for i, source in enumerate(self.sources):
             source.check(i)
+            first = next(j for j, s in enumerate(self.sources) if s.path == source.path)
+            if first != i:  # a mixture's position on resume is kept per path
+                raise ConfigError(f"data.sources.{i}.path repeats data.sources.{first}.path "
+                                  f"({source.path}); give each source once (its weight sets its "
+                                  f"share)")
+        if not math.isfinite(sum(s.weight for s in self.sources)):
+            raise ConfigError(f"data.sources: the weights sum to inf ("
+                              f"{' + '.join(f'{s.weight:g}' for s in self.sources)}); only "
+                              f"their ratios matter: scale them down")
         if self.sources and self.format != "text":
             raise ConfigError(f"data.sources (a mixture) is for data.format=text, got "
                               f"data.format={self.format}; give data.path")
@@ -236,7 +245,9 @@ class CheckpointConfig:
     async_save: bool = dataclasses.field(default=True, metadata={"yaml": "async"})
     resume_step: int = -1  # -1: the latest complete checkpoint; N: step N, which must be the latest
     # Keys of RESUME_KEYS that may differ from the checkpoint a run resumes from, e.g. [train.steps]
-    # to extend a finished run; every allowed change is logged.
+    # to extend a finished run, [data.sources] to add, drop or reweight a mixture's sources (each
+    # kept source goes on where it was, an added one starts at its beginning); every allowed
+    # change is logged. data.sources listed in another order is no change.
     allow_changes: tuple[str, ...] = ()
 
     def check(self, cfg: "Config"):
@@ -653,11 +664,11 @@ def _check(cfg: Config):
 # (train.steps sets its length). A section name covers every key under it. A key listed here that
 # this version does not have is skipped. Everything else (dtypes, prefetch and other execution
 # options, logging, checkpoint cadence, run_dir) may change between a run and its resume.
-RESUME_KEYS = ("model", "optimizer", "data.path", "data.text_field", "data.tokenizer",
-               "data.eos_token", "data.token_dtype", "data.seq_len", "data.batch_size",
-               "data.micro_batches", "data.document_mask", "data.eval_path", "data.eval_fraction",
-               "data.format", "data.overlong", "train.seed", "train.steps", "dpo.beta",
-               "dpo.loss")
+RESUME_KEYS = ("model", "optimizer", "data.path", "data.sources", "data.text_field",
+               "data.tokenizer", "data.eos_token", "data.token_dtype", "data.seq_len",
+               "data.batch_size", "data.micro_batches", "data.document_mask", "data.eval_path",
+               "data.eval_fraction", "data.format", "data.overlong", "train.seed", "train.steps",
+               "dpo.beta", "dpo.loss")
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -685,10 +696,32 @@ def resume_changes(saved: dict, cfg: Config) -> list:
     saved_flat, current_flat, default_flat = (_flatten(t) for t in (saved, current, defaults))
     changes = []
     for key in resume_keys(cfg):
-        old = saved_flat.get(key, default_flat.get(key))
-        if old != current_flat[key]:
-            changes.append((key, old, current_flat[key]))
+        old, new = saved_flat.get(key, default_flat.get(key)), current_flat[key]
+        if key == "data.sources":  # in any order: a mixture resumes each source by its path
+            old, new = _sources(old), _sources(new)
+            if sorted(old, key=str) == sorted(new, key=str):
+                continue
+            old, new = _sources_text(old), _sources_text(new)
+        if old != new:
+            changes.append((key, old, new))
     return changes
+
+
+def _sources(sources: list) -> list:
+    """data.sources as to_dict gives them, each with every key (a default where one is
+    missing) and its weight a float."""
+    default = to_dict(SourceConfig())
+    return [{**default, **s, "weight": float(s.get("weight", default["weight"]))}
+            for s in sources]
+
+
+def _sources_text(sources: list) -> str:
+    """_sources' in words: "path weight w[, key value]; ...", or "none"."""
+    def one(source: dict) -> str:
+        extra = "".join(f", {k} {v}" for k, v in source.items()
+                        if k not in ("path", "weight") and v)
+        return f"{source['path']} weight {source['weight']:g}{extra}"
+    return "; ".join(one(s) for s in sources) or "none"
 
 
 def to_dict(cfg) -> dict:

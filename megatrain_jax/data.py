@@ -2,16 +2,20 @@
 
 A corpus becomes one flat 1-D stream of token ids (documents joined by EOS), which is cut
 into non-overlapping windows of seq_len + 1 tokens; inputs/targets are the window shifted by one.
+
+The sources package (paths of many files, token caches, mixtures) builds on this module, which
+imports nothing of it.
 """
 
 import json
 import mmap
 import os
+import stat
 
 import numpy as np
 
 from megatrain_jax.errors import DataError
-from megatrain_jax.sources.tokenfile import TokenFile
+from megatrain_jax.tokenfile import TokenFile
 
 
 # -----------------------------------------------------------------------------
@@ -90,8 +94,25 @@ def load_tokenizer(name: str, eos_token: str | None = None):
 # loading a corpus into one token stream
 
 TOKEN_DTYPES = ("uint16", "uint32")
+NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+               (stat.S_ISSOCK, "a socket"))
 SCAN_CHUNK = 1 << 24  # tokens per chunk of the id scan: 32-128 MB, however large the file
 SNIFF_PAIRS = 1 << 16  # uint16 pairs per sample of the uint32-read-as-uint16 check
+
+
+def check_regular(path: str, key: str):
+    """Raises DataError if `path` (config key `key`) is not a regular file: opening a FIFO for
+    reading waits for a writer, and a device or socket is no corpus."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise DataError(f"data file not found: {path}") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read data file ({e.strerror})") from None
+    if not stat.S_ISREG(mode):
+        what = next((name for test, name in NOT_REGULAR if test(mode)), "a special file")
+        raise DataError(f"{key}={path} is {what}, not a regular file; give a data file")
 
 
 def read_text(path: str) -> str:
@@ -253,6 +274,7 @@ def load_tokens(path: str, tokenizer, *, vocab_size: int | None = None, text_fie
     """
     if os.path.isdir(path):
         raise DataError(f"data.path {path} is a directory, not a data file")
+    check_regular(path, "data.path")
     try:
         with open(path, "rb"):  # one place for missing and unreadable files, for every format
             pass

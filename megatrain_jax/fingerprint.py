@@ -1,6 +1,7 @@
 """The identity of data files: what a token cache was built from (sources/cache.py), and what a
-run's checkpoints record and compare on resume, so that a corpus edited in place between a run
-and its resume is noticed (train.py).
+run's checkpoints record and compare on resume, so that a corpus (or the chat template an SFT or
+preference run renders it with) edited in place between a run and its resume is noticed
+(train.py).
 
 Each file is known by its size, its mtime and a hash of its head: cheap for any size, and a file
 cut short, grown, or rewritten at its start differs. A resume compares the size and the head only
@@ -11,6 +12,10 @@ import hashlib
 import os
 
 HEAD_BYTES = 1 << 20  # hashed from each file's start
+# The files beside a tokenizer.json that its chat template is read from (chat.ChatTemplate): an
+# SFT or preference run's data too. Checkpoints recorded them later than the data's own files,
+# so a saved list without any of them is of a checkpoint from before, not of another template.
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def file_identity(path: str) -> dict:
@@ -30,18 +35,23 @@ def files_identity(paths: list[str]) -> list[dict]:
 def first_change(saved: list[dict], now: list[dict]) -> str | None:
     """How the files of `now` differ from `saved` (both files_identity's), in words, or None."""
     saved_by_file = {s["file"]: s for s in saved}
+    template = lambda name: os.path.basename(name) in CHAT_TEMPLATE_FILES
+    if not any(map(template, saved_by_file)):  # recorded before templates were
+        now = [n for n in now if not template(n["file"])]
     now_by_file = {n["file"]: n for n in now}
     gone, new = (sorted(a.keys() - b.keys()) for a, b in ((saved_by_file, now_by_file),
                                                           (now_by_file, saved_by_file)))
+    said = lambda name: f"{name} (of the chat template)" if template(name) else name
     if gone:
-        return f"{gone[0]} is no longer read"
+        return f"{said(gone[0])} is no longer read"
     if new:
-        return f"{new[0]} is new"
+        return f"{said(new[0])} is new"
     for name, was in saved_by_file.items():
         n = now_by_file[name]
         if n["bytes"] != was["bytes"]:
-            return f"{name} is {n['bytes']:,} bytes, {was['bytes']:,} when the checkpoint was saved"
+            return (f"{said(name)} is {n['bytes']:,} bytes, {was['bytes']:,} when the checkpoint "
+                    f"was saved")
         if n["head_sha256"] != was["head_sha256"]:
-            return (f"{name}'s first {min(was['bytes'], HEAD_BYTES):,} bytes changed since the "
-                    f"checkpoint was saved")
+            return (f"{said(name)}: its first {min(was['bytes'], HEAD_BYTES):,} bytes changed "
+                    f"since the checkpoint was saved")
     return None

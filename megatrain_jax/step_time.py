@@ -45,6 +45,7 @@ state, read the gradient, write the bus copy).
 import dataclasses
 import glob
 import json
+import math
 import os
 
 GB = 1e9
@@ -83,12 +84,12 @@ class Rates:
     def __post_init__(self):
         for name, value in dataclasses.asdict(self).items():
             if not valid_rate(name, value):
-                raise ValueError(f"rate {name} must be > 0, got {value}")
+                raise ValueError(f"rate {name} must be a finite number > 0, got {value}")
 
 
 def valid_rate(name: str, value: float) -> bool:
-    """A rate is > 0; dispatch_us may be 0 (no cost per call)."""
-    return value > 0 or (name == "dispatch_us" and value == 0)
+    """A rate is a finite number > 0; dispatch_us may be 0 (no cost per call)."""
+    return math.isfinite(value) and (value > 0 or (name == "dispatch_us" and value == 0))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -113,10 +113,11 @@ def resume_point(cfg: Config, log=print, data_identity=None) -> int | None:
     change = ("data_files" in meta and  # older checkpoints did not record their data
               fingerprint.first_change(meta["data_files"], now))
     if change:
-        if not {"data.path", "data"} & set(cfg.checkpoint.allow_changes):
+        key = "data.sources" if cfg.data.sources else "data.path"
+        if not {key, "data.path", "data"} & set(cfg.checkpoint.allow_changes):
             raise checkpoint.CheckpointError(
                 f"{where} was trained on other data: {change}; to resume with the data as it is "
-                f"now, add checkpoint.allow_changes=[data.path]")
+                f"now, add checkpoint.allow_changes=[{key}]")
         log(f"resuming with changed data: {change} (checkpoint.allow_changes)")
     return step
 

@@ -197,17 +197,17 @@ def test_bad_config_is_one_line_exit_2_and_the_run_is_untouched(copy_run, tmp_pa
 
 def test_compared_keys_are_explicit():
     cfg = Config()
-    assert RESUME_KEYS == ("model", "optimizer", "data.path", "data.text_field", "data.tokenizer",
-                           "data.eos_token", "data.token_dtype", "data.seq_len", "data.batch_size",
-                           "data.micro_batches", "data.document_mask", "data.eval_path",
-                           "data.eval_fraction", "data.format", "data.overlong", "train.seed",
-                           "train.steps", "dpo.beta", "dpo.loss")
+    assert RESUME_KEYS == ("model", "optimizer", "data.path", "data.sources", "data.text_field",
+                           "data.tokenizer", "data.eos_token", "data.token_dtype", "data.seq_len",
+                           "data.batch_size", "data.micro_batches", "data.document_mask",
+                           "data.eval_path", "data.eval_fraction", "data.format", "data.overlong",
+                           "train.seed", "train.steps", "dpo.beta", "dpo.loss")
     keys = resume_keys(cfg)
     assert {k for k in keys if not k.startswith(("model.", "optimizer."))} <= {
-        "data.path", "data.text_field", "data.tokenizer", "data.eos_token", "data.token_dtype",
-        "data.seq_len", "data.batch_size", "data.micro_batches", "data.document_mask",
-        "data.eval_path", "data.eval_fraction", "data.format", "data.overlong", "train.seed",
-        "train.steps", "dpo.beta", "dpo.loss"}
+        "data.path", "data.sources", "data.text_field", "data.tokenizer", "data.eos_token",
+        "data.token_dtype", "data.seq_len", "data.batch_size", "data.micro_batches",
+        "data.document_mask", "data.eval_path", "data.eval_fraction", "data.format",
+        "data.overlong", "train.seed", "train.steps", "dpo.beta", "dpo.loss"}
     assert {f"optimizer.{k}" for k in to_dict(cfg.optimizer)} <= set(keys)
     assert {f"model.{k}" for k in to_dict(cfg.model)} <= set(keys)
     saved = json.loads(json.dumps(to_dict(cfg)))
@@ -229,6 +229,26 @@ def test_compared_keys_are_explicit():
     assert resume_changes(saved, cfg) == []
     assert resume_changes(saved, load_config(None, ["data.micro_batches=2"])) == [
         ("data.micro_batches", 1, 2)]
+
+
+def test_data_sources_are_compared_in_any_order_and_named_once():
+    """A mixture resumes each source by its path: its order is no change, its weights and
+    fields are; a path listed twice would share one position, so it is refused."""
+    mix = lambda *sources: load_config(None, ["data.path=''", "data.sources=[" + ", ".join(
+        "{" + ", ".join(f"{k}: {v}" for k, v in s.items()) + "}" for s in sources) + "]"])
+    saved = json.loads(json.dumps(to_dict(mix({"path": "a.jsonl", "weight": 3},
+                                              {"path": "b.parquet", "text_field": "body"}))))
+    assert resume_changes(saved, mix({"path": "b.parquet", "text_field": "body"},
+                                     {"path": "a.jsonl", "weight": 3})) == []
+    assert resume_changes(saved, mix({"path": "b.parquet"}, {"path": "a.jsonl", "weight": 3})) == [
+        ("data.sources", "a.jsonl weight 3; b.parquet weight 1, text_field body",
+         "b.parquet weight 1; a.jsonl weight 3")]
+    changes = {k: (old, new) for k, old, new in resume_changes(
+        json.loads(json.dumps(to_dict(Config()))), mix({"path": "a.jsonl"}))}
+    assert changes["data.sources"] == ("none", "a.jsonl weight 1")
+    with pytest.raises(ConfigError, match=r"^data.sources.2.path repeats data.sources.0.path "
+                                          r"\(a.jsonl\); give each source once"):
+        mix({"path": "a.jsonl"}, {"path": "b.parquet"}, {"path": "a.jsonl"})
 
 
 def test_resume_refuses_a_changed_run_names_key_old_new(copy_run, tmp_path, env):

@@ -265,3 +265,74 @@ def test_a_failed_save_is_the_error_when_closing_the_writers_fails_too(tmp_path,
     with pytest.raises(checkpoint.SaveError, match="^saving checkpoint step 2 failed .*completed "
                                                    "checkpoints: 1$"):
         train(tiny(tmp_path / "run", "train.steps=2", "checkpoint.every=1"), log=lambda x: None)
+
+
+# ----------------------------------------------------------------------------- round 4 (issue 35)
+
+
+def _refused_before_planning(monkeypatch):
+    """Makes any planning or step-time simulation fail the test: a refusal must come first."""
+    from megatrain_jax import plan, step_time
+
+    def planned(*args, **kwargs):
+        raise AssertionError("planned before the bad argument was refused")
+    for module, name in ((plan, "plan"), (plan, "plan_sweep"), (step_time, "simulate")):
+        monkeypatch.setattr(module, name, planned)
+
+
+@pytest.mark.parametrize("case", ["memory nan", "memory inf", "h2d inf", "json dir",
+                                  "json folder is a file"])
+def test_plan_refuses_non_finite_numbers_and_an_unusable_json_before_planning(
+        tmp_path, capsys, monkeypatch, case):
+    """`plan --device-memory-gb nan` planned a machine of NaN bytes, `--h2d-gbps inf` was taken
+    (nan was refused), and `--json` naming a directory failed after the whole plan."""
+    _refused_before_planning(monkeypatch)
+    (tmp_path / "a_file").write_text("x")
+    args, line = {
+        "memory nan": (["--device-memory-gb", "nan"],
+                       "--device-memory-gb must be a finite number > 0, got nan"),
+        "memory inf": (["--device-memory-gb", "inf"],
+                       "--device-memory-gb must be a finite number > 0, got inf"),
+        "h2d inf": (["--step-time", "--h2d-gbps", "inf"],
+                    "--h2d-gbps must be a finite number > 0, got inf"),
+        "json dir": (["--json", str(tmp_path)],
+                     f"--json {tmp_path} is a directory; give the name of the file to write"),
+        "json folder is a file": (["--json", f"{tmp_path}/a_file/plan.json"],
+                                  f"--json {tmp_path}/a_file/plan.json: cannot make its folder "
+                                  f"{tmp_path}/a_file (a file is in the way)")}[case]
+    assert commands.plan(["--config", TINY, *args]) == 2
+    assert capsys.readouterr().err == f"error: {line}\n"
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]
+
+
+def test_plan_json_that_cannot_be_written_is_refused_before_planning(tmp_path, capsys,
+                                                                       monkeypatch):
+    _refused_before_planning(monkeypatch)
+    real_open = open
+
+    def read_only(path, mode="r", *args, **kwargs):  # root writes anywhere: fail as a user would
+        if str(path).endswith("plan.json") and mode != "r":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, mode, *args, **kwargs)
+    monkeypatch.setattr(commands, "open", read_only, raising=False)
+    out = tmp_path / "plan.json"
+    assert commands.plan(["--config", TINY, "--json", str(out)]) == 2
+    assert capsys.readouterr().err == f"error: --json {out} cannot be written (Permission denied)\n"
+
+
+def test_generate_refuses_a_prompt_not_utf8_and_a_seed_past_64_bits(capsys, monkeypatch):
+    """A prompt whose bytes are not UTF-8 traced back in the tokenizer; a seed of 2**64 traced
+    back in jax.random.key after the weights were read. Both are refused before."""
+    from megatrain_jax import generate as gen
+
+    def loads(*args):
+        raise AssertionError("the model was read before the bad argument was refused")
+    monkeypatch.setattr(gen, "from_run", loads)
+    prompt = os.fsdecode(b"caf\xe9 au lait")  # Latin-1 on the command line, as Python has it
+    assert commands.generate(["--run", "r", "--prompt", prompt]) == 2
+    assert capsys.readouterr().err == ("error: --prompt is not valid UTF-8 (byte 0xe9 at offset "
+                                       "3); give the prompt as UTF-8 text\n")
+    for seed in (1 << 64, -(1 << 63) - 1):
+        assert commands.generate(["--run", "r", "--prompt", "hi", "--seed", str(seed)]) == 2
+        assert capsys.readouterr().err == (f"error: --seed must fit in 64 bits (-2**63 to "
+                                           f"2**63 - 1), got {seed}\n")

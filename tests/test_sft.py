@@ -415,12 +415,19 @@ def test_cli_refuses_a_bad_line(tmp_path, capsys, monkeypatch):
 
 
 def test_sft_tiny_trains_and_resumes_its_data_position(tmp_path):
-    from megatrain_jax import checkpoint
-    from megatrain_jax.train import train
+    """...and a chat template edited before a resume is a change of its data, as an edited
+    corpus is: refused by name unless checkpoint.allow_changes allows it (it resumed silently)."""
+    import shutil
 
+    from megatrain_jax import checkpoint
+    from megatrain_jax.train import resume_point, train
+
+    tok = tmp_path / "tok"
+    shutil.copytree(os.path.dirname(BUNDLED_TOKENIZER), tok)
     lines = []
-    overrides = ["train.steps=2", f"run_dir={tmp_path}", "model.num_layers=2", "model.hidden_size=64",
-                 "model.intermediate_size=128", "data.seq_len=128", "data.batch_size=4"]
+    overrides = ["train.steps=2", f"run_dir={tmp_path}", "model.num_layers=2",
+                 "model.hidden_size=64", "model.intermediate_size=128", "data.seq_len=128",
+                 "data.batch_size=4", f"data.tokenizer={tok}/tokenizer.json"]
     cfg = load_config(os.path.join(ROOT, "configs", "sft_tiny.yaml"), overrides)
     history = train(cfg, log=lines.append)
     assert [r["step"] for r in history] == [1, 2]
@@ -438,3 +445,21 @@ def test_sft_tiny_trains_and_resumes_its_data_position(tmp_path):
     finally:
         manager.close()
     assert states == [{"epoch": 0, "index": 8}, {"epoch": 0, "index": 12}]
+
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    config["chat_template"] = config["chat_template"].replace("<|im_start|>", "<|im_start|> ")
+    (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    more = overrides + ["train.steps=4"]
+    with pytest.raises(checkpoint.CheckpointError, match=(
+            rf"^checkpoint step 3 in {tmp_path}/checkpoints was trained on other data: "
+            rf"{tok}/tokenizer_config.json \(of the chat template\) is [\d,]+ bytes, [\d,]+ when "
+            rf"the checkpoint was saved; to resume with the data as it is now, add "
+            rf"checkpoint.allow_changes=\[data.path\]$")):
+        train(load_config(os.path.join(ROOT, "configs", "sft_tiny.yaml"),
+                          more + ["checkpoint.allow_changes=[train.steps]"]), log=lines.append)
+    lines.clear()
+    allowed = load_config(os.path.join(ROOT, "configs", "sft_tiny.yaml"),
+                          more + ["checkpoint.allow_changes=[train.steps,data.path]"])
+    assert resume_point(allowed, lines.append) == 3
+    assert lines[-1].startswith(f"resuming with changed data: {tok}/tokenizer_config.json (of "
+                                f"the chat template) is ")

@@ -2,9 +2,11 @@
 cache (built once, rebuilt when stale, a foreign one refused), mixtures resumed exactly, batches
 prepared ahead, SFT and preference data from Parquet, and bad input as one line, exit 2."""
 
+import errno
 import json
 import os
 import re
+import threading
 
 import numpy as np
 import pyarrow as pa
@@ -16,12 +18,12 @@ from megatrain_jax.chat import ChatTemplate, load_examples
 from megatrain_jax.config import ConfigError, load_config
 from megatrain_jax.data import DataError, PackedDataset, load_tokenizer
 from megatrain_jax.preference import load_pairs
-from megatrain_jax.sources import files
+from megatrain_jax.sources import cache, files
 from megatrain_jax.sources.cache import fingerprint, open_cache, source_tokens
 from megatrain_jax.sources.files import resolve
 from megatrain_jax.sources.mixture import MixtureDataset
 from megatrain_jax.sources.prefetch import ReadAhead
-from megatrain_jax.sources.tokenfile import TokenFile
+from megatrain_jax.tokenfile import TokenFile
 from megatrain_jax.recipes import load_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,6 +106,32 @@ def test_text_files_are_one_document_each(tmp_path):
     assert np.asarray(tokens).tolist() == _packed(DOCS[:3])
 
 
+def test_a_directory_of_text_shards_takes_only_data_files_and_says_which(tmp_path):
+    """A LICENSE and a README beside .txt shards were trained on as documents: a directory's
+    shards are its files of a data extension, and the run's log says which it took."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i, doc in enumerate(DOCS[:5]):
+        (shards / f"part-{i}.txt").write_text(doc)
+    (shards / "LICENSE").write_text("Permission is hereby granted")
+    (shards / "README.md").write_text("# shards")
+    cfg = load_config(TINY, [f"data.path={shards}", f"data.cache_dir={tmp_path}/cache",
+                             "data.seq_len=8", "data.batch_size=2", f"run_dir={tmp_path}/run"])
+    lines = []
+    dataset, _ = load_data(cfg, log=lines.append)
+    assert np.asarray(dataset.tokens).tolist() == _packed(DOCS[:5])
+    assert lines[0] == (f"data.path={shards}: 5 text files (part-0.txt, part-1.txt, part-2.txt "
+                        f"and 2 more); left out LICENSE, README.md (not .jsonl, .parquet, .arrow, "
+                        f".bin, .npy or .txt)")
+    for name in os.listdir(shards):
+        if name.endswith(".txt"):
+            os.remove(shards / name)
+    with pytest.raises(DataError, match=re.escape(
+            f"data.path={shards}: the directory holds no data file (none ends in .jsonl, "
+            f".parquet, .arrow, .bin, .npy, .txt); left out LICENSE, README.md")):
+        load_data(cfg, log=lines.append)
+
+
 def test_hf_tokenizer_cache_equals_encoding_each_document(tmp_path):
     tok = load_tokenizer(BUNDLED_TOKENIZER)
     path = _shards(tmp_path, "parquet")
@@ -126,12 +154,14 @@ def test_cache_is_reused_never_retokenized(tmp_path, monkeypatch):
     monkeypatch.setattr(BYTE, "encode_batch", refuse)
     lines.clear()
     again, _ = source_tokens(path, BYTE, cache, log=lines.append)
-    assert lines == [] and np.asarray(again).tolist() == np.asarray(first).tolist()
+    matched = f"data.path={path}: 3 jsonl files (part-0.jsonl, part-1.jsonl, part-2.jsonl)"
+    assert lines == [matched] and np.asarray(again).tolist() == np.asarray(first).tolist()
     # a resume goes through load_data: the same cache, nothing tokenized either
     cfg = load_config(TINY, [f"data.path={path}", f"data.cache_dir={cache}",
                              f"run_dir={tmp_path}/run", "data.seq_len=16", "data.batch_size=2"])
+    lines.clear()
     dataset, _ = load_data(cfg, log=lines.append)
-    assert lines == [] and dataset.next_batch()[0].shape == (1, 2, 16)
+    assert lines == [matched] and dataset.next_batch()[0].shape == (1, 2, 16)
 
 
 def test_stale_cache_is_rebuilt(tmp_path):
@@ -196,6 +226,34 @@ def test_tokenizer_change_makes_the_cache_stale(tmp_path):
     assert load_tokenizer(BUNDLED_TOKENIZER).tok.token_to_id("document") is None
 
 
+def _damage_ids(directory, dtype, at: int, value: int):
+    """Writes `value` over the id at `at` of a cache's tokens.bin: same size, damaged contents."""
+    ids = np.fromfile(os.path.join(directory, "tokens.bin"), dtype=dtype)
+    ids[at] = value
+    ids.tofile(os.path.join(directory, "tokens.bin"))
+    return np.fromfile(os.path.join(directory, "tokens.bin"), dtype=dtype)
+
+
+def test_a_cache_with_ids_past_the_vocabulary_is_refused_naming_it(tmp_path, capsys):
+    """A token cache damaged at the same size (its manifest's sizes still match) trained every
+    step as non-finite and exited 0: it is refused when opened, naming the file, and kept."""
+    _jsonl(tmp_path / "a.jsonl", [{"text": d} for d in DOCS])
+    args = ["--config", TINY, f"data.path={tmp_path}/a.jsonl", f"data.cache_dir={tmp_path}/cache",
+            "data.seq_len=16", "data.batch_size=2", "train.steps=1", f"run_dir={tmp_path}/run"]
+    _, directory = open_cache(resolve(str(tmp_path / "a.jsonl")), BYTE, str(tmp_path / "cache"),
+                              vocab_size=257, log=lambda *a: None)
+    damaged = _damage_ids(directory, np.uint16, 300, 60_000)
+    code = commands.train(args)
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert (f"error: {directory}/tokens.bin: token id 60000 at offset 300 >= model.vocab_size "
+            f"(257): the token cache is damaged; remove {directory} and the next run rebuilds "
+            f"it") in err
+    np.testing.assert_array_equal(np.fromfile(f"{directory}/tokens.bin", np.uint16), damaged)
+    assert not (tmp_path / "run").exists()
+
+
+# -- bad input ----------------------------------------------------------------
 # -- bad input ----------------------------------------------------------------
 
 
@@ -206,7 +264,8 @@ def _bad_rows_parquet(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["glob", "mixed", "missing", "missing column", "not a string",
-                                  "unreadable", "cache not writable", "weight"])
+                                  "unreadable", "cache not writable", "weight", "weights overflow",
+                                  "cache full"])
 def test_bad_input_is_one_line_exit_2_before_training(tmp_path, capsys, monkeypatch, case):
     (tmp_path / "d").mkdir()
     _jsonl(tmp_path / "d" / "a.jsonl", [{"text": "hello"}])
@@ -243,10 +302,30 @@ def test_bad_input_is_one_line_exit_2_before_training(tmp_path, capsys, monkeypa
         (tmp_path / "a_file").write_text("x")
         args[1] = f"data.cache_dir={tmp_path}/a_file/cache"
         want = f"data.cache_dir '{tmp_path}/a_file/cache' is not writable"
+    elif case == "weights overflow":
+        args[0] = (f"data.sources=[{{path: {tmp_path}/good.jsonl, weight: 1e308}}, "
+                   f"{{path: {tmp_path}/d/a.jsonl, weight: 1e308}}]")
+        args.append("data.path=''")
+        want = ("data.sources: the weights sum to inf (1e+308 + 1e+308); only their ratios "
+                "matter: scale them down")
+    elif case == "cache full":
+        real_open = open
+
+        def full(path, mode="r", *a, **k):  # the cache's files: no room left after a few bytes
+            f = real_open(path, mode, *a, **k)
+            if "w" in mode and str(path).startswith(f"{tmp_path}/cache"):
+                def write(data):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                f.write = write
+            return f
+        monkeypatch.setattr(cache, "open", full, raising=False)
+        want = (f"data.cache_dir={tmp_path}/cache: writing the token cache of data.path="
+                f"{tmp_path}/good.jsonl failed (No space left on device); free space there or "
+                f"set data.cache_dir to another directory")
     else:
         args[0] = f"data.sources=[{{path: {tmp_path}/good.jsonl, weight: 0}}]"
         args.append("data.path=''")
-        want = f"data.sources.0.weight must be > 0, got 0.0 ({tmp_path}/good.jsonl)"
+        want = f"data.sources.0.weight must be a finite number > 0, got 0.0 ({tmp_path}/good.jsonl)"
     code = commands.train(["--config", TINY, *args, f"run_dir={tmp_path}/run"])
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
@@ -255,6 +334,37 @@ def test_bad_input_is_one_line_exit_2_before_training(tmp_path, capsys, monkeypa
     assert not (tmp_path / "run").exists()
     if os.path.isdir(tmp_path / "cache"):  # a failed build leaves no partial cache
         assert os.listdir(tmp_path / "cache") == []
+
+
+@pytest.mark.parametrize("key", ["data.path", "data.sources", "data.eval_path"])
+def test_a_fifo_as_data_is_refused_by_name_never_waited_on(tmp_path, capsys, key):
+    """Opening a FIFO to read waits for a writer: the run hung before its first line."""
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    _jsonl(tmp_path / "good.jsonl", [{"text": d} for d in DOCS])
+    given = {"data.path": [f"data.path={fifo}"],
+             "data.sources": [f"data.sources=[{{path: {tmp_path}/good.jsonl}}, {{path: {fifo}}}]",
+                              "data.path=''"],
+             "data.eval_path": [f"data.path={tmp_path}/good.jsonl", f"data.eval_path={fifo}"]}
+    culprit = "data.sources.1.path" if key == "data.sources" else key
+
+    def unblock():  # a writer for a reader that waits, so that a regression fails, not hangs
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # no reader: nothing waits
+            pass
+    watchdog = threading.Timer(30, unblock)
+    watchdog.start()
+    try:
+        code = commands.train(["--config", TINY, *given[key], f"data.cache_dir={tmp_path}/cache",
+                               "data.seq_len=16", "data.batch_size=2", "train.steps=1",
+                               f"run_dir={tmp_path}/run"])
+    finally:
+        watchdog.cancel()
+    err = capsys.readouterr().err
+    assert code == 2 and err == (f"error: {culprit}={fifo} is a FIFO (named pipe), not a regular "
+                                 f"file; give a data file\n"), err
+    assert not (tmp_path / "run").exists()
 
 
 def test_data_files_are_every_file_a_config_reads(tmp_path):
@@ -266,6 +376,23 @@ def test_data_files_are_every_file_a_config_reads(tmp_path):
     assert files.data_files(cfg.data) == [*shards, f"{tmp_path}/eval.jsonl", f"{tmp_path}/eval.jsonl"]
     cfg = load_config(TINY, [f"data.path={path}"])
     assert files.data_files(cfg.data) == shards
+
+
+def test_an_sft_run_s_data_files_hold_its_chat_template_s(tmp_path):
+    """The template renders every sequence: its files are data files too (a resume compares
+    them); a checkpoint written before they were recorded is not refused for lacking them."""
+    from megatrain_jax.fingerprint import files_identity, first_change
+
+    tok = os.path.dirname(BUNDLED_TOKENIZER)
+    path = _chat_data(tmp_path, "sft")
+    cfg = load_config(TINY, ["data.format=sft", f"data.path={path}",
+                             f"data.tokenizer={BUNDLED_TOKENIZER}", "model.vocab_size=512"])
+    assert files.data_files(cfg.data) == [path, f"{tok}/tokenizer_config.json"]
+    now = files_identity(files.data_files(cfg.data))
+    assert first_change(now[:1], now) is None  # saved before templates were recorded
+    jinja = {**now[1], "file": f"{tok}/chat_template.jinja"}
+    assert first_change(now, [*now, jinja]) == f"{tok}/chat_template.jinja (of the chat " \
+                                                f"template) is new"
 
 
 def test_datasets_dict_names_its_splits(tmp_path):
@@ -306,6 +433,93 @@ def test_mixture_resumed_mid_epoch_gives_the_uninterrupted_batches():
     assert 0.6 < from_a / (12 * 8) < 0.9  # weight 3:1 -> 75% of the windows
     assert sum(whole.state()["tokens"]) == 12 * 8 * 8
     assert whole.report().startswith("data mixture: a: ")
+
+
+def test_mixture_resumed_with_its_sources_in_another_order_goes_on_exactly():
+    """data.sources listed in another order on resume continued each source at the other's
+    position, and the token report swapped: the state is keyed by each source's name."""
+    a = np.arange(1000, dtype=np.uint16)
+    b = np.arange(5000, 5090, dtype=np.uint16)
+    whole = _mixture([a, b])
+    batches = [whole.next_batch() for _ in range(12)]
+    first = _mixture([a, b])
+    for _ in range(8):
+        first.next_batch()
+    state = json.loads(json.dumps(first.state()))
+    swapped = MixtureDataset([b, a], [1.0, 3.0], ["b", "a"], seq_len=8, batch_size=4, seed=3,
+                             num_micro_batches=2)
+    swapped.restore(state)
+    for want in batches[8:]:
+        np.testing.assert_array_equal(swapped.next_batch()[0], want[0])
+    tokens = dict(zip(whole.state()["sources"], whole.state()["tokens"]))
+    assert dict(zip(swapped.state()["sources"], swapped.state()["tokens"])) == tokens
+    assert swapped.report().startswith(f"data mixture: b: {tokens['b']:,} tokens")
+    # a source added on resume starts at its beginning; the others go on where they were
+    added = MixtureDataset([a, np.arange(7000, 7400, dtype=np.uint16), b], [3.0, 1.0, 1.0],
+                           ["a", "c", "b"], seq_len=8, batch_size=4, seed=3, num_micro_batches=2)
+    added.restore(state)
+    after = added.state()
+    assert after["numbers"] == [0, 2, 1] and after["tokens"][1] == 0
+    assert [after["epochs"][i] for i in (0, 2)] == state["epochs"]
+    assert [after["indices"][i] for i in (0, 2)] == state["indices"]
+
+
+def test_a_mixture_state_written_before_sources_were_named_resumes_as_before():
+    a, b = np.arange(1000, dtype=np.uint16), np.arange(5000, 5090, dtype=np.uint16)
+    whole = _mixture([a, b])
+    batches = [whole.next_batch() for _ in range(6)]
+    first = _mixture([a, b])
+    for _ in range(4):
+        first.next_batch()
+    old = {k: v for k, v in first.state().items() if k in ("batch", "epochs", "indices", "tokens")}
+    resumed = _mixture([a, b])
+    resumed.restore(old)
+    for want in batches[4:]:
+        np.testing.assert_array_equal(resumed.next_batch()[0], want[0])
+    three = MixtureDataset([a, b, a[:100]], [1.0, 1.0, 1.0], ["a", "b", "c"], seq_len=8,
+                           batch_size=4, seed=3)
+    with pytest.raises(DataError, match=r"written before checkpoints named the sources, it "
+                                        r"resumes only with the data.sources it had \(2\)"):
+        three.restore(old)
+    for bad in ({"batch": 1}, [], {**first.state(), "numbers": [0, 0]}):
+        with pytest.raises(DataError, match="^bad data state .* for a mixture of 2 sources$"):
+            resumed.restore(bad)
+
+
+def test_a_changed_mixture_is_refused_by_name_and_the_advised_key_adds_a_source(tmp_path,
+                                                                                capsys):
+    """Weights edited between checkpoint and resume were accepted silently; adding a source as
+    advised (allow_changes=[data.path]) led to another refusal (a bad data state)."""
+    text = open(os.path.join(ROOT, "megatrain_jax", "texts", "devils_dictionary.txt")).read()
+    for i, name in enumerate("abc"):
+        (tmp_path / f"{name}.txt").write_text(text[i * 20_000:(i + 1) * 20_000])
+    mix = lambda *sources: "data.sources=[" + ", ".join(
+        f"{{path: {tmp_path}/{name}.txt, weight: {w}}}" for name, w in sources) + "]"
+    run = lambda *args: commands.train([
+        "--config", TINY, "data.path=''", "model.num_layers=2", "model.hidden_size=32",
+        "model.intermediate_size=48", "model.num_heads=2", "model.num_kv_heads=1",
+        "data.seq_len=32", "data.batch_size=2", "train.compute_dtype=float32",
+        "train.attention=xla", "checkpoint.async=false", "logging.tensorboard=false",
+        f"data.cache_dir={tmp_path}/cache", f"run_dir={tmp_path}/run", *args])
+    assert run(mix(("a", 1), ("b", 3)), "train.steps=2") == 0
+    capsys.readouterr()
+    assert run(mix(("b", 1), ("a", 1)), "train.steps=2") == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: checkpoint step 2 in {tmp_path}/run/checkpoints does not match this "
+                   f"config: config.data.sources is '{tmp_path}/a.txt weight 1; {tmp_path}/b.txt "
+                   f"weight 3' in the checkpoint, '{tmp_path}/b.txt weight 1; {tmp_path}/a.txt "
+                   f"weight 1' now; to resume with the new value, add "
+                   f"checkpoint.allow_changes=[data.sources]\n")
+    advised = re.search(r"checkpoint.allow_changes=\[(.*)\]$", err.strip()).group(1)
+    assert run(mix(("b", 3), ("a", 1), ("c", 50)), "train.steps=3",
+               f"checkpoint.allow_changes=[train.steps,{advised}]") == 0
+    out = capsys.readouterr().out
+    assert f"resuming with a changed data.sources: '{tmp_path}/a.txt weight 1; " in out
+    assert f"resuming with changed data: {tmp_path}/c.txt is new (checkpoint.allow_changes)" in out
+    report = next(line for line in out.splitlines() if line.startswith("data mixture: "))
+    tokens = dict(re.findall(r"(\S+): ([\d,]+) tokens", report))
+    assert int(tokens[f"{tmp_path}/c.txt"]) > 0 and sum(
+        int(t.replace(",", "")) for t in tokens.values()) == 3 * 2 * 32
 
 
 def test_mixture_data_parallel_shares_are_the_batch():
@@ -494,6 +708,21 @@ def test_sft_and_preference_tokenized_once_reused_and_rebuilt_when_stale(tmp_pat
     assert (getattr(grown, "num_pairs", None) or grown.num_windows) >= \
         (getattr(dataset, "num_pairs", None) or dataset.num_windows)
     assert len(os.listdir(cache)) == 1  # rebuilt in place: no temporary or old cache left
+
+
+@pytest.mark.parametrize("fmt", ["sft", "preference"])
+def test_an_sft_or_preference_cache_with_ids_past_the_vocabulary_is_refused(tmp_path, fmt):
+    path, cache = _chat_data(tmp_path, fmt), tmp_path / "cache"
+    cfg = load_config(TINY, [f"data.format={fmt}", f"data.path={path}", f"data.cache_dir={cache}",
+                             f"data.tokenizer={BUNDLED_TOKENIZER}", "model.vocab_size=512",
+                             "data.seq_len=48", "data.batch_size=2", f"run_dir={tmp_path}/run"])
+    load_data(cfg, log=lambda *a: None)
+    directory = str(cache / os.listdir(cache)[0])
+    _damage_ids(directory, np.uint16, 5, 512)
+    with pytest.raises(DataError, match=re.escape(
+            f"{directory}/tokens.bin: token id 512 at offset 5 >= model.vocab_size (512): the "
+            f"token cache is damaged; remove {directory}")):
+        load_data(cfg, log=lambda *a: None)
 
 
 PAIRS = [{"prompt": f"q{i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(7)]

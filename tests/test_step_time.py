@@ -346,7 +346,7 @@ def test_plan_step_time_end_to_end(tmp_path):
 
 def test_plan_step_time_bad_inputs(tmp_path):
     proc = plan_cli("--config", "configs/tiny.yaml", "--step-time", "--d2h-gbps", "-1")
-    assert proc.returncode == 2 and "--d2h-gbps must be > 0" in proc.stderr
+    assert proc.returncode == 2 and "--d2h-gbps must be a finite number > 0" in proc.stderr
     assert "Traceback" not in proc.stderr
     proc = plan_cli("--config", "configs/tiny.yaml", "--step-time", "--rates", str(tmp_path / "x"))
     assert proc.returncode == 2 and "--rates" in proc.stderr and "no such file" in proc.stderr

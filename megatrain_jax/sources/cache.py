@@ -15,12 +15,14 @@ SFT and preference data have a layout of their own (sources/sequences.py) built 
 the same `build_or_open`.
 
 <id> hashes the identity. A cache whose identity matches and whose fingerprint and file sizes
-match is used as is; one whose fingerprint differs (a source file or the tokenizer changed) is
-stale and rebuilt; a directory of that name that is not a cache of this very data is refused and
-left alone. A build writes a temporary directory and renames it into place, so a killed build
-leaves no half cache; processes building the same cache at once keep one.
+match is used as is, once its ids are checked against the vocabulary (contents damaged at the same
+size are refused, naming the file); one whose fingerprint differs (a source file or the tokenizer
+changed) is stale and rebuilt; a directory of that name that is not a cache of this very data is
+refused and left alone. A build writes a temporary directory and renames it into place, so a
+killed build leaves no half cache; processes building the same cache at once keep one.
 """
 
+import errno
 import hashlib
 import json
 import os
@@ -30,15 +32,16 @@ import uuid
 
 import numpy as np
 
-from megatrain_jax.data import DataError, jsonl_objects, load_tokens, read_text
+from megatrain_jax.data import DataError, check_token_ids, jsonl_objects, load_tokens, read_text
 from megatrain_jax.fingerprint import files_identity
 from megatrain_jax.sources.files import TOKEN_KINDS, BadRows, resolve, table_rows
-from megatrain_jax.sources.tokenfile import TokenFile
+from megatrain_jax.tokenfile import TokenFile
 
 CACHE_FORMAT = "megatrain_jax token cache"
 VERSION = 2  # 2: the files' fingerprint as fingerprint.file_identity's, the cache's file sizes
 DOC_BATCH = 2048  # documents per encode_batch call
 COPY_CHUNK = 1 << 24  # tokens per chunk copied from a .bin/.npy shard
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a cache_dir with no room for the cache
 
 
 def default_cache_dir() -> str:
@@ -247,20 +250,23 @@ def _existing(directory: str, ident: dict, expected: dict, path: str):
 
 
 def build_or_open(source, cache_dir: str, ident: dict, expected: dict, build, *, prefix: str,
-                  log=print) -> tuple:
+                  log=print, check=None) -> tuple:
     """(manifest, directory) of the cache in `cache_dir` of the data `ident` names (its
     directory: `prefix`-<hash of ident>), whose data is now `expected` (fingerprint's, with any
     other key a change of which makes the cache stale). Built first when missing or stale:
     `build(directory)` writes the cache's files into the (temporary) directory and returns the
-    manifest's other fields, with "tokens" (how many it wrote). Raises DataError as build does
-    (no cache is left), for an unwritable cache_dir when a build is needed, or for a directory in
-    the cache's place that is not a cache of this data."""
+    manifest's other fields, with "tokens" (how many it wrote). A cache found in place is given
+    to `check(manifest, directory)`, if given, which raises DataError for damaged contents.
+    Raises DataError as build does (no cache is left), for an unwritable cache_dir when a build
+    is needed, or for a directory in the cache's place that is not a cache of this data."""
     name = f"{prefix}-" + hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     directory = os.path.join(cache_dir, name)
     found = _existing(directory, ident, expected, source.path)
     if found is not None:
         manifest, reason = found
         if reason is None:
+            if check is not None:
+                check(manifest, directory)
             return manifest, directory
         log(f"token cache {directory} is stale ({reason}): rebuilding it")
     _check_writable(cache_dir)
@@ -281,6 +287,12 @@ def build_or_open(source, cache_dir: str, ident: dict, expected: dict, build, *,
         if found is not None and found[1] is None:  # another process built it meanwhile
             return found[0], directory
         _replace(tmp, directory)
+    except OSError as e:
+        if e.errno not in FULL:
+            raise
+        raise DataError(f"data.cache_dir={cache_dir}: writing the token cache of {source.key}="
+                        f"{source.path} failed ({e.strerror}); free space there or set "
+                        f"data.cache_dir to another directory") from None
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp)
@@ -327,18 +339,34 @@ def open_cache(source, tokenizer, cache_dir: str, *, text_field: str = "text",
         return {"dtype": dtype.name, "tokens": sum(counts), "file_tokens": counts}
 
     ident = identity(source, tokenizer, text_field=text_field, token_dtype=token_dtype)
+    check = lambda manifest, directory: check_cached_ids(directory, manifest["dtype"], vocab_size)
     manifest, directory = build_or_open(source, cache_dir, ident, fingerprint(source, tokenizer),
-                                        build, prefix="tokens", log=log)
+                                        build, prefix="tokens", log=log, check=check)
     return np.memmap(os.path.join(directory, "tokens.bin"), dtype=manifest["dtype"],
                      mode="r"), directory
+
+
+def check_cached_ids(directory: str, dtype: str, vocab_size: int):
+    """Raises DataError if an id in the tokens.bin (of `dtype`) of the cache in `directory` is
+    not below vocab_size: contents damaged at the same size, which the manifest's sizes cannot
+    see and which would otherwise be trained on (every step skipped as non-finite). One chunked
+    max over the file."""
+    path = os.path.join(directory, "tokens.bin")
+    try:
+        check_token_ids(TokenFile(path, dtype), vocab_size, path)
+    except DataError as e:
+        raise DataError(f"{e}: the token cache is damaged; remove {directory} and the next run "
+                        f"rebuilds it") from None
 
 
 def source_tokens(path: str, tokenizer, cache_dir: str, *, key: str = "data.path",
                   text_field: str = "text", token_dtype: str = "uint16",
                   vocab_size: int | None = None, log=print) -> tuple:
     """(tokens, source files) of a data path (file, glob or directory; `key` names it in errors):
-    a sources.tokenfile.TokenFile of one .bin or .npy file as it is, or of its token cache."""
+    a tokenfile.TokenFile of one .bin or .npy file as it is, or of its token cache."""
     source = resolve(path, key)
+    if source.matched():
+        log(source.matched())
     if source.kind in TOKEN_KINDS and len(source.files) == 1:
         tokens = load_tokens(source.files[0], tokenizer, vocab_size=vocab_size,
                              token_dtype=token_dtype)

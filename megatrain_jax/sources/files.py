@@ -18,21 +18,47 @@ import glob
 import json
 import os
 
-from megatrain_jax.data import DataError, jsonl_objects
+from megatrain_jax.data import DataError, check_regular, jsonl_objects
+from megatrain_jax.fingerprint import CHAT_TEMPLATE_FILES
 
 KINDS = {".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow", ".bin": "bin",
          ".npy": "npy"}
+# A directory's shards are its files of these extensions: a LICENSE or README beside them is no
+# shard (a file named as data.path is read whatever its extension).
+DATA_EXTENSIONS = (*KINDS, ".txt")
 RECORD_KINDS = ("jsonl", "parquet", "arrow")
 TOKEN_KINDS = ("bin", "npy")
 TABLE_BATCH = 1024  # rows per record batch read from a Parquet file
+NAMES_SHOWN = 3  # file names a log line lists before "and N more"
 
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-    """The files of one data path, in order, and their one format (a KINDS value or "text")."""
+    """The files of one data path (given as config key `key`), in order, and their one format
+    (a KINDS value or "text"); `skipped`: the files of a directory left out as no data file."""
     path: str
     files: tuple
     kind: str
+    key: str = "data.path"
+    skipped: tuple = ()
+
+    def matched(self) -> str | None:
+        """What a glob or directory matched, for the run's log (None for a file named as is)."""
+        if self.files == (self.path,):
+            return None
+        base = self.path if os.path.isdir(self.path) else os.path.dirname(self.path)
+        names = lambda paths: _some([os.path.relpath(f, base) for f in paths])
+        count = f"{len(self.files)} {self.kind} file{'s' if len(self.files) > 1 else ''}"
+        line = f"{self.key}={self.path}: {count} ({names(self.files)})"
+        if self.skipped:
+            line += (f"; left out {names(self.skipped)} (not {', '.join(DATA_EXTENSIONS[:-1])} "
+                     f"or {DATA_EXTENSIONS[-1]})")
+        return line
+
+
+def _some(names: list) -> str:
+    more = len(names) - NAMES_SHOWN
+    return ", ".join(names[:NAMES_SHOWN]) + (f" and {more} more" if more > 0 else "")
 
 
 def kind_of(path: str) -> str:
@@ -66,9 +92,10 @@ def _datasets_files(directory: str) -> list:
     return [os.path.join(directory, name) for name in names]
 
 
-def _directory_files(directory: str, key: str) -> list:
+def _directory_files(directory: str, key: str) -> tuple:
+    """(the data files of `directory`, in name order, the other files left out)."""
     if os.path.isfile(os.path.join(directory, "state.json")):
-        return _datasets_files(directory)
+        return _datasets_files(directory), []
     if os.path.isfile(os.path.join(directory, "dataset_dict.json")):
         splits = sorted(d for d in os.listdir(directory)
                         if os.path.isdir(os.path.join(directory, d)))
@@ -79,11 +106,15 @@ def _directory_files(directory: str, key: str) -> list:
         names = sorted(os.listdir(directory))
     except OSError as e:
         raise DataError(f"{key}={directory}: cannot list the directory ({e.strerror})") from None
-    files = [os.path.join(directory, n) for n in names
+    found = [os.path.join(directory, n) for n in names
              if not n.startswith((".", "_")) and os.path.isfile(os.path.join(directory, n))]
+    files = [f for f in found if os.path.splitext(f)[1].lower() in DATA_EXTENSIONS]
+    skipped = [f for f in found if f not in files]
     if not files:
-        raise DataError(f"{key}={directory}: the directory holds no data file")
-    return files
+        left = f"; left out {_some([os.path.basename(f) for f in skipped])}" if skipped else ""
+        raise DataError(f"{key}={directory}: the directory holds no data file (none ends in "
+                        f"{', '.join(DATA_EXTENSIONS)}){left}")
+    return files, skipped
 
 
 def resolve(path: str, key: str = "data.path") -> Source:
@@ -92,12 +123,13 @@ def resolve(path: str, key: str = "data.path") -> Source:
     format, or a file that cannot be read."""
     if not path:
         raise DataError(f"{key} is empty; give a file, a glob or a directory of shards")
+    skipped = []
     if any(c in path for c in "*?["):
         files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
         if not files:
             raise DataError(f"{key}={path}: the glob matches no file")
     elif os.path.isdir(path):
-        files = _directory_files(path, key)
+        files, skipped = _directory_files(path, key)
     else:
         files = [path]
     kinds = [kind_of(f) for f in files]
@@ -105,10 +137,11 @@ def resolve(path: str, key: str = "data.path") -> Source:
         if kind != kinds[0]:
             raise DataError(f"{f}: a {kind} shard among {kinds[0]} shards of {key}={path}; "
                             f"a data path's shards must all have one format")
+        check_regular(f, key)
         _check_readable(f)
         if os.path.getsize(f) == 0:
             raise DataError(f"{f}: empty file (0 bytes); {key} must name a corpus")
-    return Source(path, tuple(files), kinds[0])
+    return Source(path, tuple(files), kinds[0], key, tuple(skipped))
 
 
 # -----------------------------------------------------------------------------
@@ -197,10 +230,16 @@ class BadRows:
 
 
 def data_files(d) -> list:
-    """Every file a DataConfig `d` reads (data.path or each of data.sources, then data.eval_path),
-    resolved: what the data of a run is (fingerprint.files_identity says what each one is now)."""
+    """Every file a DataConfig `d` reads (data.path or each of data.sources, then data.eval_path,
+    then for SFT and preference data the files its chat template is read from), resolved: what
+    the data of a run is (fingerprint.files_identity says what each one is now)."""
     paths = [(s.path, f"data.sources.{i}.path") for i, s in enumerate(d.sources)] or \
         [(d.path, "data.path")]
     if d.eval_path:
         paths.append((d.eval_path, "data.eval_path"))
-    return [f for path, key in paths for f in resolve(path, key).files]
+    files = [f for path, key in paths for f in resolve(path, key).files]
+    if d.format in ("sft", "preference"):  # a template edited in place changes every sequence
+        beside = os.path.dirname(os.path.abspath(d.tokenizer))
+        files += [os.path.join(beside, n) for n in CHAT_TEMPLATE_FILES
+                  if os.path.isfile(os.path.join(beside, n))]
+    return files

@@ -1,10 +1,14 @@
 """A weighted mixture of token streams: each window of a batch comes from a source drawn by
 weight, deterministic and resumable.
 
-Batch b draws the source of each of its windows with default_rng((seed, b)); a source hands out
-its windows in the order default_rng((seed, source, epoch)).permutation, epoch after epoch, so a
-small source repeats while a large one is still in its first epoch. The position (`state()`) is
-plain ints: the batch count, each source's epoch and index, and the tokens each source gave.
+Each source has a number, its place in data.sources when the run started. Batch b draws the
+source of each of its windows with default_rng((seed, b)) over the sources in the order of their
+numbers; a source hands out its windows in the order default_rng((seed, number, epoch)).permutation,
+epoch after epoch, so a small source repeats while a large one is still in its first epoch. The
+position (`state()`) is plain data keyed by each source's name (its path): the batch count, and
+each source's number, epoch, index and the tokens it gave. So a resume with data.sources listed in
+another order continues every source where it was, drawing as before; a source added on resume
+(checkpoint.allow_changes) takes the next free number and starts at its beginning.
 """
 
 import numpy as np
@@ -17,6 +21,7 @@ class _Windows:
 
     def __init__(self, tokens, seq_len: int, seed: int, source: int, name: str):
         self.tokens, self.seq_len, self.seed, self.source = tokens, seq_len, seed, source
+        self.name = name
         self.num_windows = (len(tokens) - 1) // seq_len
         if self.num_windows < 1:
             raise DataError(f"{name}: {len(tokens):,} tokens make no window of "
@@ -32,8 +37,13 @@ class _Windows:
 
     def check(self, epoch: int, index: int):
         if epoch < 0 or not 0 <= index <= self.num_windows:
-            raise DataError(f"bad data state (epoch {epoch}, index {index}) for a source of "
-                            f"{self.num_windows} windows")
+            raise DataError(f"bad data state (epoch {epoch}, index {index}) for {self.name}, a "
+                            f"source of {self.num_windows} windows")
+
+    def renumber(self, source: int):
+        """The source's number (its window order's seed) becomes `source`."""
+        if source != self.source:
+            self.source, self._perms = source, {}
 
     def take(self, epoch: int, index: int, n: int) -> tuple:
         """(the n windows from position (epoch, index), the position after them)."""
@@ -66,6 +76,10 @@ class MixtureDataset:
         self.num_micro_batches, self.eos_id = int(num_micro_batches), eos_id
         self.document_mask = document_mask
         self.windows_per_batch = self.batch_size * self.num_micro_batches
+        if len(set(self.names)) != len(self.names):
+            twice = next(n for n in self.names if self.names.count(n) > 1)
+            raise DataError(f"a mixture's sources are known by their names, and {twice!r} "
+                            f"names two")
         weights = np.asarray(weights, dtype=np.float64)
         self.probabilities = weights / weights.sum()
         self.sources = [_Windows(t, self.seq_len, self.seed, s, n)
@@ -73,8 +87,9 @@ class MixtureDataset:
         self.share = (0, 1)  # as PackedDataset's: this process's part of each micro-batch's rows
         self.read_ahead = None  # sources.prefetch.ReadAhead: the next batch read on a thread
         self._last_plan = None  # (key, plan) of planned()
-        self.restore({"batch": 0, "epochs": [0] * len(streams), "indices": [0] * len(streams),
-                      "tokens": [0] * len(streams)})
+        n = len(streams)
+        self.restore({"batch": 0, "sources": self.names, "numbers": list(range(n)),
+                      "epochs": [0] * n, "indices": [0] * n, "tokens": [0] * n})
 
     @property
     def tokens_per_batch(self) -> int:
@@ -83,7 +98,7 @@ class MixtureDataset:
     def planned(self, batch: int, positions: list) -> tuple:
         """(key, plan(batch, positions)): the last plan made is kept, so the batch read ahead is
         not planned again when it is taken. key: the batch, positions and share it is of."""
-        key = (batch, tuple(positions), self.share)
+        key = (batch, tuple(positions), self.share, tuple(self.draw_order))
         if self._last_plan is None or self._last_plan[0] != key:
             self._last_plan = (key, self.plan(batch, positions))
         return self._last_plan
@@ -92,7 +107,8 @@ class MixtureDataset:
         """(plan of batch `batch` from the sources' `positions`, their positions after it, the
         windows each source gives). plan: (this process's slots, [(source, slots, windows)])."""
         rng = np.random.default_rng((self.seed, batch))
-        chosen = rng.choice(len(self.sources), size=self.windows_per_batch, p=self.probabilities)
+        chosen = self.draw_order[rng.choice(len(self.sources), size=self.windows_per_batch,
+                                            p=self.probabilities[self.draw_order])]
         mine = share_of_batch(np.arange(self.windows_per_batch), self.num_micro_batches,
                               self.share)
         reads, after, counts = [], [], []
@@ -132,25 +148,33 @@ class MixtureDataset:
         return inputs, targets, document_context(inputs, self.eos_id)
 
     def state(self) -> dict:
-        return {"batch": int(self.batch), "epochs": [int(e) for e, _ in self.positions],
+        """The position, each list in data.sources' order: "sources" names them."""
+        return {"batch": int(self.batch), "sources": list(self.names),
+                "numbers": [int(s.source) for s in self.sources],
+                "epochs": [int(e) for e, _ in self.positions],
                 "indices": [int(i) for _, i in self.positions],
                 "tokens": [int(t) for t in self.tokens_given]}
 
     def restore(self, state: dict):
-        bad = DataError(f"bad data state {state!r} for a mixture of {len(self.sources)} sources "
-                        f"(data.sources changed since the checkpoint?)")
-        try:
-            positions = [(int(e), int(i)) for e, i in zip(state["epochs"], state["indices"])]
-            tokens, batch = [int(t) for t in state["tokens"]], int(state["batch"])
-        except (KeyError, TypeError, ValueError):
-            raise bad from None
-        if len(positions) != len(self.sources) or len(state["epochs"]) != len(positions) \
-                or len(state["indices"]) != len(positions) \
-                or len(tokens) != len(positions) or batch < 0:
-            raise bad
-        for source, position in zip(self.sources, positions):
-            source.check(*position)
-        self.batch, self.positions, self.tokens_given = batch, positions, tokens
+        """Continues from `state` (state()'s, in any order of the sources): each source known to
+        it where it was, a source it does not name from its start with the next free number.
+        A state without "sources" (written before the sources were named) is taken in
+        data.sources' order."""
+        saved = _saved_sources(state, self.names)
+        free = max((number for number, _, _ in saved.values()), default=-1) + 1
+        positions, tokens = [], []
+        for source in self.sources:
+            if source.name in saved:
+                number, position, given = saved[source.name]
+                source.check(*position)
+            else:
+                number, position, given, free = free, (0, 0), 0, free + 1
+            source.renumber(number)
+            positions.append(position)
+            tokens.append(given)
+        self.draw_order = np.argsort([s.source for s in self.sources], kind="stable")
+        self.batch, self.positions, self.tokens_given = int(state["batch"]), positions, tokens
+        self._last_plan = None
 
     def report(self) -> str:
         """The tokens each source gave so far (training batches, every process's rows)."""
@@ -158,3 +182,29 @@ class MixtureDataset:
         return "data mixture: " + "; ".join(
             f"{name}: {t:,} tokens ({t / total:.1%}, weight {p:.1%})"
             for name, t, p in zip(self.names, self.tokens_given, self.probabilities))
+
+
+def _saved_sources(state: dict, names: list) -> dict:
+    """{name: (number, (epoch, index), tokens)} of a mixture's state. Raises DataError for a
+    state that is not one (`names`: this mixture's sources, in data.sources' order)."""
+    bad = DataError(f"bad data state {state!r} for a mixture of {len(names)} sources")
+    if not isinstance(state, dict):
+        raise bad
+    named = "sources" in state
+    try:
+        columns = [list(state[k]) for k in ("epochs", "indices", "tokens")]
+        listed = [str(n) for n in state["sources"]] if named else list(names)
+        numbers = list(state["numbers"]) if named else list(range(len(columns[0])))
+        rows = [(int(n), (int(e), int(i)), int(t))
+                for n, e, i, t in zip(numbers, *columns, strict=True)]
+        ok = int(state["batch"]) >= 0 and len(set(listed)) == len(listed) == len(rows) \
+            and len({n for n, _, _ in rows}) == len(rows)
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok and not named and isinstance(state.get("epochs"), list):
+        raise DataError(f"bad data state {state!r}: written before checkpoints named the "
+                        f"sources, it resumes only with the data.sources it had "
+                        f"({len(state['epochs'])}), in their order")
+    if not ok:
+        raise bad
+    return dict(zip(listed, rows))

@@ -23,8 +23,8 @@ import os
 import numpy as np
 
 from megatrain_jax.loss import IGNORE_ID
-from megatrain_jax.sources.cache import (base_identity, build_or_open, fingerprint,
-                                         token_dtype_for)
+from megatrain_jax.sources.cache import (base_identity, build_or_open, check_cached_ids,
+                                         fingerprint, token_dtype_for)
 
 
 def template_sha256(template) -> str:
@@ -62,6 +62,8 @@ def open_sequences(source, tokenizer, template, cache_dir: str, build, *, kind: 
     counts, from the cache of this data in `cache_dir`, built first when missing or stale by
     `build()`, which tokenizes the data and returns those three. Raises DataError as build does
     (no cache is left), or as cache.build_or_open does."""
+    if source.matched():
+        log(source.matched())
     vocab_size = max(settings.get("vocab_size") or 0, tokenizer.vocab_size)
     dtype = token_dtype_for(vocab_size)
 
@@ -74,6 +76,7 @@ def open_sequences(source, tokenizer, template, cache_dir: str, build, *, kind: 
     ident = {**base_identity(source, tokenizer, kind), "source_kind": source.kind,
              "settings": settings}
     expected = {**fingerprint(source, tokenizer), "chat_template_sha256": template_sha256(template)}
+    check = lambda manifest, directory: check_cached_ids(directory, manifest["dtype"], vocab_size)
     manifest, directory = build_or_open(source, cache_dir, ident, expected, build_into,
-                                        prefix=kind, log=log)
+                                        prefix=kind, log=log, check=check)
     return (*_read(directory, manifest["dtype"]), manifest["counts"])
