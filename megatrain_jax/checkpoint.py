@@ -269,6 +269,15 @@ def _shapes(tree) -> dict:
             for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+def _moments_recast(path: str, saved, current) -> bool:
+    """Whether optimizer state `path` differs from the engine's only in its float dtype, float32
+    against bfloat16 (a resume that changed optimizer.state_dtype, which the train command refuses
+    unless checkpoint.allow_changes names it): restored, it is cast to the engine's dtype."""
+    moments = {np.dtype(np.float32), np.dtype(jnp.bfloat16)}
+    return ("/opt_state/" in f"/{path}/" and saved is not None and current is not None
+            and saved[0] == current[0] and {saved[1], current[1]} == moments)
+
+
 def _first_difference(saved: dict, current: dict, prefix: str = ""):
     """The first key (dotted) whose value differs between two nested dicts, with both values."""
     for key in list(current) + [k for k in saved if k not in current]:
@@ -357,6 +366,8 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None,
     paths.sort(key=lambda p: "/opt_state/" in p)  # name a parameter before its optimizer state
     for path in paths:
         a, b = saved_shapes.get(path), current_shapes.get(path)
+        if _moments_recast(path, a, padded(b)):
+            continue  # optimizer.state_dtype changed, as the resume allowed: read and cast
         if a != padded(b):
             show = lambda s: "absent" if s is None else f"shape {s[0]} {s[1]}"
             raise CheckpointError(f"{where} does not match this model: {path} has "

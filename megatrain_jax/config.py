@@ -25,6 +25,7 @@ from megatrain_jax.model import ModelConfig
 SCHEDULES = ("cosine", "linear", "constant", "wsd")  # optimizer.schedule
 FORMATS = ("text", "sft", "preference")  # data.format
 DPO_LOSSES = ("sigmoid", "ipo")  # dpo.loss (megatrain_jax.dpo.LOSSES)
+STATE_DTYPES = ("float32", "bfloat16")  # optimizer.state_dtype (engine/fused_adamw.py's)
 
 
 def did_you_mean(key: str, choices, prefix: str = "") -> str:
@@ -62,6 +63,10 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1  # applied to matrices only: never to norms or biases
     max_grad_norm: float = 1.0  # global-norm clipping; 0 turns it off
+    # The Adam moments' dtype in host memory: float32 (exact AdamW), or bfloat16, stochastically
+    # rounded at each update (not bit-equal to fp32 AdamW; 4 B a parameter less, 8 B less update
+    # traffic; engine/fused_adamw.py).
+    state_dtype: str = "float32"
 
     def check(self):
         if self.learning_rate <= 0:
@@ -77,6 +82,7 @@ class OptimizerConfig:
             if not ok:
                 raise ConfigError(f"optimizer.{key} must be {rule}, got {getattr(self, key)}")
         _one_of("optimizer.schedule", self.schedule, SCHEDULES)
+        _one_of("optimizer.state_dtype", self.state_dtype, STATE_DTYPES)
 
 
 @dataclasses.dataclass(frozen=True)

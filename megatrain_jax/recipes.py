@@ -85,7 +85,8 @@ def build_optimizer(cfg, total_steps: int) -> fused_adamw.AdamW:
     (`max_grad_norm`)."""
     schedule = build_schedule(cfg, total_steps)
     return fused_adamw.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, mask=decay_mask)
+                             weight_decay=cfg.weight_decay, mask=decay_mask,
+                             state_dtype=cfg.state_dtype)
 
 
 def build_engine(cfg: Config, *, offload_activations: bool | None = None,

@@ -2,6 +2,7 @@
 
     python scripts/bench_optimizer.py                      # ~300M params, AdamW, 5 repetitions
     python scripts/bench_optimizer.py --params 150 --reps 3 --json out.json
+    python scripts/bench_optimizer.py --state-dtype bfloat16   # Adam moments in bf16
 
 Builds a StreamedEngine holding a Llama-shaped model of about --params million parameters (state on
 the CPU, compute on the same CPU device, so the bus copy is a plain host buffer), then times the
@@ -22,7 +23,8 @@ affinity mask; torch gets `set_num_threads`). `--processes K` repeats both in K 
 alternating: the same work varies by tens of percent between processes on a shared VM (where the
 buffers land), so the table pools every process's samples and each ratio is the median of the
 processes' own ratios. Bytes an update touches: the engine 24 B/param (read param, m, v; write
-them) + the gradient (4 B, 2 with --grad-dtype bfloat16) + the bf16 bus copy it writes (2 B);
+them; 16 with --state-dtype bfloat16, the moments 2 B each) + the gradient (4 B, 2 with
+--grad-dtype bfloat16) + the bf16 bus copy it writes (2 B);
 torch 28 B/param (fp32 gradient, no bus copy), 34 with its bf16 copy (read 4, write 2). Page
 faults: minor faults of the process per update. CPU ms: CPU time of the whole process per update
 (all its threads; on a machine shared with other jobs, the one-thread rows' CPU time is what a
@@ -55,6 +57,8 @@ parser.add_argument("--accelerator-path", action="store_true",
                          "with a GPU: gradients and bus copies in that device's pinned host memory")
 parser.add_argument("--grad-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="the engine's gradient store (train.grad_dtype)")
+parser.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the Adam moments' dtype (optimizer.state_dtype); torch's stay fp32")
 parser.add_argument("--optax", action="store_true",
                     help="the engine runs plain optax.adamw (XLA's loops) instead of the fused update "
                          "(recipes.build_optimizer's); CXX=/nonexistent runs the fused update's JAX "
@@ -74,6 +78,8 @@ parser.add_argument("--processes", type=int, default=1,
 parser.add_argument("--child-json", default="", help=argparse.SUPPRESS)  # the one-core child
 parser.add_argument("--json", default="", help="also write the results here")
 args = parser.parse_args()
+if args.optax and args.state_dtype != "float32":
+    parser.error("--optax runs plain optax.adamw, whose moments are fp32: drop --state-dtype")
 if args.cores:  # before jax starts: XLA:CPU sizes its thread pool from the affinity mask
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.cores])
 if args.huge_pages:  # the process is replaced (the affinity is kept); the package imports jax
@@ -156,7 +162,7 @@ def measure() -> dict:
         hostmem.set_mmap_threshold(int(args.mmap_threshold * 2**20))
     cfg = model_config(args.params, args.hidden)
     compute, host = jax.devices("cpu")[:2] if args.accelerator_path else [jax.devices("cpu")[0]] * 2
-    opt_cfg = OptimizerConfig()
+    opt_cfg = OptimizerConfig(state_dtype=args.state_dtype)
     optimizer = build_optimizer(opt_cfg, 1000)
     if args.optax:
         optimizer = optax.adamw(optimizer.hyper.learning_rate, b1=opt_cfg.b1, b2=opt_cfg.b2,
@@ -259,7 +265,8 @@ def child(one_core: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "child.json")
         argv = [f"--params={args.params}", f"--hidden={args.hidden}", f"--reps={args.reps}",
-                f"--grad-dtype={args.grad_dtype}", *(["--clip"] if args.clip else []),
+                f"--grad-dtype={args.grad_dtype}", f"--state-dtype={args.state_dtype}",
+                *(["--clip"] if args.clip else []),
                 *(["--accelerator-path"] if args.accelerator_path else []),
                 *(["--optax"] if args.optax else []), f"--mmap-threshold={args.mmap_threshold}",
                 *(["--huge-pages"] if args.huge_pages else [])]
@@ -304,8 +311,10 @@ def main():
     r = results[THREADS]
     n = r["params"]
     grad_bytes = jnp.dtype(args.grad_dtype).itemsize
-    bytes_per_param = {"update": 24 + grad_bytes + 2, "update_kept": 24 + grad_bytes + 2,
-                       "update_jit": 24 + grad_bytes + 2,
+    state_bytes = 2 * (4 + 2 * jnp.dtype(args.state_dtype).itemsize)  # param, m, v: read, written
+    bytes_per_param = {"update": state_bytes + grad_bytes + 2,
+                       "update_kept": state_bytes + grad_bytes + 2,
+                       "update_jit": state_bytes + grad_bytes + 2,
                        "torch_fused": 28, "torch_fused_bus": 34, "torch_foreach": 28, "copy": 8}
     names = {"update": "engine host update", "update_kept": "  its gradients kept",
              "update_jit": "  the kernel in a jit",
@@ -315,7 +324,7 @@ def main():
         ("kernel called directly" if r["direct"] else "kernel") if r["native_kernel"] else "JAX")
     print(f"model: {n / 1e6:.1f}M params, {r['units'] - 2} layers of {r['layer_params'] / 1e6:.1f}M "
           f"and the 2 stage units | "
-          f"AdamW ({path}), bf16 bus copy, "
+          f"AdamW ({path}), {args.state_dtype} moments, bf16 bus copy, "
           f"{args.grad_dtype} gradients, clipping {'on' if args.clip else 'off'}, "
           f"{'accelerator path (gradients and bus copies in pinned memory)' if args.accelerator_path else 'bus on the host device'}"
           f"{f', mmap threshold {args.mmap_threshold:g} MiB' if args.mmap_threshold else ''}"
@@ -351,6 +360,7 @@ def main():
                        "bytes_per_param_touched": bytes_per_param["update"],
                        "native_kernel": r["native_kernel"], "optax": args.optax, "clip": args.clip,
                        "accelerator_path": args.accelerator_path, "grad_dtype": args.grad_dtype,
+                       "state_dtype": args.state_dtype,
                        "mmap_threshold_mib": args.mmap_threshold, "huge_pages": r["huge_pages"],
                        "thp_mode": r["thp_mode"],
                        "update_vs_torch_fused": ratio, "update_vs_torch_fused_1": ratio_1,

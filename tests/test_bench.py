@@ -181,6 +181,20 @@ def test_bench_optimizer_tiny(tmp_path):
     assert r["huge_pages"] is on and r["results"]["1"]["huge_pages"] is on
 
 
+def test_bench_optimizer_with_bf16_moments(tmp_path):
+    """--state-dtype bfloat16: the engine's update counts 22 B/param (param 4 + moments 2 + 2,
+    read and written, the fp32 gradient, the bus copy), torch fused its 28, the JSON says which."""
+    out = tmp_path / "opt.json"
+    proc = run("bench_optimizer.py", "--params", "1", "--hidden", "256", "--reps", "1",
+               "--no-one-core", "--state-dtype", "bfloat16", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "bfloat16 moments" in proc.stdout
+    r = json.loads(out.read_text())
+    rows = {row["measurement"]: row for row in r["table"]}
+    assert r["state_dtype"] == "bfloat16" and r["bytes_per_param_touched"] == 22
+    assert rows["update"]["bytes_per_param"] == 22 and rows["torch_fused"]["bytes_per_param"] == 28
+    assert positive(rows["update"]["gb_s"])
+
 def test_bench_lookup_tiny(tmp_path):
     """The host lookup's backward piece by piece: the compiled scatter-add is in place (its output
     aliases the donated accumulator) and never reads the table; each piece timed; a tied

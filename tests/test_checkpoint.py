@@ -186,6 +186,52 @@ def test_sigkill_with_the_disk_tier_resumes_bit_exact(tmp_path, reference, compi
     assert_states_equal(saved_state(run_dir), reference["final"])
 
 
+def moment_dtypes(state) -> set:
+    """The dtypes of the optimizer state's floating leaves (Adam's moments)."""
+    return {x.dtype for x in jax.tree.leaves([u["opt_state"] for u in [state["stages"],
+                                                                        *state["layers"]]])
+            if np.issubdtype(x.dtype, np.floating) or x.dtype == jnp.bfloat16}
+
+
+def test_bf16_moments_resume_bit_exact_and_change_dtype_only_where_allowed(tmp_path, capsys,
+                                                                           compile_once):
+    """optimizer.state_dtype=bfloat16: the moments are saved in bf16, the dtype in the saved
+    config. Killed between saves (the train command, SIGKILL), the run resumes to the
+    uninterrupted run's losses and state, bit for bit (each rounding's random bits are a function
+    of the step, the leaf and the element). Going on with fp32 moments is refused by name unless
+    checkpoint.allow_changes names the key; allowed, the moments are read and cast to fp32."""
+    bf16 = "optimizer.state_dtype=bfloat16"
+    reference_dir = tmp_path / "reference"
+    train(make_cfg(reference_dir, bf16), log=lambda *_: None)
+    final = saved_state(reference_dir)
+    assert moment_dtypes(final) == {np.dtype(jnp.bfloat16)}
+    manager = checkpoint.make_manager(os.path.join(reference_dir, "checkpoints"))
+    assert checkpoint.read_meta(manager, STEPS)[0]["config"]["optimizer"]["state_dtype"] == \
+        "bfloat16"
+    manager.close()
+
+    run_dir = tmp_path / "run"
+    kill_at(tmp_path, "block_batch", "6:4", run_dir, compile_once, bf16, timeout=300)
+    assert [s for s, _ in losses(run_dir)] == [1, 2, 3, 4, 5]
+    lines = []
+    train(make_cfg(run_dir, bf16), log=lines.append)
+    assert "resumed from checkpoint step 4" in "\n".join(lines)
+    assert losses(run_dir) == losses(reference_dir)
+    assert_states_equal(saved_state(run_dir), final)
+
+    rc = run_cli(lambda: train(make_cfg(run_dir, "train.steps=8",
+                                        "checkpoint.allow_changes=[train.steps]")))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert "config.optimizer.state_dtype is 'bfloat16' in the checkpoint, 'float32' now" in err[0]
+    assert "checkpoint.allow_changes=[optimizer.state_dtype]" in err[0]
+    history = train(make_cfg(run_dir, "train.steps=8",
+                             "checkpoint.allow_changes=[train.steps,optimizer.state_dtype]"),
+                    log=lambda *_: None)
+    assert [r["step"] for r in history] == [7, 8] and all(np.isfinite(r["loss"]) for r in history)
+    assert moment_dtypes(saved_state(run_dir)) == {np.dtype(np.float32)}
+
+
 def test_sigkill_during_async_save_never_uses_the_torn_checkpoint(tmp_path, reference, compile_once):
     run_dir = tmp_path / "run"
     kill_at(tmp_path, "block_commit", 4, run_dir, compile_once)  # step 4's files written, not committed

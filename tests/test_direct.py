@@ -27,15 +27,17 @@ D, V, L = 32, 11, 3
 SHAPES = {"one_leaf": [(1000,)], "mixed": [(64, 96), (96,), (1,), (33, 7), (3000,)]}
 
 
-def unit(shapes, rng, count, schedule):
+def unit(shapes, rng, count, schedule, state_dtype="float32"):
     params = {f"w{i}": jnp.asarray(rng.normal(size=s), jnp.float32) for i, s in enumerate(shapes)}
     lr = optax.linear_schedule(1e-2, 1e-3, 10) if schedule else 1e-2
     hyper = fused_adamw.adamw(lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
-                              mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)).hyper
-    tx = fused_adamw.adamw(lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+                              mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p),
+                              state_dtype=state_dtype).hyper
+    tx = fused_adamw.adamw(lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
+                           state_dtype=state_dtype)
     adam, decay, lr_state = tx.init(params)
     moment = lambda scale: jax.tree.map(
-        lambda p: jnp.asarray(np.abs(rng.normal(size=p.shape)) * scale, jnp.float32), params)
+        lambda p: jnp.asarray(np.abs(rng.normal(size=p.shape)) * scale, state_dtype), params)
     adam = adam._replace(count=jnp.int32(count), mu=moment(0.1), nu=moment(0.01))
     if schedule:
         lr_state = lr_state._replace(count=jnp.int32(count))
@@ -47,14 +49,27 @@ def bits(x):
     return x.view(np.uint16) if x.dtype == jnp.bfloat16 else x.view(np.uint32)
 
 
+def in_pieces(g, pieces: bool) -> list:
+    """A gradient leaf as the direct update reads it: whole, or (as a sharded leaf's) in pieces
+    laid end to end, each its own buffer."""
+    if not pieces or g.size < 3:
+        return [g]
+    flat = g.reshape(-1)
+    return [flat[:g.size // 3 + 1], flat[g.size // 3 + 1:]]
+
+
 @pytest.mark.parametrize("shapes", SHAPES)
 @pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("max_grad_norm", [None, 1.0], ids=["noclip", "clip"])
-@pytest.mark.parametrize("schedule", [False, True], ids=["constant", "schedule"])
+@pytest.mark.parametrize("schedule,state_dtype", [(False, "float32"), (True, "float32"),
+                                                 (True, "bfloat16")],
+                         ids=["constant", "schedule", "schedule-bf16moments"])
 def test_direct_kernel_equals_the_ffi_kernel_bit_for_bit(shapes, grad_dtype, max_grad_norm,
-                                                         schedule):
+                                                         schedule, state_dtype):
+    """With bf16 moments also with each gradient in two pieces: the pieces' roundings are the
+    whole leaf's (the index of an element is its index in the leaf)."""
     rng = np.random.default_rng(0)
-    hyper, params, opt_state = unit(SHAPES[shapes], rng, 2, schedule)
+    hyper, params, opt_state = unit(SHAPES[shapes], rng, 2, schedule, state_dtype)
     lib = fused_adamw.kernel()
     assert fused_adamw.native()
     update = direct.DirectAdamW(hyper, max_grad_norm, CPU[0], Counters(), lib)
@@ -68,14 +83,16 @@ def test_direct_kernel_equals_the_ffi_kernel_bit_for_bit(shapes, grad_dtype, max
         norm = jnp.float32(2.0 + step)  # clipped (norm > 1) where clipping is on
         p, o, ffi_bus = ffi(*ffi_state, grads, [jnp.zeros_like(b) for b in bus], norm)
         ffi_state = (p, o)
-        arrays = update.apply(1, arrays, [[g] for g in jax.tree.leaves(grads)], norm,
-                              np.float32(0.5), bus, "a unit")
+        pieces = [in_pieces(g, state_dtype == "bfloat16") for g in jax.tree.leaves(grads)]
+        arrays = update.apply(1, arrays, pieces, norm, np.float32(0.5), bus, "a unit")
         got_params, (adam, _, lr_state) = arrays.trees(np.asarray)
         want = (p, o[0].mu, o[0].nu, jax.tree.leaves(ffi_bus))
         got = (got_params, adam.mu, adam.nu, bus)
         for w, g in zip(want, got):
             for a, b in zip(jax.tree.leaves(w), jax.tree.leaves(g), strict=True):
+                assert np.asarray(a).dtype == np.asarray(b).dtype
                 np.testing.assert_array_equal(bits(a), bits(b))
+        assert all(x.dtype == state_dtype for x in jax.tree.leaves((adam.mu, adam.nu)))
         assert int(adam.count) == int(o[0].count) == 3 + step
         if schedule:
             assert int(lr_state.count) == int(o[2].count)
@@ -141,21 +158,28 @@ def test_engine_reads_gradients_in_place_and_writes_the_bus_in_place():
     engine.close()
 
 
-@pytest.mark.parametrize("devices", ["accelerator", "one_device"])
-def test_direct_and_jit_paths_train_the_same_bits(devices):
+@pytest.mark.parametrize("devices,state_dtype", [("accelerator", "float32"),
+                                                ("one_device", "float32"),
+                                                ("accelerator", "bfloat16")])
+def test_direct_and_jit_paths_train_the_same_bits(devices, state_dtype):
     """The direct update against the FFI kernel in a jit (the engine's other path), three steps:
-    the same losses and the same state, bit for bit."""
+    the same losses and the same state, bit for bit; with bf16 moments, the engine's state holds
+    them in bf16 (2 B each)."""
     pair = (CPU[1], CPU[0]) if devices == "accelerator" else (CPU[0], CPU[0])
-    engine = engine_on(pair)
+    optimizer = lambda: build_optimizer(OptimizerConfig(state_dtype=state_dtype), 10)
+    engine = engine_on(pair, optimizer())
     assert engine.host.direct is not None
+    arrays = engine.host.units[1].arrays  # a layer: master weights and both moments
+    assert arrays.nbytes == (12 if state_dtype == "float32" else 8) * sum(x.size for x in arrays.p)
     losses = steps(engine, 3)
     state = jax.tree.map(np.array, engine.state())
     engine.close()
-    jit = engine_on(pair, host_update="jit")
+    jit = engine_on(pair, optimizer(), host_update="jit")
     assert jit.host.direct is None
     assert steps(jit, 3) == losses
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(jax.tree.map(np.array, jit.state())),
                     strict=True):
+        assert a.dtype == b.dtype
         np.testing.assert_array_equal(a, b)
     jit.close()
 

@@ -62,8 +62,9 @@ def _owner(nbytes: int) -> tuple:
 
 @dataclasses.dataclass
 class UnitArrays:
-    """One unit's params and Adam moments, leaves in tree order, in one allocation (`owner`) the
-    engine owns; the optax state's counts as Python ints; its structure to rebuild the trees."""
+    """One unit's params (f32) and Adam moments (f32, or bf16 with optimizer.state_dtype bfloat16:
+    2 B each), leaves in tree order, in one allocation (`owner`) the engine owns; the optax
+    state's counts as Python ints; its structure to rebuild the trees."""
     owner: np.ndarray
     p: list
     m: list
@@ -85,12 +86,14 @@ class UnitArrays:
         lr_count = lr_state.count if "count" in getattr(lr_state, "_fields", ()) else None
         opt_def = (adam._replace(count=None, mu=None, nu=None), decay_state,
                    lr_state._replace(count=None) if lr_count is not None else lr_state)
+        moments = np.dtype(jax.tree.leaves(adam.mu)[0].dtype) if sources[1] else np.float32
         arrays = UnitArrays._allocate([np.shape(x) for x in p_leaves], params_def, opt_def,
                                       int(np.asarray(adam.count)),
-                                      None if lr_count is None else int(np.asarray(lr_count)))
+                                      None if lr_count is None else int(np.asarray(lr_count)),
+                                      moments)
         for kind, leaves in zip((arrays.p, arrays.m, arrays.v), sources):
             for dst, src in zip(kind, leaves, strict=True):
-                src = np.ascontiguousarray(np.asarray(src, np.float32))
+                src = np.ascontiguousarray(np.asarray(src, dst.dtype))
                 if src.shape != dst.shape:
                     raise ValueError(f"a leaf shaped {src.shape} where the unit has {dst.shape}")
                 lib.megatrain_copy(dst.ctypes.data, src.ctypes.data, dst.nbytes)
@@ -98,16 +101,17 @@ class UnitArrays:
         return arrays
 
     @staticmethod
-    def _allocate(shapes, params_def, opt_def, count, lr_count) -> "UnitArrays":
-        sizes = [int(np.prod(s, dtype=np.int64)) * 4 for s in shapes]
+    def _allocate(shapes, params_def, opt_def, count, lr_count, moments) -> "UnitArrays":
+        dtypes = [np.dtype(np.float32)] * len(shapes) + [np.dtype(moments)] * (2 * len(shapes))
+        sizes = [int(np.prod(s, dtype=np.int64)) * d.itemsize
+                 for s, d in zip(shapes * 3, dtypes)]
         offsets, at = [], 0
-        for _ in range(3):
-            for n in sizes:
-                offsets.append(at)
-                at += -(-n // LEAF_ALIGN) * LEAF_ALIGN
+        for n in sizes:
+            offsets.append(at)
+            at += -(-n // LEAF_ALIGN) * LEAF_ALIGN
         raw, base = _owner(max(at, LEAF_ALIGN))
-        views = [raw[base + o:base + o + n].view(np.float32).reshape(s)
-                 for o, n, s in zip(offsets, sizes * 3, shapes * 3)]
+        views = [raw[base + o:base + o + n].view(d).reshape(s)
+                 for o, n, d, s in zip(offsets, sizes, dtypes, shapes * 3)]
         k = len(shapes)
         return UnitArrays(raw, views[:k], views[k:2 * k], views[2 * k:], count, lr_count,
                           params_def, opt_def)
@@ -115,7 +119,7 @@ class UnitArrays:
     def copy(self, lib) -> "UnitArrays":
         """The same state in a new allocation (copy-on-write: the old one stays with a reader)."""
         new = UnitArrays._allocate([x.shape for x in self.p], self.params_def, self.opt_def,
-                                   self.count, self.lr_count)
+                                   self.count, self.lr_count, self.moments)
         for dst, src in zip(new.p + new.m + new.v, self.p + self.m + self.v):
             lib.megatrain_copy(dst.ctypes.data, src.ctypes.data, dst.nbytes)
         new.settle()
@@ -129,6 +133,11 @@ class UnitArrays:
     def lent(self) -> bool:
         """Whether something besides the engine references the unit's buffers."""
         return sys.getrefcount(self.owner) > self.baseline
+
+    @property
+    def moments(self) -> np.dtype:
+        """The moments' dtype (float32, or bfloat16)."""
+        return self.m[0].dtype if self.m else np.dtype(np.float32)
 
     @property
     def nbytes(self) -> int:
@@ -219,10 +228,11 @@ class DirectAdamW:
                 bus_at = None
                 if bus_ptr is not None and out.dtype == jnp.bfloat16:
                     bus_at = bus_ptr + 2 * offset
+                k = m.itemsize  # 4, or 2 for bf16 moments (rounded by (leaf i, element offset +)
                 ranges.append(fused_adamw.Range(
-                    p.ctypes.data + 4 * offset, m.ctypes.data + 4 * offset,
-                    v.ctypes.data + 4 * offset, g.ctypes.data, bus_at, n, int(bf16),
-                    int(decays[i])))
+                    p.ctypes.data + 4 * offset, m.ctypes.data + k * offset,
+                    v.ctypes.data + k * offset, g.ctypes.data, bus_at, n, int(bf16),
+                    int(decays[i]), int(k == 2), i, offset))
                 offset += n
             if offset != p.size:
                 raise ValueError(f"{what}: a gradient of {offset} elements for a leaf of {p.size}")

@@ -1,8 +1,15 @@
 // AdamW over every leaf of a unit in one call, in place: the gradient scaled and clipped, both
 // moments, the weight and its compute-dtype (bf16) copy, each read and written once. Built and
-// loaded by engine/fused_adamw.py, whose JAX fallback does the same operations in the same order:
-// keep the two in step. (Neither is bit-identical to optax: XLA contracts multiply-adds into FMAs
-// as it fuses, and so may the compiler here; tests/test_host_optim.py bounds both against float64.)
+// loaded by engine/fused_adamw.py, whose JAX fallback does the same operations in the same order,
+// with the same roundings: keep the two in step. It is built without contracting a multiply and
+// an add into an FMA (-ffp-contract=off), and the fallback keeps XLA from contracting them, so
+// the two give the same bits (tests/test_host_optim.py). Neither is bit-identical to optax;
+// tests/test_host_optim.py bounds both against float64.
+//
+// The moments are float32 (exact AdamW) or bfloat16 (optimizer.state_dtype): read as bf16,
+// computed in f32, written back stochastically rounded, each rounding's random bits a hash of
+// (the step's Adam count, the leaf's index in its unit, the element's index in its leaf) so that a
+// resumed run rounds as the uninterrupted one did.
 //
 // One call per unit, not per leaf: XLA:CPU runs independent custom calls concurrently on its own
 // threads, so one call per leaf ran several leaves at once, each over its own threads, more
@@ -35,7 +42,11 @@ namespace ffi = xla::ffi;
 namespace {
 
 // The per-call scalars (engine/fused_adamw.py SCALARS), in this order; then one decay flag a leaf.
-enum { kScale, kClip, kNorm, kMaxNorm, kStep, kBc1, kBc2, kWd, kB1, kC1, kB2, kC2, kEps, kNumScalars };
+enum {
+  kScale, kClip, kNorm, kMaxNorm, kStep, kBc1, kBc2, kWd, kB1, kC1, kB2, kC2, kEps,
+  kCountLo, kCountHi,  // the Adam count after this step, in two exact 16-bit halves
+  kNumScalars
+};
 
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = uint32_t(h) << 16;
@@ -51,16 +62,45 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
   return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t((u >> 16) | 0x40u) : rounded;
 }
 
-// Elements [lo, hi): params and moments updated in place, the new weights' bf16 copy written to
-// out[i - lo] (kBus). One variant per (gradient type, clip, decay, bus): no branch inside, so the
-// compiler vectorizes it.
-template <typename G, bool kClip, bool kDecay, bool kBus>
-inline void Span(const float* s, float* __restrict__ p, float* __restrict__ m,
-                 float* __restrict__ v, const G* __restrict__ g, uint16_t* __restrict__ out,
-                 size_t lo, size_t hi) {
+// A 32-bit integer hash (a bijection with good avalanche: "lowbias32", C. Wellons). The JAX
+// fallback (engine/fused_adamw.py `_mix`) computes the same.
+inline uint32_t Mix(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// The key of one leaf's roundings at one step; element i's random bits are Mix(key + i).
+inline uint32_t LeafKey(const float* s, uint32_t leaf) {
+  const uint32_t count = uint32_t(s[kCountLo]) | (uint32_t(s[kCountHi]) << 16);
+  return Mix(Mix(count * 0x9e3779b9u ^ 0x5bd1e995u) + leaf * 0x85ebca6bu);
+}
+
+// f32 to bf16 rounded stochastically: up with probability (the dropped 16 bits) / 2^16, so the
+// rounding is unbiased; `r` holds the 16 random bits. NaN stays NaN, inf stays inf.
+inline uint16_t f32_to_bf16_stochastic(float f, uint32_t r) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t rounded = uint16_t((u + (r & 0xffffu)) >> 16);
+  return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t((u >> 16) | 0x40u) : rounded;
+}
+
+// Elements [lo, hi) of a leaf: params and moments updated in place, the new weights' bf16 copy
+// written to out[i - lo] (kBus). M: the moments' type (float, or uint16_t for bf16); `key` and
+// `first` (the leaf index of element 0 of these pointers) give a bf16 moment's random bits. One
+// variant per (gradient type, moments' type, clip, decay, bus): no branch inside, so the compiler
+// vectorizes it.
+template <typename G, typename M, bool kClip, bool kDecay, bool kBus>
+inline void Span(const float* s, float* __restrict__ p, M* __restrict__ m, M* __restrict__ v,
+                 const G* __restrict__ g, uint16_t* __restrict__ out, size_t lo, size_t hi,
+                 uint32_t key, uint64_t first) {
   const float scale = s[kScale], norm = s[kNorm], max_norm = s[kMaxNorm], step = s[kStep];
   const float bc1 = s[kBc1], bc2 = s[kBc2], wd = s[kWd], b1 = s[kB1], c1 = s[kC1], b2 = s[kB2];
   const float c2 = s[kC2], eps = s[kEps], r1 = 1.0f / bc1, r2 = 1.0f / bc2;
+  constexpr bool kHalf = sizeof(M) == 2;
   for (size_t i = lo; i < hi; ++i) {
     float gi;
     if constexpr (sizeof(G) == 2) {
@@ -68,15 +108,29 @@ inline void Span(const float* s, float* __restrict__ p, float* __restrict__ m,
     } else {
       gi = g[i];
     }
+    float m_old, v_old;
+    if constexpr (kHalf) {
+      m_old = bf16_to_f32(m[i]);
+      v_old = bf16_to_f32(v[i]);
+    } else {
+      m_old = m[i];
+      v_old = v[i];
+    }
     gi = gi * scale;
     if constexpr (kClip) gi = (gi / norm) * max_norm;
-    const float mi = c1 * gi + b1 * m[i];
-    const float vi = c2 * (gi * gi) + b2 * v[i];
+    const float mi = c1 * gi + b1 * m_old;
+    const float vi = c2 * (gi * gi) + b2 * v_old;
     float u = (mi * r1) / (std::sqrt(vi * r2) + eps);
     if constexpr (kDecay) u = u + wd * p[i];
     const float pi = p[i] + step * u;
-    m[i] = mi;
-    v[i] = vi;
+    if constexpr (kHalf) {
+      const uint32_t r = Mix(key + uint32_t(first + i));  // low half m's bits, high half v's
+      m[i] = f32_to_bf16_stochastic(mi, r);
+      v[i] = f32_to_bf16_stochastic(vi, r >> 16);
+    } else {
+      m[i] = mi;
+      v[i] = vi;
+    }
     p[i] = pi;
     if constexpr (kBus) out[i - lo] = f32_to_bf16(pi);
   }
@@ -106,64 +160,87 @@ inline void StreamLine(uint16_t* to, const uint16_t* line) {
 
 // Elements [lo, hi) of one leaf; the bf16 copy streamed out a line at a time, then fenced (the
 // thread that joins this one reads it next).
-template <typename G, bool kClip, bool kDecay, bool kBus>
-void Run(const float* s, float* p, float* m, float* v, const G* g, uint16_t* bus, size_t lo,
-         size_t hi) {
+template <typename G, typename M, bool kClip, bool kDecay, bool kBus>
+void Run(const float* s, float* p, M* m, M* v, const G* g, uint16_t* bus, size_t lo, size_t hi,
+         uint32_t key, uint64_t first) {
   if constexpr (!kBus) {
-    Span<G, kClip, kDecay, false>(s, p, m, v, g, nullptr, lo, hi);
+    Span<G, M, kClip, kDecay, false>(s, p, m, v, g, nullptr, lo, hi, key, first);
   } else {
     const size_t to_line = ((64 - reinterpret_cast<uintptr_t>(bus + lo) % 64) % 64) / 2;
     size_t i = std::min(hi, lo + to_line);
-    Span<G, kClip, kDecay, true>(s, p, m, v, g, bus + lo, lo, i);
+    Span<G, M, kClip, kDecay, true>(s, p, m, v, g, bus + lo, lo, i, key, first);
     for (; i + kLine <= hi; i += kLine) {
       alignas(64) uint16_t line[kLine];
-      Span<G, kClip, kDecay, true>(s, p, m, v, g, line, i, i + kLine);
+      Span<G, M, kClip, kDecay, true>(s, p, m, v, g, line, i, i + kLine, key, first);
       StreamLine(bus + i, line);
     }
-    Span<G, kClip, kDecay, true>(s, p, m, v, g, bus + i, i, hi);
+    Span<G, M, kClip, kDecay, true>(s, p, m, v, g, bus + i, i, hi, key, first);
 #if defined(__SSE2__)
     _mm_sfence();
 #endif
   }
 }
 
-using Loop = void (*)(const float*, float*, float*, float*, const void*, uint16_t*, size_t,
-                      size_t);
+using Loop = void (*)(const float*, float*, void*, void*, const void*, uint16_t*, size_t,
+                      size_t, uint32_t, uint64_t);
 
-template <typename G, bool kClip, bool kDecay, bool kBus>
-void RunAny(const float* s, float* p, float* m, float* v, const void* g, uint16_t* bus, size_t lo,
-            size_t hi) {
-  Run<G, kClip, kDecay, kBus>(s, p, m, v, static_cast<const G*>(g), bus, lo, hi);
+template <typename G, typename M, bool kClip, bool kDecay, bool kBus>
+void RunAny(const float* s, float* p, void* m, void* v, const void* g, uint16_t* bus, size_t lo,
+            size_t hi, uint32_t key, uint64_t first) {
+  Run<G, M, kClip, kDecay, kBus>(s, p, static_cast<M*>(m), static_cast<M*>(v),
+                                 static_cast<const G*>(g), bus, lo, hi, key, first);
 }
 
-template <typename G>
-Loop Pick(bool clip, bool decay, bool bus) {
+template <typename G, typename M>
+Loop PickFor(bool clip, bool decay, bool bus) {
   static const Loop loops[8] = {
-      RunAny<G, false, false, false>, RunAny<G, false, false, true>,
-      RunAny<G, false, true, false>,  RunAny<G, false, true, true>,
-      RunAny<G, true, false, false>,  RunAny<G, true, false, true>,
-      RunAny<G, true, true, false>,   RunAny<G, true, true, true>};
+      RunAny<G, M, false, false, false>, RunAny<G, M, false, false, true>,
+      RunAny<G, M, false, true, false>,  RunAny<G, M, false, true, true>,
+      RunAny<G, M, true, false, false>,  RunAny<G, M, true, false, true>,
+      RunAny<G, M, true, true, false>,   RunAny<G, M, true, true, true>};
   return loops[4 * clip + 2 * decay + bus];
 }
 
+// The loop for a gradient (bf16 or f32) and moments (bf16 or f32).
+Loop Pick(bool grad_bf16, bool moments_bf16, bool clip, bool decay, bool bus) {
+  if (moments_bf16) {
+    return grad_bf16 ? PickFor<uint16_t, uint16_t>(clip, decay, bus)
+                     : PickFor<float, uint16_t>(clip, decay, bus);
+  }
+  return grad_bf16 ? PickFor<uint16_t, float>(clip, decay, bus)
+                   : PickFor<float, float>(clip, decay, bus);
+}
+
 // One leaf: its buffers (outputs; the inputs when XLA could not alias them, to copy from first).
+// m and v hold `moment_bytes` (4 or 2) a element; key and first: their roundings' (Span).
 struct Leaf {
-  float *p, *m, *v;
-  const float *p_in, *m_in, *v_in;
+  float* p;
+  void *m, *v;
+  const float* p_in;
+  const void *m_in, *v_in;
   const void* g;
   uint16_t* bus;
   size_t n;
   Loop loop;
+  size_t moment_bytes;
+  uint32_t key;
+  uint64_t first;
 };
 
 // Elements [lo, hi) of a leaf: copied from the inputs where not aliased, then updated.
 void RunLeaf(const float* s, const Leaf& x, size_t lo, size_t hi) {
   if (lo >= hi) return;
-  const size_t bytes = 4 * (hi - lo);
-  if (x.p != x.p_in) std::memcpy(x.p + lo, x.p_in + lo, bytes);
-  if (x.m != x.m_in) std::memcpy(x.m + lo, x.m_in + lo, bytes);
-  if (x.v != x.v_in) std::memcpy(x.v + lo, x.v_in + lo, bytes);
-  x.loop(s, x.p, x.m, x.v, x.g, x.bus, lo, hi);
+  const size_t mb = x.moment_bytes;
+  if (x.p != x.p_in) std::memcpy(x.p + lo, x.p_in + lo, 4 * (hi - lo));
+  if (x.m != x.m_in) {
+    std::memcpy(static_cast<char*>(x.m) + mb * lo, static_cast<const char*>(x.m_in) + mb * lo,
+                mb * (hi - lo));
+  }
+  if (x.v != x.v_in) {
+    std::memcpy(static_cast<char*>(x.v) + mb * lo, static_cast<const char*>(x.v_in) + mb * lo,
+                mb * (hi - lo));
+  }
+  x.loop(s, x.p, x.m, x.v, x.g, x.bus, lo, hi, x.key, x.first);
 }
 
 int Threads() {
@@ -280,8 +357,8 @@ T* Data(ffi::AnyBuffer b) {
 }
 
 // Arguments: the scalars (SCALARS, then one decay flag per leaf), then per leaf in groups:
-// params, m, v, gradients (f32 or bf16)[, the old bf16 copy]. Results: params, m, v[, bf16 copy],
-// aliased to the matching arguments.
+// params, m, v (f32 or bf16, both alike), gradients (f32 or bf16)[, the old bf16 copy]. Results:
+// params, m, v[, bf16 copy], aliased to the matching arguments.
 ffi::Error Update(ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
                   ffi::RemainingRets rets, bool with_bus) {
   const size_t groups = with_bus ? 5 : 4, n_leaves = args.size() / groups;
@@ -298,10 +375,13 @@ ffi::Error Update(ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
     const ffi::AnyBuffer in[4] = {arg(0), arg(1), arg(2), arg(3)};
     const ffi::AnyBuffer out[3] = {ret(0), ret(1), ret(2)};
     const size_t n = in[0].element_count();
+    const bool half = in[1].element_type() == ffi::DataType::BF16;
     for (int j = 0; j < 3; ++j) {
-      if (in[j].element_type() != ffi::DataType::F32 || in[j].element_count() != n ||
-          out[j].element_type() != ffi::DataType::F32 || out[j].element_count() != n) {
-        return ffi::Error::InvalidArgument("fused_adamw: params and moments must be float32 alike");
+      const ffi::DataType want = j == 0 || !half ? ffi::DataType::F32 : ffi::DataType::BF16;
+      if (in[j].element_type() != want || in[j].element_count() != n ||
+          out[j].element_type() != want || out[j].element_count() != n) {
+        return ffi::Error::InvalidArgument(
+            "fused_adamw: params must be float32, both moments float32 or both bfloat16");
       }
     }
     uint16_t* bus = nullptr;
@@ -317,15 +397,16 @@ ffi::Error Update(ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
     if (in[3].element_count() != n) {
       return ffi::Error::InvalidArgument("fused_adamw: a gradient's size differs from its param's");
     } else if (in[3].element_type() == ffi::DataType::F32) {
-      loop = Pick<float>(clip, decay, with_bus);
+      loop = Pick(false, half, clip, decay, with_bus);
     } else if (in[3].element_type() == ffi::DataType::BF16) {
-      loop = Pick<uint16_t>(clip, decay, with_bus);
+      loop = Pick(true, half, clip, decay, with_bus);
     } else {
       return ffi::Error::InvalidArgument("fused_adamw: the gradient must be float32 or bfloat16");
     }
-    leaves.push_back({Data<float>(out[0]), Data<float>(out[1]), Data<float>(out[2]),
-                      Data<float>(in[0]), Data<float>(in[1]), Data<float>(in[2]),
-                      in[3].untyped_data(), bus, n, loop});
+    leaves.push_back({Data<float>(out[0]), out[1].untyped_data(), out[2].untyped_data(),
+                      Data<float>(in[0]), in[1].untyped_data(), in[2].untyped_data(),
+                      in[3].untyped_data(), bus, n, loop, size_t(half ? 2 : 4),
+                      LeafKey(s, uint32_t(l)), 0});
   }
   Parallel(s, leaves);
   return ffi::Error::Success();
@@ -349,13 +430,16 @@ extern "C" {
 
 struct MegatrainRange {
   float* p;
-  float* m;
-  float* v;
+  void* m;  // float32, or bfloat16 where moments_bf16
+  void* v;
   const void* g;
   uint16_t* bus;  // nullptr: no bus copy written
   uint64_t n;
   int32_t grad_bf16;
   int32_t decay;
+  int32_t moments_bf16;
+  uint32_t leaf;   // the leaf's index in its unit, and the index in the leaf of the range's
+  uint64_t first;  // first element: a bf16 moment's rounding (as the FFI call's whole leaf)
 };
 
 // scalars: SCALARS (engine/fused_adamw.py) without the decay flags. Returns 0, or -1 when a range
@@ -367,9 +451,9 @@ int megatrain_adamw(const float* scalars, const MegatrainRange* ranges, int64_t 
     const MegatrainRange& r = ranges[i];
     if (r.p == nullptr || r.m == nullptr || r.v == nullptr || (r.g == nullptr && r.n > 0)) return -1;
     const bool bus = r.bus != nullptr;
-    const Loop loop = r.grad_bf16 ? Pick<uint16_t>(clip, r.decay != 0, bus)
-                                  : Pick<float>(clip, r.decay != 0, bus);
-    leaves.push_back({r.p, r.m, r.v, r.p, r.m, r.v, r.g, r.bus, size_t(r.n), loop});
+    const Loop loop = Pick(r.grad_bf16 != 0, r.moments_bf16 != 0, clip, r.decay != 0, bus);
+    leaves.push_back({r.p, r.m, r.v, r.p, r.m, r.v, r.g, r.bus, size_t(r.n), loop,
+                      size_t(r.moments_bf16 ? 2 : 4), LeafKey(scalars, r.leaf), r.first});
   }
   if (!leaves.empty()) Parallel(scalars, leaves);
   return 0;

@@ -3,13 +3,14 @@
 `adamw(...)` is `optax.adamw(...)` (same init, update and state), marked so that the engine's
 host update (engine/host.py) runs it here instead: the gradient's scale and global-norm clip, both
 moments, the weight and its bf16 bus copy in one loop that reads and writes each once (30 B/param
-with a bf16 bus copy), where XLA runs optax as several loops over the same arrays.
+with a bf16 bus copy; 22 with the moments in bf16, `state_dtype`), where XLA runs optax as several
+loops over the same arrays.
 
 The loop is a small C++ kernel (fused_adamw.cc) called through `jax.ffi`, once per unit for all
 of its leaves (spread over the cores there), built with the system's C++ compiler on first use and
 cached per CPU feature set; without a compiler (or when the build fails) the same
-arithmetic runs in JAX, operation for operation, and the log says so once. Any other optimizer
-runs through optax as before.
+arithmetic runs in JAX, operation for operation and bit for bit, and the log says so once. Any
+other optimizer runs through optax as before.
 """
 
 import ctypes
@@ -31,8 +32,10 @@ from optax._src import numerics
 
 log = logging.getLogger(__name__)
 SOURCE = pathlib.Path(__file__).with_name("fused_adamw.cc")
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC",
-         "-pthread"]
+# -ffp-contract=off: no multiply-add contracted into an FMA, as the JAX fallback computes
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-std=c++17", "-shared",
+         "-fPIC", "-pthread"]
+STATE_DTYPES = ("float32", "bfloat16")  # optimizer.state_dtype: the Adam moments' dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,17 +46,49 @@ class Hyper:
     eps: float
     weight_decay: float
     mask: Any  # None, a tree of bools or a callable on the params, as optax.adamw takes
+    state_dtype: str = "float32"  # the moments' (STATE_DTYPES); bfloat16: stochastically rounded
 
 
 class AdamW(optax.GradientTransformation):
     """optax.adamw, carrying its hyperparameters (`hyper`) for the fused host update."""
 
 
-def adamw(learning_rate, *, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, mask=None) -> AdamW:
-    tx = AdamW(*optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-                            mask=mask))
-    tx.hyper = Hyper(learning_rate, b1, b2, eps, weight_decay, mask)
+def adamw(learning_rate, *, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, mask=None,
+          state_dtype="float32") -> AdamW:
+    """optax.adamw; with state_dtype "bfloat16" its moments (mu, nu) are stored in bf16, computed
+    in f32 and stochastically rounded at each update (`round_moments`): not bit-equal to fp32
+    AdamW, 4 B a parameter less."""
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state_dtype must be one of {', '.join(STATE_DTYPES)}, got "
+                         f"{state_dtype!r}")
+    inner = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                        mask=mask)
+    tx = AdamW(*inner) if state_dtype == "float32" else AdamW(*_bf16_moments(inner))
+    tx.hyper = Hyper(learning_rate, b1, b2, eps, weight_decay, mask, state_dtype)
     return tx
+
+
+def _bf16_moments(inner: optax.GradientTransformation) -> tuple:
+    """(init, update) of `inner` (optax.adamw) with its moments held in bf16: widened to f32 for
+    optax's update, rounded back by `round_moments`."""
+    def cast(adam, dtype):
+        to = lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree)
+        return adam._replace(mu=to(adam.mu), nu=to(adam.nu))
+
+    def init(params):
+        adam, *rest = inner.init(params)
+        return (cast(adam, jnp.bfloat16), *rest)
+
+    def update(updates, state, params=None):
+        adam, *rest = state
+        updates, (adam, *rest) = inner.update(updates, (cast(adam, jnp.float32), *rest), params)
+        treedef = jax.tree.structure(adam.mu)
+        rounded = [round_moments(adam.count, i, m, v) for i, (m, v) in enumerate(zip(
+            jax.tree.leaves(adam.mu), jax.tree.leaves(adam.nu), strict=True))]
+        mu, nu = (jax.tree.unflatten(treedef, [r[k] for r in rounded]) for k in (0, 1))
+        return updates, (adam._replace(mu=mu, nu=nu), *rest)
+
+    return init, update
 
 
 # ----------------------------------------------------------------------------- the native kernel
@@ -124,24 +159,78 @@ class Range(ctypes.Structure):
     updated in place."""
     _fields_ = [("p", ctypes.c_void_p), ("m", ctypes.c_void_p), ("v", ctypes.c_void_p),
                 ("g", ctypes.c_void_p), ("bus", ctypes.c_void_p), ("n", ctypes.c_uint64),
-                ("grad_bf16", ctypes.c_int32), ("decay", ctypes.c_int32)]
+                ("grad_bf16", ctypes.c_int32), ("decay", ctypes.c_int32),
+                ("moments_bf16", ctypes.c_int32), ("leaf", ctypes.c_uint32),
+                ("first", ctypes.c_uint64)]
+
+
+# ----------------------------------------------------------------------------- bf16 moments
+def _mix(x):
+    """fused_adamw.cc `Mix` on uint32 (multiplications wrap, as in C++)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _leaf_key(count, leaf: int):
+    """fused_adamw.cc `LeafKey`: the key of leaf `leaf`'s roundings at Adam count `count`."""
+    count = jnp.asarray(count).astype(jnp.uint32)
+    return _mix(_mix(count * jnp.uint32(0x9E3779B9) ^ jnp.uint32(0x5BD1E995))
+                + jnp.uint32(leaf) * jnp.uint32(0x85EBCA6B))
+
+
+def to_bf16_stochastic(x, r):
+    """f32 `x` to bf16, rounded up with probability (its dropped 16 bits) / 2^16 (unbiased), the
+    16 random bits the low ones of uint32 `r` (fused_adamw.cc `f32_to_bf16_stochastic`)."""
+    u = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    rounded = (u + (r & jnp.uint32(0xFFFF))) >> 16
+    nan = (u >> 16) | jnp.uint32(0x40)
+    h = jnp.where((u & jnp.uint32(0x7FFFFFFF)) > jnp.uint32(0x7F800000), nan, rounded)
+    return jax.lax.bitcast_convert_type(h.astype(jnp.uint16), jnp.bfloat16)
+
+
+def round_moments(count, leaf: int, m, v) -> tuple:
+    """(m, v) in f32 rounded to bf16 stochastically, as the kernel rounds leaf `leaf`'s moments
+    at Adam count `count` (the count after the step): element i's random bits are
+    Mix(key + i) (i its row-major index), the low 16 for m, the high 16 for v."""
+    index = jax.lax.iota(jnp.uint32, max(m.size, 1))[:m.size].reshape(m.shape)
+    r = _mix(_leaf_key(count, leaf) + index)
+    return to_bf16_stochastic(m, r), to_bf16_stochastic(v, r >> 16)
 
 
 # ----------------------------------------------------------------------------- the update
 SCALARS = ("scale", "clip", "norm", "max_norm", "step", "bc1", "bc2", "wd", "b1", "c1", "b2", "c2",
-           "eps")  # fused_adamw.cc's order; then the leaves' decay flags
+           "eps", "count_lo", "count_hi")  # fused_adamw.cc's order; then the leaves' decay flags
 
 
-def _leaf_jax(s: dict, p, m, v, g):
-    """The kernel's arithmetic in JAX (fused_adamw.cc `Run`), operation for operation."""
+def _leaf_jax(s: dict, leaf: int, p, m, v, g):
+    """The kernel's arithmetic in JAX (fused_adamw.cc `Span`), operation for operation and
+    rounding for rounding: each product that a sum takes is rounded to f32 first (`alone`), where
+    XLA would contract the two into an FMA (one rounding) and the kernel, built with
+    -ffp-contract=off, does not. m, v: f32, or bf16 (widened, and stochastically rounded back)."""
+    # A product ANDed with all ones is no longer a multiplication that a sum could contract. The
+    # ones are made from a value known only at run time (the count's high half, < 2^15), so that
+    # neither XLA nor LLVM can fold the AND away.
+    ones = (s["count_hi"].astype(jnp.uint32) >> 15) - jnp.uint32(1)
+    alone = lambda x: jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(x, jnp.uint32) & ones, jnp.float32)
+    dtype = m.dtype
+    m, v = m.astype(jnp.float32), v.astype(jnp.float32)
     g = g.astype(jnp.float32) * s["scale"]
     g = jnp.where(s["clip"] != 0, (g / s["norm"]) * s["max_norm"], g)
-    m = s["c1"] * g + s["b1"] * m
-    v = s["c2"] * (g * g) + s["b2"] * v
+    m = alone(s["c1"] * g) + alone(s["b1"] * m)
+    v = alone(s["c2"] * (g * g)) + alone(s["b2"] * v)
     # The bias corrections as products with their reciprocals, as XLA compiles optax's divisions
     u = (m * (1 / s["bc1"])) / (jnp.sqrt(v * (1 / s["bc2"])) + s["eps"])
-    u = jnp.where(s["decay"] != 0, u + s["wd"] * p, u)
-    return p + s["step"] * u, m, v
+    u = jnp.where(s["decay"] != 0, u + alone(s["wd"] * p), u)
+    p = p + alone(s["step"] * u)
+    if dtype == jnp.bfloat16:
+        count = (s["count_lo"].astype(jnp.uint32)
+                 | (s["count_hi"].astype(jnp.uint32) << 16))
+        m, v = round_moments(count, leaf, m, v)
+    return p, m, v
 
 
 def _unit_native(s: dict, decays: list, ps, ms, vs, gs, buses):
@@ -150,7 +239,8 @@ def _unit_native(s: dict, decays: list, ps, ms, vs, gs, buses):
     bf16 copies, or None (no bus copy)."""
     scalars = jnp.stack([s[k] for k in SCALARS] + [jnp.float32(d) for d in decays])
     shapes = lambda xs, dtype: [jax.ShapeDtypeStruct(x.shape, dtype) for x in xs]
-    results = [*shapes(ps, jnp.float32), *shapes(ms, jnp.float32), *shapes(vs, jnp.float32)]
+    results = [*shapes(ps, jnp.float32), *shapes(ms, ms[0].dtype if ms else jnp.float32),
+               *shapes(vs, vs[0].dtype if vs else jnp.float32)]
     inputs = [*ps, *ms, *vs, *gs]
     if buses is not None:
         results += shapes(ps, jnp.bfloat16)
@@ -178,11 +268,13 @@ def step_scalars(hyper: Hyper, adam_count, lr_count, grad_norm, scale, max_grad_
         step = -1 * hyper.learning_rate
     f32 = lambda x: jnp.asarray(x).astype(jnp.float32)
     clip = jnp.bool_(False) if max_grad_norm is None else grad_norm >= max_grad_norm
+    halves = jnp.asarray(count).astype(jnp.uint32)  # each half exact in f32
     s = {"scale": f32(scale), "clip": f32(clip), "norm": f32(grad_norm),
          "max_norm": f32(max_grad_norm or 1.0), "step": f32(step),
          "bc1": f32(1 - hyper.b1 ** count), "bc2": f32(1 - hyper.b2 ** count),
          "wd": f32(hyper.weight_decay), "b1": f32(hyper.b1), "c1": f32(1 - hyper.b1),
-         "b2": f32(hyper.b2), "c2": f32(1 - hyper.b2), "eps": f32(hyper.eps)}
+         "b2": f32(hyper.b2), "c2": f32(1 - hyper.b2), "eps": f32(hyper.eps),
+         "count_lo": f32(halves & 0xFFFF), "count_hi": f32(halves >> 16)}
     return s, count, lr_count
 
 
@@ -217,8 +309,8 @@ def update(hyper: Hyper, params, opt_state, grads, old_bus, grad_norm, scale, ma
                      else [jnp.empty(p.shape, jnp.bfloat16) for p in leaves])
         out = _unit_native(s, decays, *state, buses)
     else:
-        rows = [_leaf_jax({**s, "decay": jnp.float32(d)}, p, m, v, g)
-                for p, m, v, g, d in zip(*state, decays, strict=True)]
+        rows = [_leaf_jax({**s, "decay": jnp.float32(d)}, i, p, m, v, g)
+                for i, (p, m, v, g, d) in enumerate(zip(*state, decays, strict=True))]
         out = [[row[i] for row in rows] for i in range(3)] + [None]
     new = [None if o is None else jax.tree.unflatten(treedef, list(o)) for o in out]
     params = new[0]
