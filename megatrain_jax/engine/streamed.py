@@ -216,7 +216,8 @@ class StreamedEngine:
         host thread has made the global norm (the next step's first stage would wait for that
         unit's update all the same). With an `aux_loss`, `loss` includes it and `aux_loss` holds it alone. When
         `grad_norm` is not finite the step leaves params and optimizer state unchanged
-        (`nonfinite_units()` then says where). If the step raises, the state is as before it.
+        (`nonfinite_units()` then says where). If the step raises, the state is as before it
+        (a Ctrl-C just after its updates were queued: as after it; they are queued all or none).
         """
         return self._run(step.run, inputs, targets, context)
 
