@@ -237,31 +237,50 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
     devices = len(placed["compute_devices"])
     run_plan = _checked_plan(cfg, devices)
     engine = build_engine(cfg, offload_activations=run_plan.offload_activations, **placed)
-    ckpt = cfg.checkpoint
-    manager = checkpoint.make_manager(ckpt_dir, keep=ckpt.keep, async_save=ckpt.async_save,
-                                      write_bytes=checkpoint.largest_unit_bytes(engine),
-                                      sharded=engine.shards is not None)  # each process its rows
-    if cfg.data.format == "preference":  # the starting weights', before any checkpoint's
-        dpo.prepare_reference(cfg, engine, dataset, log)
-    start, saved_progress = 0, {}
-    if resume_step is not None:
-        # The saved shapes are checked against the engine's before anything is loaded.
-        meta = checkpoint.restore(manager, engine, resume_step)
-        dataset.restore(meta["data_state"])
-        start, saved_progress = meta["step"], meta.get("progress", {})
-    # Older checkpoints did not record the updates: their steps, as if none had been skipped.
-    run = _Run(cfg, engine, dataset, eval_set, manager, run_plan, start,
-               saved_progress.get("updates", start), identity, log)
-    peak_flops = _log_start(run, devices)
-    history = _loop(run, console, peak_flops=peak_flops,
-                    loss_smooth=saved_progress.get("loss_smooth"))
-    if cfg.data.sources:
-        log(dataset.report())  # the tokens each source of the mixture gave
-    manager.close()
-    engine.close()
+    manager = None
+    with _closed_after(lambda: manager, engine):
+        ckpt = cfg.checkpoint
+        manager = checkpoint.make_manager(  # sharded: each process saves its rows
+            ckpt_dir, keep=ckpt.keep, async_save=ckpt.async_save,
+            write_bytes=checkpoint.largest_unit_bytes(engine), sharded=engine.shards is not None)
+        if cfg.data.format == "preference":  # the starting weights', before any checkpoint's
+            dpo.prepare_reference(cfg, engine, dataset, log)
+        start, saved_progress = 0, {}
+        if resume_step is not None:
+            # The saved shapes are checked against the engine's before anything is loaded.
+            meta = checkpoint.restore(manager, engine, resume_step)
+            dataset.restore(meta["data_state"])
+            start, saved_progress = meta["step"], meta.get("progress", {})
+        # Older checkpoints did not record the updates: their steps, as if none had been skipped.
+        run = _Run(cfg, engine, dataset, eval_set, manager, run_plan, start,
+                   saved_progress.get("updates", start), identity, log)
+        peak_flops = _log_start(run, devices)
+        history = _loop(run, console, peak_flops=peak_flops,
+                        loss_smooth=saved_progress.get("loss_smooth"))
+        if cfg.data.sources:
+            log(dataset.report())  # the tokens each source of the mixture gave
     if start >= cfg.train.steps:
         log(f"nothing to do: checkpoint step {start} reached train.steps={cfg.train.steps}")
     return history
+
+
+@contextlib.contextmanager
+def _closed_after(manager, engine):
+    """Closes the checkpoint manager (`manager()`: None until made) and the engine after the
+    block, also when it raises: its pending saves and host updates finish, its threads and the
+    disk tier's files go. A close that fails then is not the error to report: the block's is."""
+    try:
+        yield
+    except BaseException:
+        for close in (lambda: manager() and manager().close(), engine.close):
+            try:
+                close()
+            except Exception:  # the block's error is the one to report
+                pass
+        raise
+    if manager() is not None:
+        manager().close()
+    engine.close()
 
 
 def _checked_plan(cfg: Config, devices: int):

@@ -13,9 +13,9 @@ memory and every transfer is a real copy. Three figures per parameter:
 - host arrays: the bytes of the live jax arrays in host memory (on the state device, or in pinned
   host memory), per param: exactly what the engine holds, nothing the allocator or the runtime
   adds. Sampled after each step (steady state, once the host updates are done) and through the
-  step, for its peak: after each unit's work is dispatched (`engine.on_phase`), right before each
-  unit's update is queued (around `engine.host.submit`: every unit's gradient then waits on the
-  host for the global norm and the bus copies are released), and when the step returns. The live
+  step, for its peak: after each unit's work is dispatched (`engine.on_phase`), right before the
+  step's updates are queued (around `engine.host.submit_all`: every unit's gradient then waits on
+  the host for the global norm and the bus copies are released), and when the step returns. The live
   arrays of the compute device (activations, weights in flight, the fp32 gradient accumulator) are
   the device working set, reported apart.
 - RSS, marginal: (RSS of the large run - RSS of the small run) / (their difference in params).
@@ -87,13 +87,13 @@ def child(args):
 
     samples = []  # live (host, device) bytes within the current step
     engine.on_phase = lambda phase, layer=None: samples.append(live_bytes())
-    submit = engine.host.submit
+    submit = engine.host.submit_all
 
-    def sampled_submit(*a):  # observed, not changed: the state right before each update is queued
+    def sampled_submit(*a):  # observed, not changed: the state right before the updates are queued
         samples.append(live_bytes())
         submit(*a)
 
-    engine.host.submit = sampled_submit
+    engine.host.submit_all = sampled_submit
 
     def settled_live_bytes():
         """live_bytes() once it stops changing: the host thread drops an update's arguments (a

@@ -421,6 +421,41 @@ def test_lock_of_another_host_is_not_taken_over(copy_run, env):
     assert files(run_dir) == before
 
 
+# ----------------------------------------------------------------------------- visible fallbacks
+
+
+def test_what_the_run_falls_back_from_is_one_visible_line(tmp_path, env):
+    """A run whose fused AdamW kernel cannot be built (no compiler at $CXX, or a compiler that
+    fails; an empty build cache) trains on its JAX fallback, and train.host_lookup=true with tied
+    embeddings on the device path: each said in one stderr line naming why, not a debug log."""
+    failing = tmp_path / "failing-cxx"
+    failing.write_text("#!/bin/sh\necho 'fatal error: no room left for the build' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    compilers = {"missing": (str(tmp_path / "no-such-cxx"),
+                             f"fused AdamW: no C++ compiler ({tmp_path / 'no-such-cxx'}); the "
+                             f"host update runs its JAX fallback"),
+                 "failing": (str(failing),
+                             "fused AdamW: the kernel is not available (fatal error: no room left "
+                             "for the build); the host update runs its JAX fallback")}
+
+    def train_with(name):
+        cxx, _ = compilers[name]
+        cmd = train_cmd(*FAST, "train.steps=1", "model.tie_embeddings=true",
+                        "train.host_lookup=true", "logging.tensorboard=false",
+                        f"run_dir={tmp_path / name}")
+        return run(cmd, {**env, "CXX": cxx, "XDG_CACHE_HOME": str(tmp_path / f"cache-{name}")})
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        procs = dict(zip(compilers, pool.map(train_with, compilers)))
+    for name, proc in procs.items():
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = proc.stderr.splitlines()  # (a logging prefix, where a library configured one)
+        assert len([x for x in lines if x.endswith(compilers[name][1])]) == 1, proc.stderr[-3000:]
+        lookup = [x for x in lines if "host_lookup=True does not apply (host lookup off: the "
+                  "first and last stages share a variable" in x]
+        assert len(lookup) == 1, proc.stderr[-3000:]
+
+
 # ----------------------------------------------------------------------------- saves that fail
 
 

@@ -132,14 +132,15 @@ def test_engine_reads_gradients_in_place_and_writes_the_bus_in_place():
     host = engine.host
     assert host.direct is not None and engine.transfers.out_kind == transfer.PINNED
     pieces, kernel = {}, {}
-    submit = host.submit
+    submit_all = host.submit_all
 
-    def spy(u, grads, grad_norm, scale):  # the pieces as the step hands them over
-        pieces.setdefault(u, []).append(
-            [(p.sharding.memory_kind, p.unsafe_buffer_pointer()) for p in grads.token()])
-        submit(u, grads, grad_norm, scale)
+    def spy(grads, grad_norm, scale):  # the pieces as the step hands them over
+        for u, parcel in grads:
+            pieces.setdefault(u, []).append(
+                [(p.sharding.memory_kind, p.unsafe_buffer_pointer()) for p in parcel.token()])
+        submit_all(grads, grad_norm, scale)
 
-    host.submit = spy
+    host.submit_all = spy
     host.direct.on_kernel = lambda u, ranges: kernel.setdefault(u, []).append(
         [(r.g, r.bus) for r in ranges])
     bus_pointers = []
@@ -182,6 +183,31 @@ def test_direct_and_jit_paths_train_the_same_bits(devices, state_dtype):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(a, b)
     jit.close()
+
+
+def test_the_jit_paths_numpy_view_hop_is_exact(monkeypatch):
+    """The jit path's hop between the accelerator's pinned memory and the host device (the numpy
+    view of transfer.across_clients, taken between two of jax's clients: a GPU's and the CPU
+    backend's) forced between two CPU devices: three steps train the same bits as jax's own
+    copy."""
+    pair = (CPU[1], CPU[0])
+    monkeypatch.setattr(direct, "available", lambda optimizer, disk_tier: "forced (test)")
+    plain = engine_on(pair)
+    losses = steps(plain, 3)
+    state = jax.tree.map(np.array, plain.state())
+    plain.close()
+    hops = []
+    monkeypatch.setattr(transfer, "crosses_clients",
+                        lambda source, target: hops.append(source != target) or source != target)
+    viewed = engine_on(pair)
+    assert viewed.host.direct is None
+    assert steps(viewed, 3) == losses
+    assert sum(hops) > 3 * (L + 2)  # every gradient and every bus copy, each step
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(jax.tree.map(np.array,
+                                                                        viewed.state())),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    viewed.close()
 
 
 def test_a_warm_direct_update_faults_in_no_memory():

@@ -8,12 +8,14 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from test_engine import CFG, DEVICE_SETUPS, batches, make_engine
+from test_host_optim import open_files
 
 from megatrain_jax import checkpoint
 from megatrain_jax import plan as plan_lib
@@ -92,6 +94,38 @@ def test_disk_tier_equals_ram_tier_bit_for_bit(tmp_path, num_micro, max_grad_nor
     disk.close()
 
 
+def test_loading_a_unit_right_after_a_step_waits_for_every_update(tmp_path):
+    """load_unit straight after train_step, layer 1's read slowed and its update delayed (so its
+    update is still running): the tier's files are flushed on the calling thread only once no
+    update is running, and the state is that of the same calls with wait() first."""
+    data = batches(1, batch=2)[:2]
+    devices = DEVICE_SETUPS["two_devices"]()
+
+    def load_after_step(name, wait_first):
+        engine = make_engine(SMALL, devices, None,
+                             disk_tier=DiskTierOptions(str(tmp_path / name)))
+        run_steps(engine, data[:1])
+        saved = numpy_state(engine)["layers"][0]
+        tier, units = engine.disk_tier, engine.host.units
+        read, flush, running = tier._read, tier.flush, []
+        tier._read = lambda u: (time.sleep(0.5) if u == 2 else None, read(u))[1]
+        engine.on_event = lambda kind, what, layer: (
+            time.sleep(0.3) if kind == "update" and layer == 1 else None)
+        tier.flush = lambda: (running.append(
+            any(u.pending is not None and not u.pending.done() for u in units)), flush())
+        engine.train_step(*data[1])
+        if wait_first:
+            engine.wait()
+        engine.load_unit(0, saved)
+        state = numpy_state(engine)
+        engine.close()
+        return state, running
+
+    state, running = load_after_step("tier", wait_first=False)
+    assert running and not any(running), running
+    assert_bit_equal(state, load_after_step("reference", wait_first=True)[0])
+
+
 # ---------------------------------------------------------------- checkpoints through the tier
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_STEPS = 4
@@ -153,6 +187,19 @@ def test_checkpoints_move_between_tiers_bit_exact(tmp_path, ram_run):
     assert_bit_equal(resumed_from_step_2(ram_run, str(tmp_path / "to_disk"),
                                          *disk(tmp_path, "tier2")), final)
     assert_bit_equal(resumed_from_step_2(disk_run, str(tmp_path / "to_ram")), final)
+
+
+def test_a_run_that_raises_closes_the_engine_and_its_tier(tmp_path):
+    """An error once the engine and the checkpoint manager are made (here from the log, at the
+    run's start line): the run closes both on the way out, the disk tier's files included."""
+    def log(line):
+        if line.startswith("disk tier: "):
+            raise RuntimeError("stopped at the start line")
+
+    with pytest.raises(RuntimeError, match="stopped at the start line"):
+        train(make_cfg(str(tmp_path / "run"), *disk(tmp_path)), log=log)
+    assert os.path.exists(tmp_path / "tier" / "unit_00000.bin")
+    assert not [f for f in open_files() if f.startswith(str(tmp_path / "tier"))]
 
 
 @pytest.fixture

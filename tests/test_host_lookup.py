@@ -81,13 +81,18 @@ def test_the_embedding_table_never_crosses():
     assert per_step[False][1] - per_step[True][1] == table * 4 - row_elements * 2  # fp32 out
 
 
-def test_tied_embeddings_keep_the_device_path_and_the_log_says_why(caplog):
+def test_tied_embeddings_keep_the_device_path_and_a_warning_says_why(caplog):
+    """host_lookup=True that cannot apply: a warning (what the command line shows), not an info
+    line."""
     engine = engine_for(dataclasses.replace(CFG, tie_embeddings=True), host_lookup=True)
     with caplog.at_level(logging.INFO, logger="megatrain_jax.engine.streamed"):
         float(engine.train_step(*batch(CFG))["loss"])
     engine.close()
     assert not engine.host_lookup
-    assert "host lookup off: the first and last stages share a variable" in caplog.text
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1, caplog.text
+    assert warned[0].startswith("host_lookup=True does not apply (host lookup off: the first and "
+                                "last stages share a variable")
 
 
 def test_by_default_only_where_it_moves_fewer_bytes(caplog):

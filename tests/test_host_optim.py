@@ -2,7 +2,9 @@
 optax after the scale and the global-norm clip, a no-op for a non-finite norm; the bf16 gradient
 store (`grad_dtype`)."""
 
+import os
 import resource
+import threading
 import warnings
 
 import jax
@@ -261,8 +263,8 @@ def test_bf16_gradients_cross_and_wait_on_the_host_as_bf16():
     engine = make_engine(optax.adam(1e-2), DEVICES["staged"](), 1.0, grad_dtype=jnp.bfloat16,
                          host_lookup=False)
     received = {}
-    host_submit = engine.host.submit  # observed: what each unit's update receives
-    engine.host.submit = lambda u, g, *a: (received.setdefault(u, g), host_submit(u, g, *a))
+    host_submit = engine.host.submit_all  # observed: what each unit's update receives
+    engine.host.submit_all = lambda grads, *a: (received.update(grads), host_submit(grads, *a))
     engine.train_step(tokens[..., :-1], tokens[..., 1:])
     engine.wait()
     assert sorted(received) == list(range(2 + L))  # the two stage units and every layer
@@ -405,6 +407,150 @@ def test_a_failed_last_update_leaves_the_engine_unusable():
         with pytest.raises(RuntimeError, match=f"unusable.*layer {L - 1}'s host update failed"):
             use()
     engine.close()
+
+
+def test_close_after_a_failed_update_runs_none_of_those_queued_behind_it():
+    """Layer 0's update fails (the step's second): close() raises it, and no later unit's update
+    runs on the state it left unknown."""
+    engine = make_engine(adam_failing_on(2), DEVICES["in_place"]())
+    started = []
+    engine.on_event = lambda kind, what, layer: (
+        started.append((what, layer)) if kind == "update" else None)
+    tokens = np.random.default_rng(6).integers(0, V, size=(1, 2, 9))
+    engine.train_step(tokens[..., :-1], tokens[..., 1:])
+    with pytest.raises(Exception, match="update 2 fails"):
+        engine.close()
+    assert started == [("first stage", None), ("layer", 0)]
+
+
+@pytest.mark.parametrize("path", ["direct", "jit"])
+def test_a_step_interrupted_while_its_updates_are_queued_changes_nothing(path):
+    """Ctrl-C just after the step queued its first update (the host thread busy, so none has
+    run): the step's updates are queued all or none, so the state is the previous step's, the
+    engine trains on, and its next step equals an uninterrupted run's."""
+    tx = lambda: build_optimizer(OptimizerConfig(), 10) if path == "direct" else optax.adam(1e-2)
+    engine = make_engine(tx(), DEVICES["staged"](), 1.0)
+    if path == "direct" and engine.host.direct is None:
+        pytest.skip("no C++ compiler: no direct update")
+    assert (engine.host.direct is None) == (path == "jit")
+    tokens = np.random.default_rng(7).integers(0, V, size=(2, 1, 2, 9))
+    step = lambda e, k: e.train_step(tokens[k, ..., :-1], tokens[k, ..., 1:])
+    step(engine, 0)
+    before = jax.tree.map(np.array, engine.state())
+    pool = engine.host._thread
+    gate = threading.Event()
+    pool.submit(gate.wait)  # the host thread busy: what the step queues waits behind this
+    queue = pool.submit
+
+    def interrupted(*args):  # the first update queued, then Ctrl-C
+        queue(*args)
+        raise KeyboardInterrupt
+
+    pool.submit = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            step(engine, 1)
+    finally:
+        pool.submit = queue
+        gate.set()
+    for x, y in zip(jax.tree.leaves(engine.state()), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), y)
+    step(engine, 1)
+    reference = make_engine(tx(), DEVICES["staged"](), 1.0)
+    step(reference, 0)
+    step(reference, 1)
+    for x, y in zip(jax.tree.leaves(engine.state()), jax.tree.leaves(reference.state()),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    engine.close()
+    reference.close()
+
+
+def late_copy(bus):
+    """`bus` again, as arrays on its sharding that are ready only once a busy loop has run."""
+    host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    return jax.tree.map(lambda b: jax.device_put(_late(jax.device_put(b, host)), b.sharding), bus)
+
+
+@jax.jit
+def _late(b):
+    busy = jax.lax.fori_loop(0, 20_000_000, lambda i, c: c * 0.5 + 1.0, jnp.float32(0))
+    return b + (busy * 0).astype(b.dtype)
+
+
+def test_a_skipped_update_on_the_disk_tier_returns_its_buffer_once_the_bus_copy_is_made(
+        tmp_path, monkeypatch):
+    """A non-finite norm with the disk tier: the bus copy is made from the weights, which alias
+    the tier's read buffer; the buffer goes back to the tier (for the next read) only once that
+    copy is done."""
+    engine = make_engine(optax.adam(1e-2), DEVICES["staged"](),
+                         disk_tier=DiskTierOptions(str(tmp_path / "tier")))
+    policy = type(engine.host.buses[1])
+    on_skip = policy.on_skip
+    monkeypatch.setattr(policy, "on_skip", lambda self, unit, old: late_copy(
+        on_skip(self, unit, old)))
+    store, ready_when_stored = engine.host.store.store, []
+    engine.host.store.store = lambda u, unit: (ready_when_stored.append(
+        all(x.is_ready() for x in jax.tree.leaves(unit.bus))), store(u, unit))
+    params = jax.tree.map(np.array, engine.host.unit_state(1)[0])
+    submit(engine, 1, random_grads(params, np.random.default_rng(4)), np.nan)
+    engine.wait()
+    assert ready_when_stored == [True]
+    for b, p in zip(jax.tree.leaves(engine.host.bus(1)), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(p.astype(jnp.bfloat16)))
+    engine.close()
+
+
+def test_a_construction_error_after_the_disk_tier_is_made_closes_it(tmp_path):
+    path = str(tmp_path / "tier")
+
+    def block(i):
+        if i == 2:  # the tier's files are open by then (made with block 0)
+            raise RuntimeError("block 2 cannot be made")
+        return Block(nnx.Rngs(10 + i))
+
+    with pytest.raises(RuntimeError, match="block 2 cannot be made"):
+        StreamedEngine(first=Embed(V, D, nnx.Rngs(0)), last=Head(D, V, nnx.Rngs(1)),
+                       make_block=block, num_layers=L, optimizer=optax.adam(1e-2),
+                       host_device=jax.devices("cpu")[0], disk_tier=DiskTierOptions(path))
+    assert os.path.exists(os.path.join(path, "unit_00001.bin"))
+    assert not [f for f in open_files() if f.startswith(path)]
+
+
+def open_files() -> list:
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # closed meanwhile (the listing's own)
+            pass
+    return names
+
+
+# ----------------------------------------------------------------------------- hyperparameters
+@pytest.mark.parametrize("tx,max_grad_norm,message", [
+    ("adam", 0, "max_grad_norm must be a finite number > 0 (None: no clipping), got 0"),
+    ("adamw", 0.0, "max_grad_norm must be a finite number > 0 (None: no clipping), got 0.0"),
+    ("adamw", -1.0, "max_grad_norm must be a finite number > 0 (None: no clipping), got -1.0"),
+    ("adam", float("nan"), "max_grad_norm must be a finite number > 0 (None: no clipping), got nan"),
+    ("adamw", float("inf"), "max_grad_norm must be a finite number > 0 (None: no clipping), got inf"),
+    (dict(learning_rate=-1e-3), 1.0, "AdamW learning_rate must be finite and >= 0, got -0.001"),
+    (dict(b1=1.0), 1.0, "AdamW b1 must be in [0, 1), got 1.0"),
+    (dict(b2=-0.5), 1.0, "AdamW b2 must be in [0, 1), got -0.5"),
+    (dict(eps=-1e-8), 1.0, "AdamW eps must be finite and >= 0, got -1e-08"),
+    (dict(weight_decay=float("nan")), 1.0, "AdamW weight_decay must be finite and >= 0, got nan"),
+], ids=["adam_clip0", "adamw_clip0", "clip_negative", "clip_nan", "clip_inf", "lr", "b1", "b2",
+        "eps", "weight_decay"])
+def test_meaningless_hyperparameters_are_one_line_naming_them(tx, max_grad_norm, message):
+    """Refused at construction, before either host-update path is chosen: with max_grad_norm=0
+    optax clipped every gradient to norm 0 and the fused AdamW to 1.0."""
+    if isinstance(tx, dict):
+        tx = fused_adamw.adamw(**{"learning_rate": 1e-3, **tx})
+    else:
+        tx = fused_adamw.adamw(1e-3) if tx == "adamw" else optax.adam(1e-3)
+    with pytest.raises(ValueError) as e:
+        make_engine(tx, DEVICES["staged"](), max_grad_norm)
+    assert str(e.value) == message
 
 
 # ----------------------------------------------------------------------------- fused AdamW

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import math
 import os
 import pathlib
 import shutil
@@ -47,6 +48,24 @@ class Hyper:
     weight_decay: float
     mask: Any  # None, a tree of bools or a callable on the params, as optax.adamw takes
     state_dtype: str = "float32"  # the moments' (STATE_DTYPES); bfloat16: stochastically rounded
+
+
+def check(hyper: Hyper):
+    """Refuses, in one ValueError line naming it, a hyperparameter that makes no AdamW: the host
+    update's two paths (the kernel, optax) would each make something else of it."""
+    rules = [("b1", lambda x: 0 <= x < 1, "in [0, 1)"), ("b2", lambda x: 0 <= x < 1, "in [0, 1)"),
+             ("eps", lambda x: 0 <= x < math.inf, "finite and >= 0"),
+             ("weight_decay", lambda x: 0 <= x < math.inf, "finite and >= 0")]
+    if not callable(hyper.learning_rate):  # (a schedule's values are its own)
+        rules.insert(0, ("learning_rate", lambda x: 0 <= x < math.inf, "finite and >= 0"))
+    for name, ok, rule in rules:
+        value = getattr(hyper, name)
+        try:
+            good = ok(float(value))
+        except (TypeError, ValueError):
+            good = False
+        if not good:
+            raise ValueError(f"AdamW {name} must be {rule}, got {value!r}")
 
 
 class AdamW(optax.GradientTransformation):

@@ -5,7 +5,9 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import math
 import os
+import threading
 import time
 from typing import Any, Optional
 
@@ -46,11 +48,14 @@ class HostState:
     layer i, the last unit the last stage's own variables (final norm, head): the order in which
     the next forward needs them, and the order of the host thread's updates (stage_units.py).
 
-    `submit(u, grads, grad_norm, scale)` queues unit u's update on the host thread: the gradient
+    `submit_all([(u, grads), ...], grad_norm, scale)` queues one step's updates on the host
+    thread, as one job (all or none of them; `submit(u, ...)` one unit's): each gradient
     (of the unnormalised loss sum) is scaled by `scale`, clipped to the global norm exactly as
     `optax.clip_by_global_norm` would, and applied. When the global norm is not finite the update
     keeps params and optax state as they were (as `optax.apply_if_finite` does), so one bad batch
-    never reaches the weights. `bus(u)` waits for u's update and returns its bus copy.
+    never reaches the weights. `bus(u)` waits for u's update and returns its bus copy. Every
+    call that reads or replaces the state (`unit_state` with the disk tier, `load_unit`, `wait`)
+    first waits for the pending updates.
 
     Two strategies, chosen at construction, hold the modes: `store` (store.py) where params and
     optax state live between updates (RAM, or the disk tier's files), and per unit `buses[u]`
@@ -64,6 +69,9 @@ class HostState:
                  host_update: str = "auto"):
         """stages: the stages' params (param_split((first, last))); blocks: an iterable of the
         blocks' params (with the disk tier, one in RAM at a time)."""
+        check_max_grad_norm(max_grad_norm)
+        if isinstance(optimizer, fused_adamw.AdamW):  # (optax's own: none to read)
+            fused_adamw.check(optimizer.hyper)
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
         self.compute_dtype = jnp.dtype(compute_dtype)
@@ -122,6 +130,16 @@ class HostState:
         # Where params and optax state live between updates (store.py): RAM or the disk tier.
         self.store = store_lib.choose(disk_tier, self.last + 1, self.stage_units[self.last],
                                       self.host, self.direct)
+        try:
+            self._build(first, blocks, last, to_host, shards, host_device)
+        except BaseException:
+            self.store.close()  # the disk tier's open files, made with the first block
+            raise
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-optim")
+
+    def _build(self, first, blocks, last, to_host, shards, host_device):
+        """The jitted updates, and every unit made from its weights (into the store)."""
+        optimizer = self.optimizer
 
         # Donating (store.donate) params, optax state and the old bus copy makes the update write
         # in place. keep_unused: the old bus is never read, only donated; jit would otherwise
@@ -154,7 +172,6 @@ class HostState:
         for u in (0, 1, self.last):  # one per structure (pinned bus copies only)
             if self.direct is None:
                 self.buses[u].make_staging(self.units[u].bus, host_device)
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-optim")
 
     def _new_unit(self, params) -> Unit:
         """Unit len(units), its optax state and bus copy made from its fp32 master weights."""
@@ -209,7 +226,11 @@ class HostState:
 
     def unit_state(self, u: int) -> tuple:
         """(params, opt_state) of unit u once its update has finished: host arrays, or with the
-        disk tier read-only numpy arrays mapped from its file."""
+        disk tier read-only numpy arrays mapped from its file, once every update has finished
+        (reading a file waits for the tier's reads and writes, which only the host thread may
+        do while it updates)."""
+        if self.tier is not None:
+            self.wait()
         return self.store.view(u, self.ready(u))
 
     # ----------------------------------------------------------------- bus copies
@@ -353,22 +374,66 @@ class HostState:
             unit.bus = bus.after_update(unit, new_bus)
             if not bus.on_host:  # the refresh to the accelerator's pinned memory
                 self.counters.host_copy_bytes += transfer.nbytes(unit.bus)
+        # The future completes when the weights are usable; and before the disk tier takes back
+        # the buffer that params alias: a skipped step's bus copy is made from them.
+        jax.block_until_ready(unit.bus)
         self.store.store(u, unit)  # the disk tier: written back behind, out of RAM
-        jax.block_until_ready(unit.bus)  # the future completes when the weights are usable
         self.counters.host_update_s += time.perf_counter() - t0
 
     def submit(self, u: int, grads, grad_norm, scale):
-        """Queues unit u's update with its gradient (a transfer.Parcel on its way to the host, or
-        host arrays), the global norm of the scaled gradient and the scale (scalars in the
-        compute device's pinned host memory, or host scalars). Each may instead be a function
-        called on the host thread that returns it (the host lookup's, engine/lookup.py)."""
-        self.store.expect(u)  # the disk tier: its read may start ahead
-        if self.direct is not None:
-            self.units[u].pending = self._thread.submit(self._apply_direct, u, grads, grad_norm,
-                                                        scale)
-            return
-        self.units[u].pending = self._thread.submit(self._apply, u, self.buses[u], grads,
-                                                    grad_norm, scale)
+        """Queues unit u's update, as submit_all."""
+        self.submit_all([(u, grads)], grad_norm, scale)
+
+    def submit_all(self, grads: list, grad_norm, scale):
+        """Queues one step's updates, `grads` a list of (unit, its gradient) in the order they
+        run, as one job: all of them or, when this raises (a KeyboardInterrupt), none. Each
+        gradient is a transfer.Parcel on its way to the host, or host arrays; the global norm of
+        the scaled gradient and the scale are scalars in the compute device's pinned host memory,
+        or host scalars. Each may instead be a function called on the host thread that returns
+        it (the host lookup's, engine/lookup.py). Each unit has its own future (`ready`), so the
+        next step's fetches wait for their unit's update alone."""
+        jobs = [(u, g, concurrent.futures.Future()) for u, g in grads]
+        claim = threading.Lock()  # the job starts all of its updates, or the caller cancels all
+        previous = [self.units[u].pending for u, _, _ in jobs]
+        try:
+            for u, _, future in jobs:
+                self.units[u].pending = future
+            self._thread.submit(self._run_all, claim, jobs, grad_norm, scale)
+        except BaseException:
+            with claim:
+                cancelled = all([future.cancel() for _, _, future in jobs])
+            if cancelled:  # not started: as if never queued
+                for (u, _, _), future in zip(jobs, previous):
+                    self.units[u].pending = future
+            raise
+
+    def _run_all(self, claim, jobs, grad_norm, scale):
+        """Runs on the host-optimizer thread: one step's updates in order. After one fails the
+        rest are not run (their futures say why): the state is unknown from there on."""
+        with claim:
+            if not all([future.set_running_or_notify_cancel() for _, _, future in jobs]):
+                return  # cancelled by submit_all
+        for u, _, _ in jobs:
+            self.store.expect(u)  # the disk tier: its read may start ahead
+        failed = None
+        for u, grads, future in jobs:
+            if failed is not None:
+                future.set_exception(NotRun(failed))
+                continue
+            try:
+                if self.direct is not None:
+                    self._apply_direct(u, grads, grad_norm, scale)
+                else:
+                    self._apply(u, self.buses[u], grads, grad_norm, scale)
+            except BaseException as e:
+                failed = self._failure(u, e)
+                future.set_exception(e)
+                continue
+            future.set_result(None)
+
+    def _failure(self, u: int, e: BaseException) -> str:
+        name = "the stages'" if u in (0, self.last) else f"layer {u - 1}'s"
+        return f"{name} host update failed ({type(e).__name__}: {e})"
 
     def ready(self, u: int) -> Unit:
         """Unit u once its pending update has finished. An update that failed (re-raised here)
@@ -381,12 +446,28 @@ class HostState:
             future, unit.pending = unit.pending, None
             try:
                 future.result()  # re-raises anything the host thread raised
+            except NotRun as e:
+                self.failed = str(e)
+                raise RuntimeError(f"the engine is unusable: {self.failed}") from None
             except BaseException as e:
-                name = "the stages'" if u in (0, self.last) else f"layer {u - 1}'s"
-                self.failed = f"{name} host update failed ({type(e).__name__}: {e})"
+                self.failed = self._failure(u, e)
                 raise
             self.counters.host_wait_s += time.perf_counter() - t0
         return unit
+
+    def failure(self):
+        """Why the state is unknown (a host update failed, perhaps not yet seen by `ready`), or
+        None: every update that finished succeeded, so the state is that of a whole number of
+        steps (those still queued are whole steps too)."""
+        if not self.failed:
+            for u, unit in enumerate(self.units):
+                future = unit.pending
+                if future is not None and future.done() and not future.cancelled() and (
+                        future.exception() is not None):
+                    e = future.exception()
+                    self.failed = str(e) if isinstance(e, NotRun) else self._failure(u, e)
+                    break
+        return self.failed
 
     def wait(self):
         """Blocks until every pending update has finished (with the disk tier, written back)."""
@@ -395,7 +476,9 @@ class HostState:
         self.store.flush()
 
     def load_unit(self, u: int, unit_state: dict):
-        """Replaces unit u's state with `unit_state` ({"params", "opt_state"})."""
+        """Replaces unit u's state with `unit_state` ({"params", "opt_state"}), once every
+        pending update has finished (with the disk tier, the file is written on this thread)."""
+        self.wait()
         unit = self.ready(u)
         if self.direct is not None:
             self.store.put(u, unit, unit_state["params"], unit_state["opt_state"])
@@ -407,9 +490,28 @@ class HostState:
         unit.bus = self.make_bus(params, u)
 
     def close(self):
+        """Waits for the pending updates (raising what failed); after a failed update, cancels
+        those still queued instead."""
         try:
             if not self.failed:  # (what failed was raised already)
                 self.wait()
         finally:
-            self._thread.shutdown()
+            self._thread.shutdown(cancel_futures=True)
             self.store.close()
+
+
+class NotRun(RuntimeError):
+    """A unit's update that did not run: an earlier one of its step failed (the message)."""
+
+
+def check_max_grad_norm(max_grad_norm):
+    """max_grad_norm: None (no clipping) or a finite number > 0; else one ValueError line."""
+    if max_grad_norm is None:
+        return
+    try:
+        ok = math.isfinite(float(max_grad_norm)) and float(max_grad_norm) > 0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"max_grad_norm must be a finite number > 0 (None: no clipping), got "
+                         f"{max_grad_norm!r}")

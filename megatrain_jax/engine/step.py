@@ -224,11 +224,10 @@ def run(engine, inputs, targets, contexts) -> dict:
     hook("embed backward")
 
     # ---- update, on the host thread, in the order the next forward needs them: unit 0 (the
-    # first stage's), the layers, the last stage's
-    host.submit(0, first_out, *norm_scale)
-    for u in range(1, L + 1):
-        host.submit(u, layer_grads.pop(u), *norm_scale)
-    host.submit(host.last, last_out, *norm_scale)
+    # first stage's), the layers, the last stage's; queued as one job, so an exception here
+    # (Ctrl-C) leaves none of them queued, never some
+    host.submit_all([(0, first_out), *((u, layer_grads.pop(u)) for u in range(1, L + 1)),
+                     (host.last, last_out)], *norm_scale)
     if engine.host_lookup:
         grad_norm, stages_sq = backward.result()  # made on the host thread
     engine.unit_sq = local([stages_sq] + layer_sq[::-1] + [stages_sq])  # for nonfinite_units()

@@ -164,7 +164,11 @@ class StreamedEngine:
                               host_update=host_update)
         del stages
         # where the plan counts them: bus copies in the compute device's pinned host memory
-        self.transfers.check(self.host.units[1].bus, self.host.bus_sharding.memory_kind)
+        try:
+            self.transfers.check(self.host.units[1].bus, self.host.bus_sharding.memory_kind)
+        except BaseException:
+            self.host.close()  # its thread and the disk tier's files
+            raise
         self.parts = self.functions = None  # built at the first step, from its shapes
         # asked for (None: where it saves bytes); decided at the first step (_choose_lookup):
         # None until then
@@ -200,7 +204,10 @@ class StreamedEngine:
         self.host_lookup = not why
         if self.host_lookup:
             self.host.keep_bus_on_host(0)
-        elif self._host_lookup is not False:
+        elif self._host_lookup:  # asked for: said where the user sees it
+            log.warning("host_lookup=True does not apply (host lookup off: %s); the first stage "
+                        "runs on the device", why)
+        elif self._host_lookup is None:
             log.info("host lookup off: %s; the first stage runs on the device", why)
 
     def train_step(self, inputs, targets, context=None) -> dict:
@@ -217,7 +224,8 @@ class StreamedEngine:
         host thread has made the global norm (the next step's first stage would wait for that
         unit's update all the same). With an `aux_loss`, `loss` includes it and `aux_loss` holds it alone. When
         `grad_norm` is not finite the step leaves params and optimizer state unchanged
-        (`nonfinite_units()` then says where). If the step raises, the state is as before it.
+        (`nonfinite_units()` then says where). If the step raises, the state is as before it
+        (a Ctrl-C just after its updates were queued: as after it; they are queued all or none).
         """
         return self._run(step.run, inputs, targets, context)
 
@@ -244,8 +252,9 @@ class StreamedEngine:
 
     def _run(self, schedule, inputs, targets, context):
         """schedule(self, inputs, targets, contexts) on the batch put on the device. If it raises,
-        the saved activations are dropped and the state is as before; an exception with host
-        updates still queued (one failed on the host thread) leaves the engine unusable."""
+        the saved activations are dropped and the state is as before (or, raised after the
+        step's updates were queued, as after it: they are queued all or none); a host update
+        that failed leaves the engine unusable, saying which."""
         if self._broken:
             raise RuntimeError(f"the engine is unusable: {self._broken}")
         self.transfers.on_event = self.on_event and (lambda kind, what: self.on_event(kind, what,
@@ -260,8 +269,7 @@ class StreamedEngine:
             return schedule(self, inputs, targets, contexts)
         except BaseException as e:
             self.activations.clear()
-            if any(u.pending is not None for u in self.host.units):  # named where known
-                self._broken = self.host.failed or f"a host update failed ({type(e).__name__}: {e})"
+            self._broken = self.host.failure()
             raise
 
     def _update_event(self, u: int):
@@ -298,7 +306,9 @@ class StreamedEngine:
         try:
             self.host.wait()
         except BaseException as e:
-            self._broken = f"a host update failed ({type(e).__name__}: {e})"
+            self._broken = self.host.failure() or (None if isinstance(e, KeyboardInterrupt) else
+                                                   f"waiting for the host updates failed "
+                                                   f"({type(e).__name__}: {e})")
             raise
 
     @property

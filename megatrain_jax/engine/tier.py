@@ -382,7 +382,8 @@ class DiskTier:
         # fresh XLA arrays instead ran at ~2 GB/s, most of the host thread's time (the update
         # must then not donate them: HostState compiles a non-donating update for the tier).
         state = jax.tree.map(lambda x: jax.device_put(x, host), self.layouts[u].views(buffer))
-        self._loaned[u] = buffer
+        with self._lock:
+            self._loaned[u] = buffer
         self.wait_s += t1 - t0
         self.copy_s += time.perf_counter() - t1
         for v in ahead:  # each in a buffer of its own: u's is loaned until store(u)
@@ -401,7 +402,8 @@ class DiskTier:
             self._writes[oldest].result()
         self.wait_s += time.perf_counter() - t0
         buffer = self._fill(u, jax.tree.leaves((params, opt_state)))
-        loaned = self._loaned.pop(u, None)
+        with self._lock:
+            loaned = self._loaned.pop(u, None)
         if loaned is not None:
             self._give(loaned)
         self._writes[u] = self._pool.submit(self._write, u, buffer)
@@ -412,7 +414,17 @@ class DiskTier:
         self._write(u, self._fill(u, jax.tree.leaves((params, opt_state))))
 
     def flush(self):
-        """Waits for every read and write in flight (re-raising their errors)."""
+        """Waits for every read and write in flight (re-raising their errors). Refused while a
+        unit's update holds its read buffer (between load and store): its reads ahead and its
+        bookkeeping are the host thread's until then."""
+        with self._lock:
+            out = sorted(self._loaned)
+        if out:
+            raise RuntimeError(f"disk tier: flushed while unit {out[0]}'s update is running; "
+                               f"wait for the host updates first")
+        self._drain()
+
+    def _drain(self):
         for u, future in list(self._writes.items()):
             future.result()
             self._writes.pop(u, None)
@@ -430,7 +442,7 @@ class DiskTier:
 
     def close(self):
         try:
-            self.flush()
+            self._drain()  # (after a failed update, its unit's buffer stays loaned)
         finally:
             self._pool.shutdown()
             for fd in self.fds:

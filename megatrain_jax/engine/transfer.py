@@ -42,9 +42,15 @@ def across_clients(x, sharding):
     device = next(iter(x.sharding.device_set))
     target = next(iter(sharding.device_set))
     host_resident = device.platform == "cpu" or x.sharding.memory_kind == PINNED
-    if device.platform == target.platform or not host_resident:
+    if not crosses_clients(device, target) or not host_resident:
         return jax.device_put(x, sharding)
     return jax.device_put(np.asarray(x), sharding)
+
+
+def crosses_clients(source, target) -> bool:
+    """Whether a copy from device `source` to device `target` goes between two of jax's clients
+    (an accelerator's and the CPU backend's), where across_clients takes the numpy view."""
+    return source.platform != target.platform
 
 
 def memory_kinds(device) -> set:
