@@ -233,10 +233,12 @@ def test_the_host_lookups_gradients_on_the_host(grad_dtype):
     gradient and, in bf16, the table's fp32 accumulator beside unit 0's gradient cast from it;
     in fp32 unit 0's gradient is the accumulator itself (lookup.unit0_gradient)."""
     from megatrain_jax.flops import counts
-    from megatrain_jax.recipes import execution_for
+    from megatrain_jax.recipes import build_optimizer, execution_for
     cfg = config(SEQ["lookup"], grad_dtype=grad_dtype)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, host_lookup=True))
-    p, c = plan(cfg, MACHINE), counts(cfg, execution_for(cfg, "cpu")[0], MACHINE)
+    p = plan(cfg, MACHINE)
+    c = counts(cfg, execution_for(cfg, "cpu")[0], MACHINE, lookup_setting=True,
+               optimizer=build_optimizer(cfg.optimizer, cfg.train.steps))
     assert p.host_lookup
     g, rows = c.grad, 2 * 2 * SEQ["lookup"] * MODEL.hidden_size * 4
     accumulator = 4 * MODEL.vocab_size * MODEL.hidden_size if grad_dtype == "bfloat16" else 0
