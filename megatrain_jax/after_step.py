@@ -1,7 +1,7 @@
 """What the training loop does after a step besides the step, as small functions that train.py's
 loop calls in the order of the run's lines and files: the run's files and metrics (Metrics), the
 line of a skipped step, evaluation, a checkpoint, the line of a stop. What a loop works with is a
-Run.
+Run; the loss spikes it watches are megatrain_jax/spikes.py's.
 """
 
 import dataclasses
@@ -16,6 +16,7 @@ from megatrain_jax import checkpoint, metrics_log, progress
 from megatrain_jax.config import Config, to_dict
 from megatrain_jax.engine import tier as tier_lib
 from megatrain_jax.errors import TrainingError
+from megatrain_jax.spikes import Spikes
 
 ADVICE_AFTER = 3  # steps into a run: the first compiles, the next two are measured
 
@@ -32,6 +33,7 @@ class Run:
     start: int  # the checkpoint step it resumed from (0: none)
     updates: int  # updates applied so far: the count the schedule reads (none on a skipped step)
     identity: dict  # the data files' (fingerprint.files_identity), read once
+    spikes: Spikes  # the losses it judges against, the checkpoint it keeps from before a spike
     log: Callable
     primary: bool  # process 0: it logs and writes the run's files
     bad_steps: int = 0  # consecutive steps with a non-finite gradient
@@ -102,7 +104,7 @@ def eval_line(record: dict) -> str:
 
 def save_checkpoint(run: Run, step: int, meter: progress.Meter):
     """A checkpoint of the engine's state with the data's position, the data files' identity and
-    the run's progress (updates applied, the smoothed loss). Process 0
+    the run's progress (updates applied, the smoothed loss, what spikes judge against). Process 0
     saves replicated host state; with sharded host state every process saves its rows."""
     manager = run.manager
     if not (run.primary or run.engine.shards is not None):
@@ -116,10 +118,12 @@ def save_checkpoint(run: Run, step: int, meter: progress.Meter):
             checkpoint.save(manager, step, run.engine, {
                 "config": to_dict(run.cfg), "data_state": run.dataset.state(),
                 "data_files": run.identity,
-                "progress": {"updates": run.updates, "loss_smooth": meter.smoothing()},
+                "progress": {"updates": run.updates, "loss_smooth": meter.smoothing(),
+                             **run.spikes.state()},
                 "rng": {"seed": run.cfg.train.seed}})  # the home of a future dropout key
         except tier_lib.TierError as e:
             raise tier_fault(e, step, manager) from None
+        run.spikes.saved(step)
 
 
 def stop_line(run: Run, step: int, signal: str) -> str:
@@ -144,7 +148,10 @@ def _last_checkpoint(manager) -> str:
 
 
 def resume_hint(run: Run) -> str:
-    """Where the run can go on from after non-finite steps, and how."""
+    """Where the run can go on from after non-finite steps, and how: the checkpoint kept from
+    before a loss spike when the finite losses before them were one."""
+    if run.spikes.spiking:
+        return run.spikes.advice()
     manager = run.manager
     step = manager.latest_step()
     if step is None:

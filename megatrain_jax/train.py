@@ -35,6 +35,7 @@ from megatrain_jax.after_step import ADVICE_AFTER, Run, tier_fault
 from megatrain_jax.recipes import build_engine, build_schedule, load_data
 from megatrain_jax.runlock import RunLock
 from megatrain_jax.sources import files as source_files
+from megatrain_jax.spikes import Spikes
 
 
 def prepare_run_dir(run_dir: str):
@@ -233,7 +234,8 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
         start, saved_progress = meta["step"], meta.get("progress", {})
     # Older checkpoints did not record the updates: their steps, as if none had been skipped.
     run = Run(cfg, engine, dataset, eval_set, manager, run_plan, start,
-              saved_progress.get("updates", start), identity, log,
+              saved_progress.get("updates", start), identity,
+              Spikes(manager, saved_progress, start if resume_step is not None else None), log,
               primary=jax.process_index() == 0)
     peak_flops = _log_start(run, devices)
     history = _loop(run, console, peak_flops=peak_flops,
@@ -320,6 +322,9 @@ def _loop(run: Run, console, *, peak_flops, loss_smooth) -> list[dict]:
                 after_step.skipped(run, step)
             elif last or _every(step, cfg.train.log_every):
                 log(progress.line(record, total_steps=total))
+            spike = run.spikes.observe(step, record["loss"], updated=not run.bad_steps)
+            if spike:
+                log(spike)
             if step == run.start + ADVICE_AFTER:
                 for line in advice.for_run(cfg, engine, run.plan.machine, counted, timed):
                     log(line)
@@ -331,6 +336,8 @@ def _loop(run: Run, console, *, peak_flops, loss_smooth) -> list[dict]:
                 log(after_step.stop_line(run, step, stop.received))
                 break
         checkpoint.wait(run.manager)  # inside: a second signal still exits at once
+    if run.spikes.spiking:
+        log(f"the run ended in a loss spike: {run.spikes.advice()}")
     return metrics.history
 
 
