@@ -341,7 +341,7 @@ def test_the_largest_model_is_the_deepest_that_fits():
     2.5 layers at 20 B/param (fp32 master 4, m and v 8, bus copy 4, gradient 4): 5 layers fit,
     and the plan of the config at 6 layers does not."""
     from megatrain_jax.flops import counts, with_layers
-    from megatrain_jax.recipes import execution_for
+    from megatrain_jax.recipes import build_optimizer, execution_for
     cfg = config(64)
     at = lambda n: dataclasses.replace(cfg, model=dataclasses.replace(MODEL, num_layers=n))
     layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64
@@ -355,7 +355,9 @@ def test_the_largest_model_is_the_deepest_that_fits():
     six = plan(at(6), machine)  # the search's premise: the depth changes no workspace
     assert not six.fits and six.workspace == p.workspace
     execution = execution_for(cfg, "cpu")[0]
-    assert with_layers(counts(cfg, execution, machine), 6) == counts(at(6), execution, machine)
+    of = lambda cfg: counts(cfg, execution, machine, lookup_setting=None,
+                            optimizer=build_optimizer(cfg.optimizer, cfg.train.steps))
+    assert with_layers(of(cfg), 6) == of(at(6))
     assert p.largest_model_line().startswith(
         f"largest model that fits: 5 layers, {format_params(p.params + 2 * layer)} parameters "
         f"(6 layers, {format_params(p.params + 3 * layer)}, do not; model.num_layers varied")
@@ -373,10 +375,11 @@ def test_the_120b_config_takes_16_bytes_a_parameter_and_does_not_fit_1500_gb():
     from megatrain_jax.flops import counts
     from megatrain_jax.machines import MACHINES
     from megatrain_jax.memory_model import host_bytes
-    from megatrain_jax.recipes import execution_for
+    from megatrain_jax.recipes import build_optimizer, execution_for
     cfg = load_config(os.path.join(ROOT, "configs", "dense_120b.yaml"))
     machine = dataclasses.replace(MACHINES["h200"], host_memory_gb=1500)
-    c = counts(cfg, execution_for(cfg, "gpu")[0], machine)
+    c = counts(cfg, execution_for(cfg, "gpu")[0], machine, lookup_setting=None,
+               optimizer=build_optimizer(cfg.optimizer, cfg.train.steps))
     M, B, T = cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len
     assert M * B * T == 8192 and round(c.params / 1e8) == 1187
     for direct, staging, total in ((True, 0, 1906), (False, 0.04, 1911)):
