@@ -19,6 +19,7 @@ from datetime import datetime
 
 import numpy as np
 
+from megatrain_jax.config import OVERLONG
 from megatrain_jax.data import DataError, WindowOrder, share_of_batch
 from megatrain_jax.loss import IGNORE_ID
 from megatrain_jax.sources.cache import default_cache_dir
@@ -26,7 +27,6 @@ from megatrain_jax.sources.files import BadRows, records, resolve
 from megatrain_jax.sources.sequences import open_sequences
 
 ROLES = ("system", "user", "assistant")
-OVERLONG = ("truncate", "skip")  # data.overlong
 # The special tokens transformers passes to every template (its SPECIAL_TOKENS_ATTRIBUTES); any
 # other `*_token` string of tokenizer_config.json is passed too, as transformers 5 does.
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",

@@ -48,11 +48,25 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from megatrain_jax.errors import CheckpointError, SaveError
 
 _in_flight = weakref.WeakKeyDictionary()  # manager -> step of its last asynchronous save
+_policies = weakref.WeakKeyDictionary()  # manager -> its _LatestAndKept
+
+
+class _LatestAndKept:
+    """Orbax's preservation policy of make_manager: the `keep` latest steps, and the one step
+    keep_out_of_rotation names whatever its age."""
+
+    def __init__(self, keep: int | None):
+        self.latest, self.kept = ocp.checkpoint_managers.LatestN(keep), None
+
+    def should_preserve(self, checkpoints, *, context) -> list:
+        latest = self.latest.should_preserve(checkpoints, context=context)
+        return [bool(new) or c.step == self.kept for new, c in zip(latest, checkpoints)]
 
 
 def make_manager(directory, *, keep: int | None = None, async_save: bool = True,
                  write_bytes: int | None = None, sharded: bool = False) -> ocp.CheckpointManager:
-    """A CheckpointManager with the two items of this layout, keeping the `keep` latest steps.
+    """A CheckpointManager with the two items of this layout, keeping the `keep` latest steps
+    and the step keep_out_of_rotation names.
 
     async_save=False makes every `save` block until the checkpoint is committed (see `save`).
     write_bytes bounds the bytes Orbax writes at once (default: everything at once); it must exceed
@@ -68,8 +82,9 @@ def make_manager(directory, *, keep: int | None = None, async_save: bool = True,
     several = jax.process_count() > 1
     if several:  # Orbax creates it only with every process taking part
         os.makedirs(directory, exist_ok=True)
+    policy = _LatestAndKept(keep)
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, enable_async_checkpointing=async_save, create=not several,
+        preservation_policy=policy, enable_async_checkpointing=async_save, create=not several,
         **({"multiprocessing_options": alone} if several and not sharded else {}))
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     state_handler = (ocp.StandardCheckpointHandler() if write_bytes is None else
@@ -82,8 +97,16 @@ def make_manager(directory, *, keep: int | None = None, async_save: bool = True,
     registry.add("meta", ocp.args.JsonSave, ocp.JsonCheckpointHandler())
     registry.add("meta", ocp.args.JsonRestore, ocp.JsonCheckpointHandler())
     # Orbax (tensorstore) needs an absolute path; run_dir is often relative.
-    return ocp.CheckpointManager(os.path.abspath(directory), options=options,
-                                 handler_registry=registry)
+    manager = ocp.CheckpointManager(os.path.abspath(directory), options=options,
+                                    handler_registry=registry)
+    _policies[manager] = policy
+    return manager
+
+
+def keep_out_of_rotation(manager: ocp.CheckpointManager, step: int | None):
+    """Keeps checkpoint `step` whatever the manager's `keep` says (one step at a time: the one
+    named before goes back into the rotation; None: none)."""
+    _policies[manager].kept = step
 
 
 def error_line(e: BaseException) -> str:

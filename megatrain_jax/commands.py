@@ -51,7 +51,7 @@ def train(argv=None, prog=None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value")
 
     def go(args):
-        from megatrain_jax.config import load_config
+        from megatrain_jax.recipes import load_config  # model.from_hf read too
         from megatrain_jax.train import train as train_run
         cfg = load_config(args.config, args.overrides)
         train_run(cfg, console=terminal_console())
@@ -166,7 +166,8 @@ def plan(argv=None, prog=None) -> int:
         parser.add_argument(flag, dest=key, type=float, help=f"rate: {key}")
 
     def go(args):
-        from megatrain_jax.config import ConfigError, load_config
+        from megatrain_jax.config import ConfigError
+        from megatrain_jax.recipes import load_config  # model.from_hf read too
         from megatrain_jax.machines import GB
         from megatrain_jax.plan import plan as make_plan, plan_sweep
         from megatrain_jax.plan_report import format_bytes

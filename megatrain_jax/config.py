@@ -3,7 +3,8 @@
     cfg = load_config("configs/tiny.yaml", ["train.steps=20", "run_dir=/tmp/run"])
 
 Every mistake (unknown key, wrong type, inconsistent sizes) raises `ConfigError` with a one-line
-message that names the key.
+message that names the key. This module reads no model files: a config with `model.from_hf` is
+loaded by `megatrain_jax.recipes.load_config`, which passes in the reader of a HF directory.
 """
 
 import dataclasses
@@ -17,13 +18,13 @@ import typing
 import yaml
 
 from megatrain_jax.attention import IMPLEMENTATIONS
-from megatrain_jax.chat import OVERLONG  # data.overlong (sft)
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.model import ModelConfig
 
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")  # optimizer.schedule
 FORMATS = ("text", "sft", "preference")  # data.format
+OVERLONG = ("truncate", "skip")  # data.overlong (sft: a conversation longer than seq_len + 1)
 DPO_LOSSES = ("sigmoid", "ipo")  # dpo.loss (megatrain_jax.dpo.LOSSES)
 STATE_DTYPES = ("float32", "bfloat16")  # optimizer.state_dtype (engine/fused_adamw.py's)
 
@@ -569,8 +570,11 @@ def _load_yaml(stream, where: str):
         loader.dispose()
 
 
-def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Reads a YAML config (or the defaults) and applies `key=value` overrides."""
+def load_config(path: str | None = None, overrides: typing.Sequence[str] = (), *,
+                hf_model: typing.Callable[[str], ModelConfig] | None = None) -> Config:
+    """Reads a YAML config (or the defaults) and applies `key=value` overrides. With
+    model.from_hf set, the architecture is `hf_model(model.from_hf)` (recipes.load_config passes
+    the hf package's reader); a config that sets it is refused without one."""
     data = {}
     if path is not None:
         if os.path.isdir(path):
@@ -610,7 +614,11 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
         # sft rows are packed; preference rows mark their padding
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, document_mask=True))
     if cfg.model.from_hf:
-        cfg = dataclasses.replace(cfg, model=_model_from_hf(cfg.model, data.get("model", {})))
+        if hf_model is None:
+            raise ConfigError(f"model.from_hf={cfg.model.from_hf}: this loader reads no model "
+                              f"files; load the config with megatrain_jax.recipes.load_config")
+        cfg = dataclasses.replace(cfg, model=_model_from_hf(cfg.model, data.get("model", {}),
+                                                            hf_model))
     _check(cfg)
     return cfg
 
@@ -628,12 +636,10 @@ def from_dict(data: dict) -> Config:
     return cfg
 
 
-def _model_from_hf(given: ModelConfig, given_keys) -> ModelConfig:
-    """The architecture comes from the HF directory's config.json; a key also set in the config
-    must agree with it (so a saved, resolved config.yaml loads again)."""
-    from megatrain_jax import hf  # lazy: hf imports the model stack
-
-    model = hf.model_config_from_hf(given.from_hf)
+def _model_from_hf(given: ModelConfig, given_keys, hf_model) -> ModelConfig:
+    """The architecture comes from the HF directory's config.json (`hf_model`); a key also set
+    in the config must agree with it (so a saved, resolved config.yaml loads again)."""
+    model = hf_model(given.from_hf)
     for key in given_keys:
         if key != "init_std" and getattr(given, key) != getattr(model, key):
             raise ConfigError(f"model.{key}={getattr(given, key)!r} conflicts with "

@@ -2,10 +2,13 @@
 the model FLOPs of a training token (the numerator of MFU), the attention FLOPs as the device runs
 them, and the tokens per step that hide a layer's transfers under its compute.
 
-    c = counts(cfg, execution, MACHINES["h100"])     # parameters per unit, bytes per element
+    c = counts(cfg, execution, MACHINES["h100"], optimizer=build_optimizer(cfg.optimizer,
+               cfg.train.steps), lookup_setting=host_lookup_setting(cfg))  # recipes' two
     flops_per_token(cfg.model, cfg.data.seq_len)     # model FLOPs of one training token
 
 The memory plan (megatrain_jax.plan) and the step-time model (megatrain_jax.step_time) read both.
+What the run itself builds (its optimizer, its train.host_lookup) is passed in: this module sits
+below megatrain_jax.recipes and the data stack it builds.
 The parameter trees are built abstractly (`nnx.eval_shape`: an 8B model is never allocated).
 """
 
@@ -15,6 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 from megatrain_jax.config import Config
@@ -121,14 +125,15 @@ def _idle_expert_params(model: ModelConfig) -> int:
     return idle * 3 * model.hidden_size * model.intermediate_size
 
 
-def counts(cfg: Config, execution: Execution, machine: Machine) -> Counts:
-    """The Counts of `cfg` run with `execution` on `machine`."""
-    from megatrain_jax.recipes import build_optimizer, host_lookup_setting  # the run's own
-
+def counts(cfg: Config, execution: Execution, machine: Machine, *,
+           optimizer: optax.GradientTransformation, lookup_setting: bool | None) -> Counts:
+    """The Counts of `cfg` run with `execution` on `machine`, its units' optax state that of
+    `optimizer` (recipes.build_optimizer's) and its host lookup `lookup_setting` (the engine's
+    host_lookup: recipes.host_lookup_setting)."""
     _, stages, _, block, parts = abstract_units(cfg.model, execution)
     size = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
     leaves = jax.tree.leaves(stages)
-    init = build_optimizer(cfg.optimizer, cfg.train.steps).init
+    init = optimizer.init
     optimizer_bytes = lambda tree: sum(x.size * x.dtype.itemsize
                                        for x in jax.tree.leaves(jax.eval_shape(init, tree)))
     return Counts(
@@ -143,15 +148,14 @@ def counts(cfg: Config, execution: Execution, machine: Machine) -> Counts:
         optimizer=sum(map(optimizer_bytes, stage_units.split(stages)))
         + cfg.model.num_layers * optimizer_bytes(block),
         accelerator=not machine.compute_on_host,
-        direct=direct.available(build_optimizer(cfg.optimizer, cfg.train.steps),
-                                cfg.offload.tier == "disk" or None) is None,
+        direct=direct.available(optimizer, cfg.offload.tier == "disk" or None) is None,
         stages_state=4 * size(stages) + optimizer_bytes(stages),
         layer_state=4 * size(block) + optimizer_bytes(block),
         host_shards=cfg.distributed.num_processes if cfg.distributed.shard_optimizer else 1,
         lookup_serves=lookup.serves(
             (local_devices(cfg, machine) or 1) > 1 or cfg.distributed.num_processes > 1, parts,
             stage_units.indices(stage_units.split(stages)[0])),
-        lookup_setting=host_lookup_setting(cfg))
+        lookup_setting=lookup_setting)
 
 
 def local_devices(cfg: Config, machine: Machine) -> int:

@@ -38,12 +38,14 @@ LARGEST_SEQ_TOLERANCE = 0.02
 def plan(cfg: Config, machine: Machine) -> Plan:
     """The plan of `cfg` on `machine`. Compiles the step's five device functions for the
     configured micro-batch shape (seconds for an 8B model on a CPU); allocates nothing."""
-    from megatrain_jax.recipes import execution_for  # the engine's own: lazy, train imports us
+    # the engine's own: lazy, train imports us
+    from megatrain_jax.recipes import build_optimizer, execution_for, host_lookup_setting
 
     execution, attention_reason = execution_for(cfg, machine.platform)
     device = compile_device(machine.platform)
     compiled, notes = _compiled_execution(execution, device, machine, cfg.data.seq_len)
-    c = counts(cfg, compiled, machine)
+    c = counts(cfg, compiled, machine, optimizer=build_optimizer(cfg.optimizer, cfg.train.steps),
+               lookup_setting=host_lookup_setting(cfg))
     M, B, T = cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len
     temps = functools.partial(workspace_bytes, cfg.model, compiled, cfg.train.compute_dtype,
                               cfg.train.grad_dtype, document_mask=cfg.data.document_mask,

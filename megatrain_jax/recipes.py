@@ -1,5 +1,6 @@
-"""What a config builds, in one place: the model's execution options, the optimizer and its
-schedule, the engine, the disk tier's options and the data. train.py, plan.py, step_time.py,
+"""What a config builds, in one place: the config itself with a HF model's architecture
+(`load_config`), the model's execution options, the optimizer and its schedule, the engine, the
+disk tier's options and the data. train.py, plan.py, step_time.py,
 generate.py, the scripts and the tests build from here."""
 
 import hashlib
@@ -12,6 +13,7 @@ import optax
 
 from megatrain_jax import attention, chat, dpo, hf, moe, preference
 from megatrain_jax import data as data_lib
+from megatrain_jax import config as config_lib
 from megatrain_jax.config import Config, ConfigError, to_dict
 from megatrain_jax.engine import StreamedEngine
 from megatrain_jax.engine import fused_adamw
@@ -20,6 +22,12 @@ from megatrain_jax.model import Execution, make_block, make_stages
 from megatrain_jax.sources.cache import default_cache_dir, source_tokens
 from megatrain_jax.sources.mixture import MixtureDataset
 from megatrain_jax.sources.prefetch import ReadAhead
+
+
+def load_config(path: str | None = None, overrides=()) -> Config:
+    """config.load_config, with `model.from_hf`'s architecture read from that HF directory's
+    config.json (a model key also given must agree with it)."""
+    return config_lib.load_config(path, overrides, hf_model=hf.model_config_from_hf)
 
 
 def execution_for(cfg: Config, platform: str | None = None) -> tuple[Execution, str]:

@@ -377,9 +377,11 @@ def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True,
     # lazy: jax and the model (`megatrain --help` stays quick)
     from megatrain_jax.flops import attention_flops, counts, flops_per_token, host_lookup
     from megatrain_jax.machines import MACHINES
-    from megatrain_jax.recipes import execution_for  # the model
+    from megatrain_jax.recipes import build_optimizer, execution_for, host_lookup_setting
     execution, _ = execution_for(cfg, "gpu")
-    c = counts(cfg, execution, dataclasses.replace(MACHINES["h100"], devices=devices))
+    c = counts(cfg, execution, dataclasses.replace(MACHINES["h100"], devices=devices),
+               optimizer=build_optimizer(cfg.optimizer, cfg.train.steps),
+               lookup_setting=host_lookup_setting(cfg))
     model, (M, B, T) = cfg.model, (cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len)
     tokens = B * T  # per micro-batch
     head = model.hidden_size * model.vocab_size

@@ -1,6 +1,7 @@
 """`train(config)`: the Llama-family model on the streamed engine, with a plain loop: a step, then
-its hooks (megatrain_jax/hooks.py: metrics, lines, evaluation, advice, checkpoints). What the
-config builds (the engine, the optimizer, the data) is megatrain_jax/recipes.py's.
+what follows it, each at its cadence (`if step % n == 0`), in the order of the run's lines and
+files (the pieces: megatrain_jax/after_step.py). What the config builds (the engine, the
+optimizer, the data) is megatrain_jax/recipes.py's.
 
 scripts/train.py and `megatrain train` (megatrain_jax.commands) are a thin CLI over this module.
 """
@@ -12,13 +13,13 @@ import os
 import signal
 import threading
 import time
-from typing import Callable
 
 import jax
 import numpy as np
 import yaml
 
-from megatrain_jax import checkpoint, dpo
+from megatrain_jax import advice, checkpoint, dpo
+from megatrain_jax import after_step
 from megatrain_jax import distributed
 from megatrain_jax import fingerprint
 from megatrain_jax import hostmem
@@ -28,14 +29,13 @@ from megatrain_jax import machines
 from megatrain_jax import plan as plan_lib
 from megatrain_jax import progress
 from megatrain_jax.config import Config, ConfigError, resume_changes, to_dict
-from megatrain_jax.engine import StreamedEngine
 from megatrain_jax.engine import tier as tier_lib
 from megatrain_jax.errors import TrainingError
-from megatrain_jax.hooks import (Advice, Checkpoints, Evaluation, Hook, Metrics, StepInfo,
-                                 StepLines, tier_fault)
+from megatrain_jax.after_step import ADVICE_AFTER, Run, tier_fault
 from megatrain_jax.recipes import build_engine, build_schedule, load_data
 from megatrain_jax.runlock import RunLock
 from megatrain_jax.sources import files as source_files
+from megatrain_jax.spikes import Spikes
 
 
 def prepare_run_dir(run_dir: str):
@@ -212,22 +212,6 @@ def _peak_flops(cfg: Config, device) -> tuple[float | None, str]:
     return tflops * 1e12, f"MFU against {tflops:g} bf16 TFLOPS ({device.device_kind})"
 
 
-@dataclasses.dataclass
-class _Run:
-    """What a run's loop works with (_train_locked builds it)."""
-    cfg: Config
-    engine: StreamedEngine
-    dataset: object
-    eval_set: list | None
-    manager: object  # the checkpoints' (checkpoint.make_manager)
-    plan: object  # plan_lib.plan's, for this process's devices
-    start: int  # the checkpoint step it resumed from (0: none)
-    updates: int  # updates applied so far: the count the schedule reads (none on a skipped step)
-    identity: dict  # the data files' (fingerprint.files_identity), read once
-    log: Callable
-    bad_steps: int = 0  # consecutive steps with a non-finite gradient
-
-
 def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[dict]:
     identity = fingerprint.files_identity(source_files.data_files(cfg.data))  # read once
     resume_step = resume_point(cfg, log, identity)
@@ -252,8 +236,10 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
             dataset.restore(meta["data_state"])
             start, saved_progress = meta["step"], meta.get("progress", {})
         # Older checkpoints did not record the updates: their steps, as if none had been skipped.
-        run = _Run(cfg, engine, dataset, eval_set, manager, run_plan, start,
-                   saved_progress.get("updates", start), identity, log)
+        run = Run(cfg, engine, dataset, eval_set, manager, run_plan, start,
+                  saved_progress.get("updates", start), identity,
+                  Spikes(manager, saved_progress, start if resume_step is not None else None), log,
+                  primary=jax.process_index() == 0)
         peak_flops = _log_start(run, devices)
         history = _loop(run, console, peak_flops=peak_flops,
                         loss_smooth=saved_progress.get("loss_smooth"))
@@ -303,7 +289,7 @@ def _checked_plan(cfg: Config, devices: int):
     return run_plan
 
 
-def _log_start(run: _Run, devices: int) -> float | None:
+def _log_start(run: Run, devices: int) -> float | None:
     """The run's first lines: its config, model, plan, disk tier, data, evaluation and resume.
     Returns the peak FLOP/s of all its devices, which MFU is measured against (None: unknown)."""
     cfg, engine, dataset, log = run.cfg, run.engine, run.dataset, run.log
@@ -331,59 +317,98 @@ def _log_start(run: _Run, devices: int) -> float | None:
     return None if peak_flops is None else peak_flops * devices  # MFU of every device's peak
 
 
-def _loop(run: _Run, console, *, peak_flops, loss_smooth) -> list[dict]:
-    """Steps start + 1 to train.steps, each followed by its hooks; a stop signal ends the run
-    after the step it came in (the checkpoint hook saves that step). Returns the records."""
-    cfg, total, primary = run.cfg, run.cfg.train.steps, jax.process_index() == 0
-    with jax.default_device(jax.local_devices(backend="cpu")[0]):  # each step's lr, for the log
+def _loop(run: Run, console, *, peak_flops, loss_smooth) -> list[dict]:
+    """Steps start + 1 to train.steps, each followed by what comes after it, in the order of the
+    run's lines and files. A stop signal ends the run after the step it came in, with a
+    checkpoint of that step. Returns the records."""
+    cfg, engine, log, total = run.cfg, run.engine, run.log, run.cfg.train.steps
+    lrs, meter = _rates(run, peak_flops, loss_smooth)
+    counted, timed = None, []  # the engine's counters after the first step, the next steps' times
+    with _StopSignals() as stop, contextlib.ExitStack() as files:
+        metrics = after_step.Metrics(run, meter=meter, files=files, live=_live(run, console, files))
+        for step in range(run.start + 1, total + 1):
+            last = step == total
+            record = _step(run, step, lrs)
+            if step == run.start + 1:  # the first step compiles: the advice times the next ones
+                counted = dataclasses.replace(engine.counters)
+            elif step <= run.start + ADVICE_AFTER:
+                timed.append(record["step_time_s"])
+            metrics.open()
+            evaluating = run.eval_set and (last or _every(step, cfg.train.eval_every))
+            if evaluating:  # the weights after this step's update, in this step's record
+                record.update(after_step.evaluate(engine, run.eval_set))
+            metrics.write(record)
+            if run.bad_steps:
+                after_step.skipped(run, step)
+            elif last or _every(step, cfg.train.log_every):
+                log(progress.line(record, total_steps=total))
+            spike = run.spikes.observe(step, record["loss"], updated=not run.bad_steps)
+            if spike:
+                log(spike)
+            if step == run.start + ADVICE_AFTER:
+                for line in advice.for_run(cfg, engine, run.plan.machine, counted, timed):
+                    log(line)
+            if evaluating:
+                log(after_step.eval_line(record))
+            if last or stop.received or _every(step, cfg.checkpoint.every):
+                after_step.save_checkpoint(run, step, meter)
+            if stop.received:
+                log(after_step.stop_line(run, step, stop.received))
+                break
+        checkpoint.wait(run.manager)  # inside: a second signal still exits at once
+    if run.spikes.spiking:
+        log(f"the run ended in a loss spike: {run.spikes.advice()}")
+    return metrics.history
+
+
+def _every(step: int, n: int) -> bool:
+    """Step `step` is one of every n-th (n 0: none)."""
+    return n > 0 and step % n == 0
+
+
+def _rates(run: Run, peak_flops, loss_smooth) -> tuple:
+    """(each step's learning rate, for the log; the progress.Meter of the run's figures)."""
+    cfg, total = run.cfg, run.cfg.train.steps
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
         lrs = np.asarray(build_schedule(cfg.optimizer, total)(np.arange(total)))
     meter = progress.Meter(total_steps=total, start_step=run.start,
                            tokens_per_step=run.dataset.tokens_per_batch,
                            flops_per_token=flops.flops_per_token(cfg.model, cfg.data.seq_len),
                            peak_flops=peak_flops, device=run.engine.compute_device,
                            smoothing=loss_smooth)
-    with _StopSignals() as stop, contextlib.ExitStack() as files:
-        live = None
-        if console is not None and console.is_terminal and run.start < total:
-            live = files.enter_context(progress.LiveDisplay(
-                console, total_steps=total, start_step=run.start))
-        metrics = Metrics(cfg, start=run.start, meter=meter, files=files, live=live, log=run.log,
-                          primary=primary)
-        checkpoints = Checkpoints(cfg, run.engine, run.dataset, run.manager, meter=meter,
-                                  identity=run.identity, log=run.log, primary=primary)
-        hooks = _hooks(run, metrics, checkpoints)
-        for step in range(run.start + 1, total + 1):
-            t0 = time.perf_counter()
-            out, loss, grad_norm = _train_step(run, step)
-            info = _step_info(run, step, out, (loss, grad_norm, time.perf_counter() - t0), lrs,
-                              stop)
-            for hook in hooks:
-                hook(info)
-            if stop.received:
-                run.log(checkpoints.stop_line(info))
-                break
-        checkpoint.wait(run.manager)  # inside: a second signal still exits at once
-    return metrics.history
+    return lrs, meter
 
 
-def _hooks(run: _Run, metrics: Metrics, checkpoints: Checkpoints) -> list[Hook]:
-    """What follows each step, in the order of the run's lines and files. Evaluation reads the
-    weights after the step's update; its figures join the step's record before it is written."""
-    cfg, engine, log = run.cfg, run.engine, run.log
-    lines = StepLines(cfg, engine, run.manager, log)
-    advising = Advice(cfg, engine, run.plan.machine, start=run.start, log=log)
-    evaluation = Evaluation(engine, run.eval_set, log) if run.eval_set else None
-    evaluating = dict(every=cfg.train.eval_every, at_end=True)
-    return [Hook(advising.measure), Hook(metrics.open),
-            *([Hook(evaluation.run, **evaluating)] if evaluation else []),
-            Hook(metrics.write), Hook(lines.skipped),
-            Hook(lines.progress, every=cfg.train.log_every, at_end=True),
-            Hook(advising.report),
-            *([Hook(evaluation.line, **evaluating)] if evaluation else []),
-            Hook(checkpoints.save, every=cfg.checkpoint.every, at_end=True, on_stop=True)]
+def _live(run: Run, console, files):
+    """The live progress bar under the lines, on a terminal (rich), else None."""
+    if console is None or not console.is_terminal or run.start >= run.cfg.train.steps:
+        return None
+    return files.enter_context(progress.LiveDisplay(console, total_steps=run.cfg.train.steps,
+                                                    start_step=run.start))
 
 
-def _train_step(run: _Run, step: int) -> tuple:
+def _step(run: Run, step: int, lrs) -> dict:
+    """Step `step`'s record (its loss, gradient norm, time and learning rate), the run's counts
+    updated: a step with a non-finite gradient is skipped and applies no update."""
+    t0 = time.perf_counter()
+    out, loss, grad_norm = _train_step(run, step)
+    dt = time.perf_counter() - t0
+    record = {"step": step, "loss": loss, "grad_norm": grad_norm,
+              "tokens_per_sec": run.dataset.tokens_per_batch / dt, "step_time_s": dt,
+              "lr": float(lrs[run.updates])}  # the rate this step's update uses
+    if "aux_loss" in out:  # a mixture of experts' load balancing, included in loss
+        record["aux_loss"] = float(out["aux_loss"])
+    if "stats" in out:  # the DPO head's: reward margin and accuracy, log-probs
+        record.update(dpo.step_metrics(out["stats"]))
+    run.bad_steps = 0 if math.isfinite(grad_norm) else run.bad_steps + 1
+    if run.bad_steps:
+        record["skipped"] = True
+    else:
+        run.updates += 1
+    return record
+
+
+def _train_step(run: Run, step: int) -> tuple:
     """(the engine's outputs, the loss, the gradient norm) of step `step`; a fault as one line
     naming the step where it has one (out of memory, a lost process, the disk tier)."""
     inputs, targets, context = run.dataset.next_batch_with_context()
@@ -400,25 +425,6 @@ def _train_step(run: _Run, step: int) -> tuple:
     except (RuntimeError, ValueError) as e:  # gloo's failed collective is a ValueError
         _raise_if_lost(e, step)
         raise
-
-
-def _step_info(run: _Run, step: int, out: dict, measured: tuple, lrs, stop) -> StepInfo:
-    """The step's record (`measured`: its loss, gradient norm and seconds) and the run's counts
-    after it: a step with a non-finite gradient is skipped and applies no update."""
-    loss, grad_norm, dt = measured
-    record = {"step": step, "loss": loss, "grad_norm": grad_norm,
-              "tokens_per_sec": run.dataset.tokens_per_batch / dt, "step_time_s": dt,
-              "lr": float(lrs[run.updates])}  # the rate this step's update uses
-    if "aux_loss" in out:  # a mixture of experts' load balancing, included in loss
-        record["aux_loss"] = float(out["aux_loss"])
-    if "stats" in out:  # the DPO head's: reward margin and accuracy, log-probs
-        record.update(dpo.step_metrics(out["stats"]))
-    run.bad_steps = 0 if math.isfinite(grad_norm) else run.bad_steps + 1
-    if run.bad_steps:
-        record["skipped"] = True
-    else:
-        run.updates += 1
-    return StepInfo(step, step == run.cfg.train.steps, record, run.bad_steps, run.updates, stop)
 
 
 def _data_parallel_note(devices: int) -> str:

@@ -82,7 +82,8 @@ def main(argv=None) -> int:
 
 
 def bench(args):
-    from megatrain_jax.config import ConfigError, load_config, to_dict
+    from megatrain_jax.config import ConfigError, to_dict
+    from megatrain_jax.recipes import load_config  # model.from_hf read too
     if args.steps < 1 or args.warmup < 1:
         raise ConfigError("--steps and --warmup must be >= 1 (the warm-up steps compile: with "
                           "none, compile time would be timed)")

@@ -60,8 +60,7 @@ def child(args):
     import jax
 
     from megatrain_jax import hf, hostmem
-    from megatrain_jax.config import load_config
-    from megatrain_jax.recipes import build_engine
+    from megatrain_jax.recipes import build_engine, load_config
 
     jax.devices()  # start the CPU backend before the baseline
     cfg = load_config(None, [f"model.from_hf={args.model_dir}", "train.compute_dtype=bfloat16"])

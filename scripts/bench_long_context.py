@@ -79,7 +79,7 @@ def maxrss_bytes() -> int:
 
 
 def make_config(args, dense: bool = False):
-    from megatrain_jax.config import load_config
+    from megatrain_jax.recipes import load_config  # model.from_hf read too
     d = args.hidden
     execution = ([f"train.attention=xla", "train.tile_size=0", f"train.loss_chunk={args.seq_len}",
                   "train.loss_vocab_chunk=0", "train.offload_activations=false"] if dense else

@@ -43,11 +43,10 @@ import jax  # noqa: E402  (after the arguments: --help stays quick)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from megatrain_jax.config import load_config  # noqa: E402
 from megatrain_jax.engine import lookup, stage_units  # noqa: E402
 from megatrain_jax.engine.functions import DeviceFunctions  # noqa: E402
 from megatrain_jax.flops import abstract_units  # noqa: E402
-from megatrain_jax.recipes import execution_for  # noqa: E402
+from megatrain_jax.recipes import execution_for, load_config  # noqa: E402
 
 cfg = load_config(args.config, args.overrides)
 cpu = jax.devices("cpu")[0]

@@ -1,6 +1,7 @@
 """The package's shape, read from its source with `ast` (nothing is imported): no import cycle,
-engine/ importing nothing of megatrain_jax outside itself, one table of device peaks (scripts read
-megatrain_jax.machines'), and short functions in the modules around the engine (issue 26)."""
+engine/ importing nothing of megatrain_jax outside itself, no module standing on one above it
+(FORBIDDEN), one table of device peaks (scripts read megatrain_jax.machines'), and short
+functions in the modules around the engine (issue 26)."""
 
 import ast
 import pathlib
@@ -112,6 +113,62 @@ def test_the_cycle_finder_sees_lazy_submodule_and_relative_imports(tmp_path):
     assert graph["p.a"] == {"p.sub.b"}
     assert graph["p.sub.b"] == {"p.a"}
     assert cycles(graph) == [["p.a", "p.sub.b"], ["p.c", "p.sub"]]
+
+
+def reaches(graph: dict, module: str) -> set:
+    """Every module `module` imports, directly or through others."""
+    seen, todo = set(), [module]
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def under(module: str, name: str) -> bool:
+    """module is name or a module of the package name."""
+    return module == name or module.startswith(name + ".")
+
+
+# Arrows that must not exist, directly or through other modules (issue 36 item 5): a module low
+# in the stack does not stand on one above it.
+DATA_STACK = ("recipes", "data", "sources", "chat", "preference", "dpo", "hf")
+FORBIDDEN = [
+    # the FLOP and parameter counts stand near the ground: what a run builds is passed in
+    *[("flops", above) for above in DATA_STACK],
+    ("config", "chat"),  # the config names data.overlong's choices itself
+    ("config", "hf"),  # model.from_hf is read by recipes.load_config
+    ("engine.decode", "engine.streamed"),  # the decoder shares helpers, not the trainer's class
+]
+
+
+def forbidden_arrows(graph: dict, package: str = PACKAGE) -> list:
+    """[(importer, imported module)] of every FORBIDDEN arrow found in graph."""
+    return [(importer, target) for importer, above in FORBIDDEN
+            for target in sorted(reaches(graph, f"{package}.{importer}"))
+            if under(target, f"{package}.{above}")]
+
+
+def test_the_layering_check_sees_an_arrow_through_another_module_and_a_lazy_import(tmp_path):
+    """Each arrow fails the check, also when it goes through a module between or sits inside a
+    function, and a module of a forbidden package counts as that package."""
+    files = {"p/__init__.py": "", "p/hf/__init__.py": "", "p/hf/io.py": "",
+             "p/model.py": "def f():\n    from p.hf import io\n",
+             "p/config.py": "from p import model\n",
+             "p/flops.py": "import p.recipes\n", "p/recipes.py": "",
+             "p/engine/__init__.py": "", "p/engine/streamed.py": "",
+             "p/engine/decode.py": "from .streamed import x\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph(module_sources(tmp_path, "p"), "p")
+    assert forbidden_arrows(graph, "p") == [("flops", "p.recipes"), ("config", "p.hf.io"),
+                                            ("engine.decode", "p.engine.streamed")]
+
+
+def test_no_module_stands_on_one_above_it():
+    assert forbidden_arrows(import_graph(module_sources())) == []
 
 
 def test_no_import_cycle_in_the_package():

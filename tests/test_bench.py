@@ -18,10 +18,16 @@ from megatrain_jax.engine import fused_adamw
 from megatrain_jax.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location(
-    "results_tables", os.path.join(ROOT, "scripts", "results_tables.py"))
-tables = importlib.util.module_from_spec(_spec)  # each JSON also renders as its docs table
-_spec.loader.exec_module(tables)
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+tables = load_script("results_tables")  # each JSON also renders as its docs table
 
 
 def run(script, *args):
@@ -81,15 +87,19 @@ def test_bench_one_step_table_and_json(tmp_path):
     assert f"| {s['throughput_vs_resident']:.2f}x |" in row
 
 
-def test_bench_rejects_bad_arguments(tmp_path):
-    proc = run("bench.py", "--config", "configs/tiny.yaml", "--baselines", "fsdp",
-               "--json", str(tmp_path / "x.json"))
-    assert proc.returncode == 2 and "fsdp" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run("bench.py", "--config", "configs/tiny.yaml", "model.hidden_sise=3")
-    assert proc.returncode == 2 and "model.hidden_sise" in proc.stderr
-    proc = run("bench.py", "--config", "configs/tiny.yaml", "--warmup", "0",
-               "--json", str(tmp_path / "x.json"))  # compile time would be timed
-    assert proc.returncode == 2 and "--warmup" in proc.stderr and "Traceback" not in proc.stderr
+def test_bench_rejects_bad_arguments(tmp_path, capsys):
+    """scripts/bench.py's main, in-process (the exit code `python scripts/bench.py` exits with):
+    each refusal is one line, before anything runs."""
+    main = load_script("bench").main
+    tiny = ["--config", os.path.join(ROOT, "configs", "tiny.yaml")]
+    for args, culprit in [(["--baselines", "fsdp", "--json", str(tmp_path / "x.json")], "fsdp"),
+                          (["model.hidden_sise=3"], "model.hidden_sise"),
+                          # compile time would be timed
+                          (["--warmup", "0", "--json", str(tmp_path / "x.json")], "--warmup")]:
+        assert main([*tiny, *args]) == 2, args
+        err = capsys.readouterr().err
+        assert err.strip().splitlines()[-1].startswith("error: ") and culprit in err, err
+        assert "Traceback" not in err
     assert not (tmp_path / "x.json").exists()
 
 

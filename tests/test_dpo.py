@@ -210,7 +210,7 @@ def preference_cfg(tmp_path, data, *overrides, model_dir=None):
     """configs/dpo_tiny.yaml on `data`, with a small random model or the HF model `model_dir`."""
     import yaml
 
-    from megatrain_jax.config import load_config
+    from megatrain_jax.recipes import load_config  # model.from_hf read too
     config = os.path.join(ROOT, "configs", "dpo_tiny.yaml")
     given = [f"data.path={data}", f"run_dir={tmp_path / 'run'}"]
     if model_dir:  # the architecture from config.json: no model section

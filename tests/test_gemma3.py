@@ -23,7 +23,7 @@ from test_hf import (ADAMW, V, adamw_engine, as_hf, assert_adamw_step_equals_tor
 
 from megatrain_jax import hf  # noqa: E402
 from megatrain_jax.cli import run_cli  # noqa: E402
-from megatrain_jax.config import load_config  # noqa: E402
+from megatrain_jax.recipes import load_config  # noqa: E402  (model.from_hf read too)
 from megatrain_jax.model import Execution  # noqa: E402
 
 # A local and a global layer; a window (5) shorter than the batch's 12 tokens; a query scale

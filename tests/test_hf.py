@@ -23,9 +23,9 @@ from flax import nnx  # noqa: E402
 
 from megatrain_jax import hf  # noqa: E402
 from megatrain_jax.cli import run_cli  # noqa: E402
-from megatrain_jax.config import Config, DataConfig, load_config, to_dict  # noqa: E402
+from megatrain_jax.config import Config, DataConfig, to_dict  # noqa: E402
 from megatrain_jax.engine import StreamedEngine  # noqa: E402
-from megatrain_jax.recipes import decay_mask  # noqa: E402
+from megatrain_jax.recipes import decay_mask, load_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V = 101
@@ -570,6 +570,16 @@ def test_config_keys_must_agree_with_the_hf_directory(hf_dirs):
     assert cfg.model.hidden_size == 64 and cfg.model.tie_embeddings
     with pytest.raises(Exception, match=r"model.num_layers=4 conflicts with .*config.json \(2\)"):
         load_config(None, [f"model.from_hf={path}", "model.num_layers=4"])
+
+
+def test_the_config_layer_reads_no_hf_directory(hf_dirs):
+    """config.load_config imports nothing of hf: a config with model.from_hf is refused there by
+    name, and recipes.load_config reads it."""
+    from megatrain_jax import config
+    path = hf_dirs["llama"][1]
+    with pytest.raises(config.ConfigError, match=r"model.from_hf=.*recipes.load_config"):
+        config.load_config(None, [f"model.from_hf={path}"])
+    assert load_config(None, [f"model.from_hf={path}"]).model.num_layers == 2
 
 
 def test_finetune_from_hf_on_jsonl_starts_at_the_hf_models_loss(hf_dirs, tmp_path):

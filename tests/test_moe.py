@@ -22,10 +22,9 @@ from safetensors.numpy import load_file  # noqa: E402
 
 from megatrain_jax import hf, moe  # noqa: E402
 from megatrain_jax.cli import run_cli  # noqa: E402
-from megatrain_jax.config import load_config  # noqa: E402
 from megatrain_jax.engine import StreamedEngine  # noqa: E402
 from megatrain_jax.model import Block, Execution, ModelConfig  # noqa: E402
-from megatrain_jax.recipes import decay_mask  # noqa: E402
+from megatrain_jax.recipes import decay_mask, load_config  # noqa: E402
 from test_engine import count_compiles  # noqa: E402
 from test_hf import (assert_close, eager_fp32_perturbed, export, hf_engine,  # noqa: E402
                      save_checkpoint)
@@ -399,12 +398,15 @@ def test_plan_streams_every_expert_and_counts_flops_of_the_routed_ones():
     from megatrain_jax.config import Config, DataConfig
     from megatrain_jax.machines import MACHINES
     from megatrain_jax.plan_report import format_bytes, layer_line
+    from megatrain_jax.recipes import build_optimizer
 
     d, f, e, k = 64, 96, 16, 2
     moe_cfg = ModelConfig(vocab_size=V, hidden_size=d, intermediate_size=f, num_layers=2,
                           num_heads=4, num_kv_heads=2, num_experts=e, experts_per_token=k)
     machine = MACHINES["h100"]
-    counts = flops.counts(Config(model=moe_cfg, data=DataConfig(seq_len=64)), Execution(), machine)
+    cfg = Config(model=moe_cfg, data=DataConfig(seq_len=64))
+    counts = flops.counts(cfg, Execution(), machine, lookup_setting=None,
+                          optimizer=build_optimizer(cfg.optimizer, cfg.train.steps))
     block = nnx.eval_shape(lambda: Block(moe_cfg, rngs=nnx.Rngs(0)))
     assert counts.layer == sum(p.size for p in jax.tree.leaves(nnx.state(block)))
     assert counts.active_layer == counts.layer - (e - k) * 3 * d * f

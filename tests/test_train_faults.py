@@ -3,6 +3,8 @@ plan refuses, device out of memory at the first step."""
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -82,13 +84,23 @@ def strict_records(path) -> list[dict]:
     return [json.loads(line, parse_constant=refuse) for line in open(path)]
 
 
-def test_skipped_steps_write_no_checkpoint_and_keep_rotates_none_of_the_healthy_out(tmp_path):
+@pytest.fixture(scope="module")
+def healthy_run(tmp_path_factory):
+    """A run of 3 healthy steps saved every step, for the tests below to resume (a copy each)."""
+    run_dir = tmp_path_factory.mktemp("healthy") / "run"
+    train(load_config(TINY, [*FAST, f"run_dir={run_dir}", "checkpoint.every=1", "train.steps=3"]),
+          log=lambda *a: None)
+    return run_dir
+
+
+def test_skipped_steps_write_no_checkpoint_and_keep_rotates_none_of_the_healthy_out(tmp_path,
+                                                                                   healthy_run):
     """3 healthy steps saved every step, then a diverging resume with keep=3: the steps it skips
     write nothing, so the kept checkpoints are the last 3 steps that trained; the stop line names
     the last one and how to resume from it."""
     run_dir = tmp_path / "run"
+    shutil.copytree(healthy_run, run_dir)
     cfg = lambda *o: load_config(TINY, [*FAST, f"run_dir={run_dir}", "checkpoint.every=1", *o])
-    train(cfg("train.steps=3"), log=lambda *a: None)
     manager = checkpoint.make_manager(str(run_dir / "checkpoints"))
     assert manager.all_steps() == [1, 2, 3]
     with pytest.raises(TrainingError) as e:
@@ -109,4 +121,42 @@ def test_skipped_steps_write_no_checkpoint_and_keep_rotates_none_of_the_healthy_
     assert all(r["grad_norm"] is None for r in records if r.get("skipped"))
     assert len({r["lr"] for r in records if r.get("skipped")}) == 1
     assert records[skipped[0] - 1]["lr"] > records[skipped[0] - 2]["lr"]  # the warmup rises
+    manager.close()
+
+
+def test_a_resume_diverging_through_finite_steps_keeps_the_last_healthy_checkpoint(tmp_path,
+                                                                                  healthy_run):
+    """A resume at optimizer.learning_rate=1, saving every step with checkpoint.keep=3: its
+    losses stay finite but climb far above their median. The last checkpoint whose weights gave
+    a normal loss survives the rotation, and the line at the spike and the run's last line name
+    it and how to go back to it; the other checkpoints rotate as keep says."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(healthy_run, run_dir)
+    lines = []
+    overrides = [*FAST, f"run_dir={run_dir}", "checkpoint.every=1", "checkpoint.keep=3",
+                 "train.steps=12", "optimizer.learning_rate=1",
+                 "checkpoint.allow_changes=[train.steps,optimizer]"]
+    try:
+        train(load_config(TINY, overrides), log=lines.append)
+        last = lines[-1]
+    except TrainingError as e:  # it may end in non-finite steps: the stop line names it too
+        last = str(e)
+    records = strict_records(run_dir / "metrics.jsonl")
+    spike = [x for x in lines if " normal losses (" in x]
+    assert len(spike) == 1, "\n".join(lines)  # once, at the first spike
+    first = int(spike[0].split("|")[0].split()[1])
+    kept = int(re.search(r"checkpoint step (\d+), the last whose weights gave a normal loss",
+                         spike[0]).group(1))
+    # its weights gave the loss of step kept + 1, a normal one; the next step's was the spike
+    assert kept + 2 == first and records[first - 1]["loss"] > 3 * records[kept]["loss"]
+    # judged against every loss before it, those of the run it resumed too (its checkpoint's)
+    assert f"the median of the last {first - 1} normal losses" in spike[0]
+    assert records[kept]["loss"] < records[0]["loss"] * 1.1
+    advice = (f"checkpoint step {kept}, the last whose weights gave a normal loss, is kept out of "
+              f"checkpoint.keep's rotation; to go back to it, move the checkpoints after step "
+              f"{kept} out of {run_dir / 'checkpoints'}")
+    assert advice in spike[0] and advice in last
+    manager = checkpoint.make_manager(str(run_dir / "checkpoints"))
+    saved = [r["step"] for r in records if not r.get("skipped")]
+    assert manager.all_steps() == sorted({kept, *saved[-3:]})
     manager.close()

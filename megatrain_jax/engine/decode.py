@@ -32,8 +32,8 @@ from megatrain_jax.engine import bus as bus_lib
 from megatrain_jax.engine import transfer
 from megatrain_jax.engine.functions import merge_part, stage_parts
 from megatrain_jax.engine.parallel import Placement
+from megatrain_jax.engine.stage_units import param_split
 from megatrain_jax.engine.stream import Counters, LayerStream, delete
-from megatrain_jax.engine.streamed import param_split
 
 
 class StreamedDecoder:

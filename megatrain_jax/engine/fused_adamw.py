@@ -23,11 +23,10 @@ import os
 import pathlib
 import shutil
 import subprocess
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from optax._src import numerics
 

@@ -14,6 +14,17 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+
+
+def param_split(module: nnx.Module, what: str):
+    """(graphdef, params as a pure dict) of a streamed module, which may hold only nnx.Param
+    state (`what` names it in the error)."""
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    if jax.tree.leaves(rest):
+        raise ValueError(f"{what} holds non-Param state ({list(rest.flat_state())[0][0]}); "
+                         "streamed modules may only hold nnx.Param variables")
+    return graphdef, nnx.to_pure_dict(params)
 
 
 def _is_none(x) -> bool:

@@ -17,19 +17,12 @@ from megatrain_jax.engine import step
 from megatrain_jax.engine.functions import DeviceFunctions, stage_parts
 from megatrain_jax.engine.host import HostState
 from megatrain_jax.engine.parallel import Placement
+from megatrain_jax.engine.stage_units import param_split
 from megatrain_jax.engine.stream import Activations, Counters
 from megatrain_jax.engine.tier import DiskTierOptions
 from megatrain_jax.engine.transfer import Transfers
 
 log = logging.getLogger(__name__)
-
-
-def param_split(module: nnx.Module, what: str):
-    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-    if jax.tree.leaves(rest):
-        raise ValueError(f"{what} holds non-Param state ({list(rest.flat_state())[0][0]}); "
-                         "streamed modules may only hold nnx.Param variables")
-    return graphdef, nnx.to_pure_dict(params)
 
 
 class StreamedEngine:
