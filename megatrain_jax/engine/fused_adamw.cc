@@ -426,6 +426,19 @@ ffi::Error UpdateNoBus(ffi::Buffer<ffi::F32> s, ffi::RemainingArgs args, ffi::Re
 // The same update called directly (engine/direct.py, through ctypes, which releases the GIL): on
 // buffers the caller owns, in place. One range per leaf (or per piece of a leaf), each with its
 // own gradient buffer, bf16 or f32, and optionally its bf16 bus copy.
+// fn(lo, hi) over [0, n) cut into one range per pool thread (none smaller than min_chunk, each
+// starting at a multiple of align elements, so no two threads share a cache line).
+template <typename Fn>
+void InRanges(size_t n, size_t min_chunk, size_t align, const Fn& fn) {
+  Pool& pool = Pool::Get();
+  const int k = int(std::min<size_t>(pool.size(), std::max<size_t>(1, n / min_chunk)));
+  const size_t per = (n / k + align - 1) / align * align;
+  pool.Run(k, [&](int t) {
+    const size_t lo = std::min<size_t>(n, per * t), hi = std::min<size_t>(n, lo + per);
+    if (hi > lo) fn(lo, hi);
+  });
+}
+
 extern "C" {
 
 struct MegatrainRange {
@@ -462,24 +475,14 @@ int megatrain_adamw(const float* scalars, const MegatrainRange* ranges, int64_t 
 // dst[0, nbytes) = src[0, nbytes), spread over the pool (each thread's pages are first touched by
 // it: a fresh buffer's page faults are taken by every core, not one).
 void megatrain_copy(void* dst, const void* src, uint64_t nbytes) {
-  Pool& pool = Pool::Get();
-  const size_t chunk = size_t(1) << 20;
-  const int k = int(std::min<size_t>(pool.size(), std::max<size_t>(1, nbytes / chunk)));
-  const size_t per = (nbytes / k + 63) & ~size_t(63);
-  pool.Run(k, [&](int t) {
-    const size_t lo = std::min<size_t>(nbytes, per * t), hi = std::min<size_t>(nbytes, lo + per);
-    if (hi > lo) std::memcpy(static_cast<char*>(dst) + lo, static_cast<const char*>(src) + lo, hi - lo);
+  InRanges(nbytes, size_t(1) << 20, 64, [&](size_t lo, size_t hi) {
+    std::memcpy(static_cast<char*>(dst) + lo, static_cast<const char*>(src) + lo, hi - lo);
   });
 }
 
 // dst[i] = bf16(src[i]) for i < n, rounded as the update rounds its bus copy.
 void megatrain_to_bf16(uint16_t* dst, const float* src, uint64_t n) {
-  Pool& pool = Pool::Get();
-  const size_t chunk = size_t(1) << 18;
-  const int k = int(std::min<size_t>(pool.size(), std::max<size_t>(1, n / chunk)));
-  const size_t per = (n / k + 31) & ~size_t(31);
-  pool.Run(k, [&](int t) {
-    const size_t lo = std::min<size_t>(n, per * t), hi = std::min<size_t>(n, lo + per);
+  InRanges(n, size_t(1) << 18, 32, [&](size_t lo, size_t hi) {
     for (size_t i = lo; i < hi; ++i) dst[i] = f32_to_bf16(src[i]);
   });
 }
