@@ -305,7 +305,8 @@ def measure_overlap(jax, jnp, x_dev, x_pin, pinned, on_dev, on_cpu, nbytes, n, t
         t_copy = timed(lambda _: copy())
         iters = max(1, min(1000, round(t_copy / t_one)))  # compute about as long as the copy
         t_mm = timed(lambda _: one(a, iters))
-        forms = {"": behind(one, a, iters, copy), " (copy first)": first(one, a, iters, copy),
+        forms = {"": eager(one, a, iters, copy, copy_first=False),
+                 " (copy first)": eager(one, a, iters, copy, copy_first=True),
                  " (second thread)": threaded(one, a, iters, copy)}
         if "cpu backend" not in name:  # (a jit cannot copy between two clients)
             forms[" (in jit)"] = in_jit(jax, chain, a, iters, x, target, timed)
@@ -326,25 +327,17 @@ def _medians(run, repeats=3) -> tuple:
     return (statistics.median(c for c, _ in done), statistics.median(b for _, b in done), None)
 
 
-def behind(one, a, iters, copy) -> tuple:
-    """The engine's eager form: the matmul dispatched first, then the copy (`jax.device_put`)."""
+def eager(one, a, iters, copy, copy_first: bool) -> tuple:
+    """Both dispatched as eager calls: the matmul first, then the copy (`jax.device_put`), the
+    engine's eager form; or the copy first, to see whether the order is what serialises them."""
     def run():
         t0 = time.perf_counter()
-        r = one(a, iters)
-        y = copy()
-        y.block_until_ready()
-        c = time.perf_counter() - t0
-        r.block_until_ready()
-        return c, time.perf_counter() - t0
-    return _medians(run)
-
-
-def first(one, a, iters, copy) -> tuple:
-    """The copy dispatched first, then the matmul: whether the order is what serialises them."""
-    def run():
-        t0 = time.perf_counter()
-        y = copy()
-        r = one(a, iters)
+        if copy_first:
+            y = copy()
+            r = one(a, iters)
+        else:
+            r = one(a, iters)
+            y = copy()
         y.block_until_ready()
         c = time.perf_counter() - t0
         r.block_until_ready()
