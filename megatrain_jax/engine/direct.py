@@ -10,7 +10,7 @@ path (docs/architecture.md, "The host update").
 
 **When the bus copy may be written.** A fetch (`device_put` of the bus copy, or a copy inside a
 jitted call) returns before its copy is done and reads the buffer while it runs: an overwrite
-then reaches the device (a GPU measured 92% of a copy seeing one, docs/results/2026-11-27-h200.md).
+then reaches the device (on a GPU most such copies saw it: docs/benchmarks.md, "Transfers").
 The engine writes unit u's bus copy only in u's update, which starts once u's gradient is ready.
 Every fetch of u's bus copy in a step fed that gradient (the forward's through the loss, the
 backward's through u's backward); a fetch of another call (evaluation, generation) is followed,

@@ -320,7 +320,8 @@ class HostState:
         unit.bus = unit.spare = None
         # A non-finite global norm skips the update (as optax.apply_if_finite), decided here. A
         # select between the new and the old state inside the update made XLA copy the donated
-        # optax state first (8 B/param of fresh memory, page-faulted in every update: 3x slower).
+        # optax state first (8 B/param of fresh memory, page-faulted in every update: several
+        # times slower).
         if not np.isfinite(grad_norm):
             unit.bus = bus.on_skip(unit, old_bus)
         else:
