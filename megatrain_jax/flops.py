@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 
 from megatrain_jax.config import Config
-from megatrain_jax.engine import direct, lookup, stage_units
+from megatrain_jax.engine import lookup, stage_units, update
 from megatrain_jax.engine.functions import stage_parts
 from megatrain_jax.machines import Machine
 from megatrain_jax.model import Execution, ModelConfig, make_block, make_stages
@@ -148,7 +148,7 @@ def counts(cfg: Config, execution: Execution, machine: Machine, *,
         optimizer=sum(map(optimizer_bytes, stage_units.split(stages)))
         + cfg.model.num_layers * optimizer_bytes(block),
         accelerator=not machine.compute_on_host,
-        direct=direct.available(optimizer, cfg.offload.tier == "disk" or None) is None,
+        direct=update.why_not_direct(optimizer, cfg.offload.tier == "disk") is None,
         stages_state=4 * size(stages) + optimizer_bytes(stages),
         layer_state=4 * size(block) + optimizer_bytes(block),
         host_shards=cfg.distributed.num_processes if cfg.distributed.shard_optimizer else 1,

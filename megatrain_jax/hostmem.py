@@ -67,8 +67,8 @@ def huge_pages_env(environ, thp: str):
     pages (TUNABLE added to GLIBC_TUNABLES), or None where there is nothing to do: the tunable is
     there already (or the user set glibc.malloc.hugetlb), `MEGATRAIN_HUGE_PAGES=0`, or the kernel's
     mode is `never`. Each step then frees and maps its gradients' and activations' buffers in 2 MB
-    pages, 512 times fewer faults and unmaps than in 4 KB pages: the host update as a step runs it,
-    19-28% faster on the 2-core VM (docs/benchmarks.md "Host optimizer")."""
+    pages, 512 times fewer faults and unmaps than in 4 KB pages: the host update as a step runs
+    it is faster (docs/benchmarks.md, "Host update": transparent huge pages)."""
     tunables = environ.get("GLIBC_TUNABLES", "")
     if "glibc.malloc.hugetlb" in tunables or environ.get(OPT_OUT) == "0" or thp == "never":
         return None

@@ -37,9 +37,9 @@ class Machine:
 
 _MIB = 2**20 / GB
 # Device memory: 90% of what nvidia-smi reports (81559, 143771, 97871 MiB). Host RAM: an H100's
-# share of an 8-GPU node with 2 TB, an H200 box with 512 GB, GH200's 480 GB of LPDDR5X. Bus: PCIe
-# 5 x16 pinned ~55 GB/s each way (63 on paper), NVLink-C2C ~375 measured (450 on paper).
-# bf16 dense peak 989 TFLOPS for all three.
+# share of an 8-GPU node with 2 TB, an H200 box with 512 GB, GH200's 480 GB of LPDDR5X. Bus: a
+# typical pinned copy each way on PCIe 5 x16, NVLink-C2C's measured host-to-device rate (each below
+# its paper rate). The datasheet's bf16 dense peak, the same for all three.
 MACHINES = {
     "h100": Machine("H100 SXM 80GB, PCIe 5", 0.9 * 81559 * _MIB, 256, 989, 55),
     "h200": Machine("H200 SXM 141GB, PCIe 5", 0.9 * 143771 * _MIB, 512, 989, 55),

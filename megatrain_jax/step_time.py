@@ -54,19 +54,18 @@ RESOURCES = ("dispatch", "h2d", "d2h", "device", "host update")
 HOP_PATHS = ("pinned_host -> cpu backend, numpy view", "cpu backend -> pinned_host, numpy view")
 
 # Defaults: an H100 SXM on PCIe 5.
-# - device: 989 TFLOP/s, the H100 SXM datasheet's dense bf16 tensor-core peak (no sparsity); an
-#   8192^3 bf16 matmul measured 769-798 TFLOP/s on an H100 80GB HBM3 (PCIe).
-# - bus: ~55 GB/s each way, a typical measured pinned-memory copy on PCIe Gen5 x16 (63 GB/s on
-#   paper); the same figure as machines.MACHINES["h100"].
-# - host update: 69.8 GB/s (30 B/param), the engine's fused AdamW update (clipping on) at all 16
-#   cores of an H100 host (Intel Xeon, 1 socket), 2026-11-26, jax 0.11.2
-#   (docs/results/2026-11-26-h100/optimizer.json; torch's fused AdamW did 133 GB/s there).
-# - dispatch: 20 us per jitted call or device_put, an assumption (no figure measured yet): the
+# - device: the H100 SXM datasheet's dense bf16 tensor-core peak (no sparsity), a bound: a
+#   measured bf16 matmul reaches less (docs/benchmarks.md, "GPU step").
+# - bus: a typical measured pinned-memory copy each way on PCIe Gen5 x16 (below its paper rate);
+#   the same figure as machines.MACHINES["h100"].
+# - host update: the engine's fused AdamW update (30 B/param, clipping on) at all the cores of the
+#   H100 host (docs/benchmarks.md, "Host update").
+# - dispatch: per jitted call or device_put, an assumption (no figure measured yet): the
 #   checklist measures a tiny jitted op to completion (transfer.json, small_d2h.tiny_op_ms).
-# - hop: 9.5 GB/s, the host thread's copy between the accelerator's client and the CPU client
+# - hop: the host thread's copy between the accelerator's client and the CPU client
 #   (transfer.across_clients: a numpy view of the source put on the other client, one
-#   single-threaded host memcpy): 9.63 GB/s pinned -> CPU, 9.46 CPU -> pinned on the same H100
-#   host (docs/results/2026-11-26-h100/probe_hop.json; numpy's copyto there: 11.5 GB/s).
+#   single-threaded host memcpy), as measured each way on the H100 host (docs/benchmarks.md,
+#   "Transfers").
 DEFAULTS = {"h2d_gbps": 55.0, "d2h_gbps": 55.0, "device_tflops": 989.0, "host_update_gbps": 69.8,
             "hop_gbps": 9.5, "dispatch_us": 20.0}
 

@@ -9,13 +9,14 @@ the CPU, compute on the same CPU device, so the bus copy is a plain host buffer)
 engine's own host update path (`engine.host.submit` for every unit with the global norm and the
 scale 1/sum(weight), then `wait`) with gradients already on the host and the bus copies released, as
 a step leaves them. Twice: as in a step, each gradient freed by the host thread once its update is
-done (with train()'s mmap threshold, --mmap-threshold 1, that unmaps it: ~12 ms for a 51M-param
-layer here), and with the gradients held until after the timing ("its gradients kept": the
-update's own time, as torch's, whose gradients persist). In the same process, interleaved with
-it: `torch.optim.AdamW` (`fused=True`, then the same followed by a copy of the new weights into bf16
-tensors, the copy a streamed trainer sends to the device and the engine's update writes in its own
-pass, and `foreach=True`) on fp32 tensors of the same sizes as the engine's leaves, with the
-project's AdamW settings, and a numpy copy between existing buffers of the same total size.
+done (with train()'s mmap threshold, --mmap-threshold 1, that unmaps it: a cost of its own,
+docs/results/2026-11-26-host-optimizer.md, freeing the gradients), and with the gradients held
+until after the timing ("its gradients kept": the update's own time, as torch's, whose gradients
+persist). In the same process, interleaved with it: `torch.optim.AdamW` (`fused=True`, then the
+same followed by a copy of the new weights into bf16 tensors, the copy a streamed trainer sends
+to the device and the engine's update writes in its own pass, and `foreach=True`) on fp32 tensors
+of the same sizes as the engine's leaves, with the project's AdamW settings, and a numpy copy
+between existing buffers of the same total size.
 
 Run at all the cores this process may use (`--cores N`: the first N), then again in a child
 process under `taskset -c` one core (XLA:CPU and the fused kernel size their threads from the

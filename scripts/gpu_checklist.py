@@ -89,7 +89,7 @@ def machine_steps(versions: bool) -> list:
 def long_context(name, seq, attention, steps, timeout) -> Step:
     """Llama-3-8B's layer and vocabulary shapes with 4 layers: the device peak does not depend on
     the depth, and the host state (about 31 GB) fits the machine's RAM (the whole model: ~135 GB).
-    XLA_PYTHON_CLIENT_MEM_FRACTION: the default 0.75 leaves ~20 GB of an H100 unused."""
+    XLA_PYTHON_CLIENT_MEM_FRACTION: the default 0.75 leaves a quarter of the GPU's memory unused."""
     return Step(name, timeout, ("scripts/bench_long_context.py", "--config", "configs/llama3_8b.yaml",
                                 "--seq-len", str(seq), "--compute-dtype", "bfloat16", "--attention",
                                 attention, "--steps", str(steps), "model.num_layers=4"),
@@ -108,8 +108,9 @@ def step_time(name, config, timeout=40) -> Step:
 
 STEPS = {
     1: [*machine_steps(versions=True),
-        # 256 MB, no pool probe: at 512 MB with the 72 GB probe it ran past 120 s on the H100
-        # (2026-11-26); the probe is part 3's `pinned probe`
+        # 256 MB, no pool probe: a larger buffer with the pool probe ran past this timeout
+        # (docs/results/2026-11-26-h100.md, on the checklist itself); the probe is part 3's
+        # `pinned probe`
         Step("transfer", 90, ("scripts/bench_transfer.py", "--mb", "256", "--repeats", "3",
                               "--pinned-probe-gb", "0"),
              smoke=("scripts/bench_transfer.py", "--mb", "4", "--repeats", "2",
@@ -122,14 +123,14 @@ STEPS = {
              json="bench_1b.json"),
         # the engine's own update path with clipping, all cores: the host-update rate
         # JAX_PLATFORMS=cpu: the host update needs no GPU, and its one-core child could not
-        # take the GPU memory the parent had preallocated (out of memory, 2026-11-26)
+        # take the GPU memory the parent had preallocated (it ran out of memory)
         Step("optimizer", 100, ("scripts/bench_optimizer.py", "--clip", "--reps", "3"),
              smoke=("scripts/bench_optimizer.py", "--clip", *TINY_OPTIMIZER), json="optimizer.json",
              env=CPU_ONLY),
         step_time("step_time_1b", "configs/bench_1b.yaml"),
         # last: a first check that the engine's tests pass on this jax (CPU devices, as in CI)
         # on CPU devices as in CI (JAX_PLATFORMS=cpu: each pytest worker would otherwise
-        # preallocate 75% of the one GPU, and all but the first ran out of memory, 2026-11-26)
+        # preallocate 75% of the one GPU, and all but the first ran out of memory)
         Step("engine tests", 100, ("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                                    *ENGINE_TESTS),
              smoke=("-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
@@ -143,8 +144,9 @@ STEPS = {
              json="plan_local.json"),
         # the block tiled over the sequence (train.tile_size 8192): a step's device peak against
         # the plan's, at 128K and 256K
-        # two steps: the first compiles (69 s at 128K on an H200 with 14e4716's code), the
-        # second is the one measured; a part of its own for 256K (214 s for its first step)
+        # two steps: the first compiles (most of the timeout: docs/benchmarks.md, "A million
+        # tokens compiled by XLA:GPU"), the second is the one measured; a part of its own for
+        # 256K, whose first step takes longer
         long_context("long_128k_auto", 131072, "auto", 2, 400)],
     3: [*machine_steps(versions=False),
         # part 3's own bus rates for its prediction (names differ from part 1's: the parts'

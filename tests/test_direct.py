@@ -191,15 +191,14 @@ def test_the_jit_paths_numpy_view_hop_is_exact(monkeypatch):
     backend's) forced between two CPU devices: three steps train the same bits as jax's own
     copy."""
     pair = (CPU[1], CPU[0])
-    monkeypatch.setattr(direct, "available", lambda optimizer, disk_tier: "forced (test)")
-    plain = engine_on(pair)
+    plain = engine_on(pair, host_update="jit")
     losses = steps(plain, 3)
     state = jax.tree.map(np.array, plain.state())
     plain.close()
     hops = []
     monkeypatch.setattr(transfer, "crosses_clients",
                         lambda source, target: hops.append(source != target) or source != target)
-    viewed = engine_on(pair)
+    viewed = engine_on(pair, host_update="jit")
     assert viewed.host.direct is None
     assert steps(viewed, 3) == losses
     assert sum(hops) > 3 * (L + 2)  # every gradient and every bus copy, each step

@@ -3,8 +3,8 @@ files, every script and config it names exists), and --smoke runs its steps end 
 
 The smoke test runs a representative subset of part 1 (the machine, transfer and step-time steps; see
 test_smoke_subset_of_part_1) through the same code path as the whole list: the full smoke of all
-three parts (`python scripts/gpu_checklist.py 1 2 3 --smoke`) takes ~3-5 minutes on a 2-core box,
-over this suite's budget. The benchmarks it leaves out run at the same tiny sizes in
+three parts (`python scripts/gpu_checklist.py 1 2 3 --smoke`) takes minutes on the CPU, over this
+suite's budget. The benchmarks it leaves out run at the same tiny sizes in
 tests/test_bench.py."""
 
 import importlib.util

@@ -19,6 +19,7 @@ from megatrain_jax import StreamedEngine
 from megatrain_jax.engine import bus as bus_lib
 from megatrain_jax.engine import fused_adamw, stage_units, transfer
 from megatrain_jax.engine import store as store_lib
+from megatrain_jax.engine import update as update_lib
 from megatrain_jax.engine.tier import DiskTierOptions
 from megatrain_jax.config import ConfigError, OptimizerConfig, load_config
 from megatrain_jax.model import ModelConfig, make_block, make_stages
@@ -551,6 +552,29 @@ def test_meaningless_hyperparameters_are_one_line_naming_them(tx, max_grad_norm,
     with pytest.raises(ValueError) as e:
         make_engine(tx, DEVICES["staged"](), max_grad_norm)
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("host_update", ["auto", "direct", "jit"])
+def test_optax_and_the_fused_adamw_are_checked_by_the_same_call(host_update, monkeypatch):
+    """A bad max_grad_norm with optax.sgd (run by optax) and with the fused AdamW (run by its
+    kernel): the same one line from the same check (engine/update.py), whichever host update is
+    asked for, before any block is made."""
+    checked, made = [], []
+    check = update_lib.check
+    monkeypatch.setattr(update_lib, "check", lambda tx, norm: (checked.append(tx), check(tx, norm)))
+    messages = {}
+    for name, tx in {"sgd": optax.sgd(1e-2), "fused_adamw": fused_adamw.adamw(1e-3)}.items():
+        with pytest.raises(ValueError) as e:
+            StreamedEngine(first=Embed(V, D, nnx.Rngs(0)), last=Head(D, V, nnx.Rngs(1)),
+                           make_block=lambda i: made.append(i) or Block(nnx.Rngs(10 + i)),
+                           num_layers=L, optimizer=tx, max_grad_norm=-1.0,
+                           compute_device=jax.devices("cpu")[1],
+                           host_device=jax.devices("cpu")[0], host_update=host_update)
+        messages[name] = str(e.value)
+        assert checked[-1] is tx
+    line = "max_grad_norm must be a finite number > 0 (None: no clipping), got -1.0"
+    assert messages == {"sgd": line, "fused_adamw": line}
+    assert len(checked) == 2 and made == []
 
 
 # ----------------------------------------------------------------------------- fused AdamW

@@ -10,7 +10,7 @@ path (docs/architecture.md, "The host update").
 
 **When the bus copy may be written.** A fetch (`device_put` of the bus copy, or a copy inside a
 jitted call) returns before its copy is done and reads the buffer while it runs: an overwrite
-then reaches the device (a GPU measured 92% of a copy seeing one, docs/results/2026-11-27-h200.md).
+then reaches the device (on a GPU most such copies saw it: docs/benchmarks.md, "Transfers").
 The engine writes unit u's bus copy only in u's update, which starts once u's gradient is ready.
 Every fetch of u's bus copy in a step fed that gradient (the forward's through the loss, the
 backward's through u's backward); a fetch of another call (evaluation, generation) is followed,
@@ -163,7 +163,9 @@ class UnitArrays:
 class DirectAdamW:
     """AdamW (fused_adamw.Hyper) on UnitArrays, one kernel call per unit. Same bits as the FFI
     kernel in a jit (tests/test_direct.py): the same loop, the same scalars (fused_adamw.
-    step_scalars, jitted alone on the host device)."""
+    step_scalars, jitted alone on the host device). The host update's strategy where it runs
+    (update.choose)."""
+    kind = "direct"
 
     def __init__(self, hyper, max_grad_norm, host_device, counters, lib):
         self.hyper, self.max_grad_norm, self.counters, self.lib = (hyper, max_grad_norm,
@@ -285,14 +287,3 @@ class DirectAdamW:
             else:
                 self.lib.megatrain_copy(ptr, p.ctypes.data, p.nbytes)
 
-
-def available(optimizer, disk_tier) -> Optional[str]:
-    """None where the direct update runs (the fused AdamW, its kernel built, the state in RAM),
-    else why not, for the log."""
-    if not isinstance(optimizer, fused_adamw.AdamW):
-        return "the optimizer is not fused_adamw.adamw (optax runs it in a jit)"
-    if disk_tier is not None:
-        return "the disk tier's state is updated through the jit path"
-    if fused_adamw.kernel() is None:
-        return "the fused AdamW kernel could not be built"
-    return None

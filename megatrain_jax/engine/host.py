@@ -5,7 +5,6 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
-import math
 import os
 import threading
 import time
@@ -18,15 +17,14 @@ import optax
 
 from megatrain_jax.engine import bus as bus_lib
 from megatrain_jax.engine import direct as direct_lib
-from megatrain_jax.engine import fused_adamw
 from megatrain_jax.engine import stage_units
 from megatrain_jax.engine import store as store_lib
 from megatrain_jax.engine import tier as tier_lib
 from megatrain_jax.engine import transfer
+from megatrain_jax.engine import update as update_lib
 
 log = logging.getLogger(__name__)
 DEBUG_BUS = "MEGATRAIN_DEBUG_BUS"
-HOST_UPDATES = ("auto", "direct", "jit")
 
 
 @dataclasses.dataclass
@@ -57,10 +55,12 @@ class HostState:
     call that reads or replaces the state (`unit_state` with the disk tier, `load_unit`, `wait`)
     first waits for the pending updates.
 
-    Two strategies, chosen at construction, hold the modes: `store` (store.py) where params and
-    optax state live between updates (RAM, or the disk tier's files), and per unit `buses[u]`
-    (bus.py) how its bus copy is kept (the weights themselves, a host buffer rewritten in place,
-    or pinned memory refreshed from a staging buffer).
+    Three strategies, chosen at construction, hold the modes: `update` (update.py) how a unit is
+    updated (the fused AdamW kernel called directly, or a jitted update: the kernel through
+    jax.ffi, or optax), `store` (store.py) where params and optax state live between updates (RAM,
+    or the disk tier's files), and per unit `buses[u]` (bus.py) how its bus copy is kept (the
+    weights themselves, a host buffer rewritten in place, or pinned memory refreshed from a
+    staging buffer).
     """
 
     def __init__(self, stages, blocks, optimizer: optax.GradientTransformation, *, max_grad_norm,
@@ -69,11 +69,14 @@ class HostState:
                  host_update: str = "auto"):
         """stages: the stages' params (param_split((first, last))); blocks: an iterable of the
         blocks' params (with the disk tier, one in RAM at a time)."""
-        check_max_grad_norm(max_grad_norm)
-        if isinstance(optimizer, fused_adamw.AdamW):  # (optax's own: none to read)
-            fused_adamw.check(optimizer.hyper)
+        # How each unit is updated (update.py), its hyperparameters checked there, said once in
+        # the log: the fused AdamW kernel called directly on numpy state the engine owns, where
+        # it can run; else one jitted update per unit.
+        self.update, why = update_lib.choose(
+            optimizer, max_grad_norm, host_update, disk_tier, compute_dtype=compute_dtype,
+            grad_dtype=grad_dtype, host_device=host_device, counters=counters)
+        log.info("host update: %s", why)
         self.optimizer = optimizer
-        self.max_grad_norm = max_grad_norm
         self.compute_dtype = jnp.dtype(compute_dtype)
         self.grad_dtype = jnp.dtype(grad_dtype)
         self.host_device = host_device
@@ -105,24 +108,6 @@ class HostState:
         shape = lambda params: (jax.eval_shape(lambda p: p, params),
                                 jax.eval_shape(optimizer.init, params))
         self.stage_units = {0: shape(first), self.last: shape(last)}
-        # The host update (direct.py): the fused AdamW kernel called directly on numpy state the
-        # engine owns, where it can run; else one jitted update per unit (optax, or the kernel
-        # through jax.ffi), said once in the log.
-        if host_update not in HOST_UPDATES:
-            raise ValueError(f"host_update must be one of {', '.join(HOST_UPDATES)}, got "
-                             f"{host_update!r}")
-        why = ("host_update='jit'" if host_update == "jit"
-               else direct_lib.available(optimizer, disk_tier))
-        if why is not None and host_update == "direct":
-            raise ValueError(f"host_update='direct' cannot run: {why}")
-        self.direct = None
-        if why is None:
-            self.direct = direct_lib.DirectAdamW(optimizer.hyper, max_grad_norm, host_device,
-                                                 counters, fused_adamw.kernel())
-            log.info("host update: the fused AdamW kernel, called directly (%d threads)",
-                     fused_adamw.kernel().megatrain_threads())
-        else:
-            log.info("host update: a jitted update per unit (%s)", why)
         # Debug mode (MEGATRAIN_DEBUG_BUS=1): every fetch of a unit's bus copy is kept until the
         # unit's update, which refuses to write the copy while one of them is still copying
         # (direct.py: when the bus copy may be written)
@@ -139,26 +124,17 @@ class HostState:
 
     def _build(self, first, blocks, last, to_host, shards, host_device):
         """The jitted updates, and every unit made from its weights (into the store)."""
-        optimizer = self.optimizer
-
-        # Donating (store.donate) params, optax state and the old bus copy makes the update write
-        # in place. keep_unused: the old bus is never read, only donated; jit would otherwise
-        # prune it.
-        self._update = jax.jit(self._host_update, donate_argnums=self.store.donate,
-                               static_argnums=(6, 7), keep_unused=True)
-        # Scaled and clipped inside the update, the gradient becomes an intermediate that both
-        # Adam moments read, and XLA:CPU gives it a fresh temporary (~3 B/param, page-faulted each
-        # step). An fp32 gradient is therefore prepared first, in place, by its own pass; a bf16
-        # one is upcast, so it has no fp32 buffer to work in and is prepared inside the update.
-        # AdamW made by fused_adamw.adamw (recipes.build_optimizer's) runs as one pass per leaf
-        # that also scales and clips the gradient (fused_adamw.py); any other optimizer, optax.
-        self.fused = optimizer.hyper if isinstance(optimizer, fused_adamw.AdamW) else None
-        self._native = self.fused is not None and fused_adamw.native()
-        self._prepare_first = self.grad_dtype == jnp.float32 and self.fused is None
-        self._prepare_in_place = jax.jit(self._prepare, donate_argnums=(0,))
+        if self.direct is None:
+            # Donating (store.donate) params, optax state and the old bus copy makes the update
+            # write in place. keep_unused: the old bus is never read, only donated; jit would
+            # otherwise prune it.
+            self._update = jax.jit(self.update.step, donate_argnums=self.store.donate,
+                                   static_argnums=(6,), keep_unused=True)
+            if self.update.prepare_first:
+                self._prepare_in_place = jax.jit(self.update.prepare, donate_argnums=(0,))
         # out_shardings: optax state that does not depend on the params (counts, zeros) would
         # otherwise land uncommitted on the default device, the accelerator.
-        self._init = jax.jit(optimizer.init, out_shardings=self.host)
+        self._init = jax.jit(self.optimizer.init, out_shardings=self.host)
 
         def block_units():  # an iterable: with the disk tier, one unit in RAM at a time
             for params in blocks:
@@ -193,6 +169,12 @@ class HostState:
         else:
             self.direct.write_bus(unit.arrays, jax.tree.leaves(unit.bus))
         unit.arrays.settle()
+
+    @property
+    def direct(self) -> Optional[direct_lib.DirectAdamW]:
+        """The direct update (direct.py) where it is the one chosen, else None: its units' state
+        is then numpy buffers the engine owns (`Unit.arrays`), updated and read in place."""
+        return self.update if self.update.kind == "direct" else None
 
     @property
     def tier(self):
@@ -294,30 +276,6 @@ class HostState:
             self.buses[u].release(self.units[u])
 
     # ----------------------------------------------------------------- the update
-    def _prepare(self, grads, grad_norm, scale):
-        """The gradient of the mean loss, clipped exactly as optax.clip_by_global_norm."""
-        grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-        if self.max_grad_norm is None:
-            return grads
-        clip = grad_norm >= self.max_grad_norm
-        return jax.tree.map(
-            lambda g: jnp.where(clip, (g / grad_norm.astype(g.dtype)) * self.max_grad_norm, g), grads)
-
-    def _host_update(self, params, opt_state, grads, old_bus, grad_norm, scale, prepared,
-                     bus_is_params):
-        bus_dtype = None if bus_is_params else self.compute_dtype
-        if self.fused is not None:
-            return fused_adamw.update(self.fused, params, opt_state, grads, old_bus, grad_norm,
-                                      scale, self.max_grad_norm, bus_dtype, self._native)
-        del old_bus  # donated: the new bus copy is written into its buffer
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)  # no-op in fp32
-        if not prepared:
-            grads = self._prepare(grads, grad_norm, scale)
-        updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return params, opt_state, None if bus_is_params else jax.tree.map(
-            lambda p: p.astype(self.compute_dtype), params)
-
     def _apply_direct(self, u: int, grads, grad_norm, scale):
         """Runs on the host-optimizer thread: unit u's update by the kernel called directly
         (direct.py), reading the gradient's pieces where they are and writing the bus copy in
@@ -362,15 +320,15 @@ class HostState:
         unit.bus = unit.spare = None
         # A non-finite global norm skips the update (as optax.apply_if_finite), decided here. A
         # select between the new and the old state inside the update made XLA copy the donated
-        # optax state first (8 B/param of fresh memory, page-faulted in every update: 3x slower).
+        # optax state first (8 B/param of fresh memory, page-faulted in every update: several
+        # times slower).
         if not np.isfinite(grad_norm):
             unit.bus = bus.on_skip(unit, old_bus)
         else:
-            if self._prepare_first:
+            if self.update.prepare_first:
                 grads = self._prepare_in_place(grads, grad_norm, scale)
             unit.params, unit.opt_state, new_bus = self._update(
-                unit.params, unit.opt_state, grads, old_bus, grad_norm, scale, self._prepare_first,
-                bus.is_params)
+                unit.params, unit.opt_state, grads, old_bus, grad_norm, scale, bus.is_params)
             unit.bus = bus.after_update(unit, new_bus)
             if not bus.on_host:  # the refresh to the accelerator's pinned memory
                 self.counters.host_copy_bytes += transfer.nbytes(unit.bus)
@@ -503,15 +461,3 @@ class HostState:
 class NotRun(RuntimeError):
     """A unit's update that did not run: an earlier one of its step failed (the message)."""
 
-
-def check_max_grad_norm(max_grad_norm):
-    """max_grad_norm: None (no clipping) or a finite number > 0; else one ValueError line."""
-    if max_grad_norm is None:
-        return
-    try:
-        ok = math.isfinite(float(max_grad_norm)) and float(max_grad_norm) > 0
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ValueError(f"max_grad_norm must be a finite number > 0 (None: no clipping), got "
-                         f"{max_grad_norm!r}")

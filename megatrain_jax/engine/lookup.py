@@ -72,9 +72,9 @@ def unit0_gradient(acc: list, first: tuple, held_leaves: tuple, grad_dtype) -> l
     """Unit 0's gradient leaves in `grad_dtype` from the first stage's fp32 accumulator `acc`
     (its leaves at stages indices `first`; `held_leaves` as held()'s), as stage_units.gradient
     makes them. In fp32 it takes `acc`'s own buffers (donated: `acc` is deleted), so no copy of
-    the table's gradient is made (scripts/bench_lookup.py: 133 ms against 0.1 ms for a 32,000 x
-    2,048 table on the 2-core VM, most of it page faults of the fresh buffer); otherwise the cast
-    writes a new one and `acc` is kept."""
+    the table's gradient is made (a copy is mostly page faults of the fresh buffer:
+    docs/benchmarks.md, "The host lookup's backward on the CPU"); otherwise the cast writes a new
+    one and `acc` is kept."""
     make = (_gradient_in_place if jnp.dtype(grad_dtype) == jnp.float32
             else stage_units.gradient)
     return make(acc, [], first, (), held_leaves, grad_dtype, None)

@@ -379,8 +379,9 @@ class DiskTier:
         t1 = time.perf_counter()
         # No copy: device_put of the (4 KiB-aligned) views aliases the buffer, which stays loaned
         # to these arrays until store() has copied the update's outputs out. Copying it into
-        # fresh XLA arrays instead ran at ~2 GB/s, most of the host thread's time (the update
-        # must then not donate them: HostState compiles a non-donating update for the tier).
+        # fresh XLA arrays instead took most of the host thread's time, each page faulted in
+        # (docs/benchmarks.md, "Disk tier": no copy in). The update must then not donate them:
+        # HostState compiles a non-donating update for the tier.
         state = jax.tree.map(lambda x: jax.device_put(x, host), self.layouts[u].views(buffer))
         with self._lock:
             self._loaned[u] = buffer

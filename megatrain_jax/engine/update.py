@@ -1,0 +1,148 @@
+"""How the host updates one unit: one strategy, chosen once by `choose` (HostState's `update`),
+its hyperparameters checked there.
+
+    direct.DirectAdamW  the fused AdamW kernel called directly on numpy state the engine owns
+                        (direct.py): no copy, no jit but the step's scalars
+    FusedInJit          the fused AdamW in one jitted call per unit: the kernel through jax.ffi,
+                        or where it cannot be built its JAX fallback (fused_adamw.py)
+    OptaxInJit          any other optax transform in one jitted call per unit
+
+The two in a jit give pure functions that HostState compiles with its store's donation:
+`step(params, opt_state, grads, old_bus, grad_norm, scale, bus_is_params)` -> (params, opt_state,
+the new bus copy or None) and, where `prepare_first`, `prepare(grads, grad_norm, scale)` run
+before it on the gradient, in place. Each strategy's `kind` names it ("direct", "ffi", "optax").
+"""
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from megatrain_jax.engine import direct as direct_lib
+from megatrain_jax.engine import fused_adamw
+
+HOST_UPDATES = ("auto", "direct", "jit")
+
+
+def check_max_grad_norm(max_grad_norm):
+    """max_grad_norm: None (no clipping) or a finite number > 0; else one ValueError line."""
+    if max_grad_norm is None:
+        return
+    try:
+        ok = math.isfinite(float(max_grad_norm)) and float(max_grad_norm) > 0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"max_grad_norm must be a finite number > 0 (None: no clipping), got "
+                         f"{max_grad_norm!r}")
+
+
+def fused_hyper(optimizer) -> Optional[fused_adamw.Hyper]:
+    """The hyperparameters of fused_adamw.adamw's optimizer, or None: an optax transform whose
+    own the engine cannot read (optax runs it as it is)."""
+    return optimizer.hyper if isinstance(optimizer, fused_adamw.AdamW) else None
+
+
+def check(optimizer, max_grad_norm):
+    """The one check of the update's hyperparameters, whichever strategy runs it: max_grad_norm,
+    and the fused AdamW's own (fused_adamw.check); one ValueError line naming the culprit."""
+    check_max_grad_norm(max_grad_norm)
+    hyper = fused_hyper(optimizer)
+    if hyper is not None:
+        fused_adamw.check(hyper)
+
+
+def why_not_direct(optimizer, disk_tier) -> Optional[str]:
+    """None where the direct update runs (the fused AdamW, its kernel built, the state in RAM:
+    `disk_tier` None or false), else why not, for the log."""
+    if fused_hyper(optimizer) is None:
+        return "the optimizer is not fused_adamw.adamw (optax runs it in a jit)"
+    if disk_tier:
+        return "the disk tier's state is updated through the jit path"
+    if fused_adamw.kernel() is None:
+        return "the fused AdamW kernel could not be built"
+    return None
+
+
+def prepare(grads, grad_norm, scale, max_grad_norm):
+    """The gradient of the mean loss, clipped exactly as optax.clip_by_global_norm."""
+    grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+    if max_grad_norm is None:
+        return grads
+    clip = grad_norm >= max_grad_norm
+    return jax.tree.map(
+        lambda g: jnp.where(clip, (g / grad_norm.astype(g.dtype)) * max_grad_norm, g), grads)
+
+
+class FusedInJit:
+    """fused_adamw.adamw in one jitted call per unit, one pass per leaf that also scales and clips
+    the gradient (fused_adamw.update): the kernel through jax.ffi, else its JAX fallback."""
+    kind = "ffi"
+    prepare_first = False  # the kernel's own pass scales and clips
+
+    def __init__(self, hyper: fused_adamw.Hyper, max_grad_norm, compute_dtype):
+        self.hyper, self.max_grad_norm, self.compute_dtype = hyper, max_grad_norm, compute_dtype
+        self.native = fused_adamw.native()
+
+    def step(self, params, opt_state, grads, old_bus, grad_norm, scale, bus_is_params):
+        return fused_adamw.update(self.hyper, params, opt_state, grads, old_bus, grad_norm, scale,
+                                  self.max_grad_norm, None if bus_is_params else self.compute_dtype,
+                                  self.native)
+
+
+class OptaxInJit:
+    """Any optax transform in one jitted call per unit, after the gradient's scale and exact
+    global-norm clip (`prepare`)."""
+    kind = "optax"
+
+    def __init__(self, optimizer: optax.GradientTransformation, max_grad_norm, compute_dtype,
+                 grad_dtype):
+        self.optimizer, self.max_grad_norm, self.compute_dtype = (optimizer, max_grad_norm,
+                                                                  compute_dtype)
+        # Scaled and clipped inside the update, the gradient becomes an intermediate that both
+        # Adam moments read, and XLA:CPU gives it a fresh temporary (~3 B/param, page-faulted each
+        # step). An fp32 gradient is therefore prepared first, in place, by its own pass; a bf16
+        # one is upcast, so it has no fp32 buffer to work in and is prepared inside the update.
+        self.prepare_first = jnp.dtype(grad_dtype) == jnp.float32
+
+    def prepare(self, grads, grad_norm, scale):
+        return prepare(grads, grad_norm, scale, self.max_grad_norm)
+
+    def step(self, params, opt_state, grads, old_bus, grad_norm, scale, bus_is_params):
+        del old_bus  # donated: the new bus copy is written into its buffer
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)  # no-op in fp32
+        if not self.prepare_first:
+            grads = self.prepare(grads, grad_norm, scale)
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, None if bus_is_params else jax.tree.map(
+            lambda p: p.astype(self.compute_dtype), params)
+
+
+def choose(optimizer: optax.GradientTransformation, max_grad_norm, host_update: str, disk_tier,
+           *, compute_dtype, grad_dtype, host_device, counters) -> tuple:
+    """(the strategy, the log line's words for which runs and why), after `check`.
+
+    host_update "auto": the direct update where it runs (why_not_direct), else one in a jit;
+    "direct": the direct update or one ValueError line saying why it cannot run; "jit": one in a
+    jit. In a jit: fused_adamw.adamw's fused pass, any other optimizer through optax."""
+    check(optimizer, max_grad_norm)
+    if host_update not in HOST_UPDATES:
+        raise ValueError(f"host_update must be one of {', '.join(HOST_UPDATES)}, got "
+                         f"{host_update!r}")
+    why = "host_update='jit'" if host_update == "jit" else why_not_direct(optimizer, disk_tier)
+    if why is not None and host_update == "direct":
+        raise ValueError(f"host_update='direct' cannot run: {why}")
+    hyper = fused_hyper(optimizer)
+    if why is None:
+        lib = fused_adamw.kernel()
+        return (direct_lib.DirectAdamW(hyper, max_grad_norm, host_device, counters, lib),
+                f"the fused AdamW kernel, called directly ({lib.megatrain_threads()} threads)")
+    if hyper is None:
+        return (OptaxInJit(optimizer, max_grad_norm, compute_dtype, grad_dtype),
+                f"a jitted update per unit ({why})")
+    update = FusedInJit(hyper, max_grad_norm, compute_dtype)
+    how = "through jax.ffi" if update.native else "as its JAX fallback"
+    return update, f"a jitted update per unit ({why}): the fused AdamW kernel {how}"
