@@ -11,6 +11,7 @@ from test_direct import CPU, L, TOKENS, engine_on
 from test_engine import count_compiles
 
 from megatrain_jax import commands
+from megatrain_jax.engine.tier import DiskTierOptions
 
 STEPS = 3
 
@@ -43,8 +44,10 @@ def train(copies, **kwargs):
 
 
 @pytest.mark.parametrize("setup", [dict(), dict(offload_activations=True, prefetch=2),
-                                   dict(host_lookup=True)], ids=["kept", "offloaded", "lookup"])
-def test_the_jit_form_trains_the_eager_forms_bits_with_no_eager_layer_copy(setup, monkeypatch):
+                                   dict(host_lookup=True), dict(disk=True)],
+                         ids=["kept", "offloaded", "lookup", "disk tier"])
+def test_the_jit_form_trains_the_eager_forms_bits_with_no_eager_layer_copy(setup, monkeypatch,
+                                                                           tmp_path):
     """Two micro-batches, three steps, the host update called directly: the same losses, grad
     norms and state bit for bit, and the same bytes each way. In the jit form the dispatching
     thread issues no eager copy of a layer's weights but the first `prefetch` of each pass, and
@@ -52,11 +55,15 @@ def test_the_jit_form_trains_the_eager_forms_bits_with_no_eager_layer_copy(setup
     after it); each unit's bus copy is the same buffer every step; steps 2 and 3 compile
     nothing.
     Offloaded, in debug mode (MEGATRAIN_DEBUG_BUS=1): no update writes a bus copy that a fetch
-    made inside a call still reads."""
+    made inside a call still reads. The disk tier (its bus copies refreshed into pinned memory by
+    a jitted update) too."""
     if setup.get("offload_activations"):
         monkeypatch.setenv("MEGATRAIN_DEBUG_BUS", "1")
-    eager = train("eager", **setup)
-    losses, norms, state, counters, events, buses, compiles, direct = train("jit", **setup)
+    setup, disk = {k: v for k, v in setup.items() if k != "disk"}, setup.get("disk", False)
+    tier = lambda form: {"disk_tier": DiskTierOptions(str(tmp_path / form))} if disk else {}
+    eager = train("eager", **setup, **tier("eager"))
+    losses, norms, state, counters, events, buses, compiles, direct = train(
+        "jit", **setup, **tier("jit"))
     assert (losses, norms, counters) == eager[:2] + (eager[3],)
     for a, b in zip(jax.tree.leaves(eager[2]), jax.tree.leaves(state), strict=True):
         assert a.dtype == b.dtype
