@@ -33,7 +33,9 @@ inside the next layer's first backward call, returned in pinned host memory, and
 the embedding backward's first call (the host lookup: eagerly, as no device function runs after
 it). Eager in both forms: the first `prefetch` layers of each pass (no compute precedes them in
 the pass), the stages' fetches and gradient, the activations' offload in the forward, the
-scalars.
+scalars. A fetch made inside a call is an output of it and an input of its own layer's calls,
+which feed that layer's gradient: it is done before the gradient is ready, so a unit's bus copy
+is still written only after every fetch of it has been read (engine/direct.py).
 
 Each block weight crosses the bus twice per step whatever the number of micro-batches M is.
 Data parallel over several devices (parallel.py): every fetch goes to each device, each
@@ -251,9 +253,12 @@ def run(engine, inputs, targets, contexts) -> dict:
             last_device, device_grads = device_grads, []
         # retired on its sum of squares: made after every micro-batch's work, never donated;
         # the gradient's copy out goes on while the next layer computes
-        stream.done(sq, (device_grads, head_device) + ((xs,) if jit and not acts.offload else ()),
-                    drop=(fetched(w),) + ((xs,) if not jit or acts.offload else ()),
-                    carried=ahead)
+        # (the jit form drops its fetch right after the dispatch: the weights, and the inputs
+        # when they were loaded back; inputs kept on the device since the forward go with the
+        # rest at its retire)
+        fetched_inputs = acts.offload or not jit
+        stream.done(sq, (device_grads, head_device, () if fetched_inputs else xs),
+                    drop=(fetched(w), xs if fetched_inputs else ()), carried=ahead)
         head_device = ()
         hook("backward", i)
 
