@@ -301,10 +301,24 @@ class LoggingConfig:
 
 # offload: where each layer's fp32 master weights and optimizer state live between its updates,
 # one of two tiers picked by offload.tier (see Config.offload); the disk tier's keys are its own.
+# offload.copies, a key of both tiers: how a layer's weights come in and its gradient goes out
+# (engine/step.py): auto (inside the jitted calls on a GPU, else eager), eager, jit
+COPIES = ("auto", "eager", "jit")
+
+
+def _check_copies(copies):
+    if copies not in COPIES:
+        raise ConfigError(f"offload.copies must be one of {', '.join(COPIES)}, got {copies!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RamTier:
     """offload.tier=ram: in host RAM (~16 B/param)."""
     tier: str = dataclasses.field(default="ram", init=False)
+    copies: str = "auto"  # (both tiers': see COPIES)
+
+    def __post_init__(self):
+        _check_copies(self.copies)
 
     def check(self):
         """The ram tier has no keys of its own."""
@@ -316,6 +330,7 @@ class DiskTier:
     written back after it: ~2-4 B/param of RAM for the bus copies plus a few layers in flight;
     bit-identical training. See engine/tier.py."""
     tier: str = dataclasses.field(default="disk", init=False)
+    copies: str = "auto"  # (both tiers': see COPIES)
     path: str = ""  # a directory of its own on a fast local disk (NVMe)
     read_ahead: int = 1  # layers read ahead of the one being updated (and written behind)
     # O_DIRECT, so the disk moves the bytes and the page cache does not fill with the model:
@@ -326,6 +341,7 @@ class DiskTier:
         """The values, checked when built: also when given with offload.tier=ram, where the keys
         are then refused (_build_choice), so that a wrong value is named as such first."""
         _at_least(0, "offload", read_ahead=self.read_ahead)
+        _check_copies(self.copies)
         if self.direct_io not in (True, False, "auto"):
             raise ConfigError(f"offload.direct_io must be true, false or auto, "
                               f"got {self.direct_io!r}")
@@ -630,7 +646,8 @@ def from_dict(data: dict) -> Config:
     they meant nothing, they are dropped."""
     offload = data.get("offload")
     if isinstance(offload, dict) and offload.get("tier", RamTier.tier) == RamTier.tier:
-        data = {**data, "offload": {k: v for k, v in offload.items() if k not in _keys(DiskTier)}}
+        dead = set(_keys(DiskTier)) - set(_keys(RamTier))
+        data = {**data, "offload": {k: v for k, v in offload.items() if k not in dead}}
     cfg = _build(Config, data, "")
     _check(cfg)
     return cfg

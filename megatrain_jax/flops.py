@@ -21,8 +21,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from megatrain_jax.config import Config
-from megatrain_jax.engine import lookup, stage_units, update
+from megatrain_jax.config import Config, ConfigError
+from megatrain_jax.engine import lookup, stage_units, transfer, update
 from megatrain_jax.engine.functions import stage_parts
 from megatrain_jax.machines import Machine
 from megatrain_jax.model import Execution, ModelConfig, make_block, make_stages
@@ -90,6 +90,9 @@ class Counts:
     # tied embeddings, data parallel; '' when it can)
     lookup_serves: str = ""
     lookup_setting: bool | None = None  # train.host_lookup as the engine takes it (None: auto)
+    # the form of the layers' weights in and gradients out (offload.copies as the engine
+    # resolves it: engine/transfer.py's copies_form): "eager" or "jit"
+    copies: str = "eager"
 
     @property
     def params(self) -> int:
@@ -155,7 +158,21 @@ def counts(cfg: Config, execution: Execution, machine: Machine, *,
         lookup_serves=lookup.serves(
             (local_devices(cfg, machine) or 1) > 1 or cfg.distributed.num_processes > 1, parts,
             stage_units.indices(stage_units.split(stages)[0])),
-        lookup_setting=lookup_setting)
+        lookup_setting=lookup_setting, copies=copies_form(cfg, machine))
+
+
+def copies_form(cfg: Config, machine: Machine) -> str:
+    """offload.copies as the engine resolves it on `machine` (transfer.copies_form; a preset's
+    accelerator has pinned_host memory, one on the CPU backend stands in for one as in tests).
+    A setting that cannot run there is the engine's error, as a ConfigError."""
+    devices = (local_devices(cfg, machine) or 1) * cfg.distributed.num_processes
+    try:
+        return transfer.copies_form(
+            cfg.offload.copies, accelerator=not machine.compute_on_host,
+            platform=machine.platform, pinned=not machine.compute_on_host,
+            data_parallel=devices > 1, prefetch=cfg.train.prefetch)
+    except ValueError as e:
+        raise ConfigError(f"offload.{e}") from None
 
 
 def local_devices(cfg: Config, machine: Machine) -> int:

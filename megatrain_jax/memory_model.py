@@ -184,7 +184,8 @@ def device_bytes(c: Counts, tokens: int, offload: bool, workspace: dict) -> dict
     head = 0 if lookup else 4 * c.last
     out = 4 * c.layer + (c.layer * c.grad if c.grad != 4 else 0)  # a layer's
     forward, backward = [], []
-    resident, overlapped = schedule.resident(L, p), schedule.overlapped(L, p)
+    resident = schedule.resident(L, p, c.copies)
+    overlapped = schedule.overlapped(L, p, c.copies)
     for pos in range(L):
         n = resident[pos]
         # saved: every earlier layer's input and this one's, plus its outputs; offloaded:
@@ -204,6 +205,9 @@ def device_bytes(c: Counts, tokens: int, offload: bool, workspace: dict) -> dict
         # gradient twice, no head input
         loss.append(moment(LOSS_SQUARES, gradients=4 * c.last + c.grad * c.last,
                            activations=0 if offload else L * act, cotangents=act))
+    # The jit form: layer 0's gradient (fp32 and cast) stays on the device until it goes out
+    # inside the embedding backward's first call (the host lookup: out at once, eagerly)
+    leaving = out if c.copies == schedule.JIT and c.accelerator else 0
     return {
         "embed": (moment(activations=act) if lookup else
                   moment("embed", weights=weights(c.first), activations=act)),
@@ -212,7 +216,8 @@ def device_bytes(c: Counts, tokens: int, offload: bool, workspace: dict) -> dict
         "backward": max(backward, key=lambda m: sum(m.values())),
         "embed backward": (moment(cotangents=act) if lookup else
                            moment("embed backward", weights=weights(c.first),
-                                  gradients=4 * (c.first + c.last), cotangents=act)),
+                                  gradients=4 * (c.first + c.last) + leaving,
+                                  cotangents=act)),
     }
 
 

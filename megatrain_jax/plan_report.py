@@ -15,8 +15,8 @@ from megatrain_jax.memory_model import DEVICE_KINDS, PHASES, fits
 from megatrain_jax.model import Execution
 
 _UNITS = (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1))
-# The deepest model the search for the largest one tries: far deeper than models are built, and
-# the device's schedule it walks (engine/schedule.py) costs the square of the depth
+# The deepest model the search for the largest one tries: far deeper than models are built (each
+# depth tried walks the device's schedule, engine/schedule.py, once: time linear in the depth)
 MOST_LAYERS = 1024
 
 

@@ -123,6 +123,7 @@ def build_engine(cfg: Config, *, offload_activations: bool | None = None,
     if cfg.distributed.shard_optimizer:  # a no-op on one device
         engine_kwargs.setdefault("shard_host_state", True)
     engine_kwargs.setdefault("host_lookup", host_lookup_setting(cfg))
+    engine_kwargs.setdefault("copies", cfg.offload.copies)
     if cfg.offload.tier == "disk" and "disk_tier" not in engine_kwargs:
         engine_kwargs["disk_tier"] = disk_tier_options(cfg)
     try:
@@ -134,7 +135,8 @@ def build_engine(cfg: Config, *, offload_activations: bool | None = None,
             grad_dtype=jnp.dtype(cfg.train.grad_dtype), offload_activations=offload_activations,
             aux_loss=moe.aux_loss(model), **engine_kwargs)
     except ValueError as e:  # e.g. offload asked on a device without host memory kinds
-        raise ConfigError(str(e)) from None
+        key = "offload." if str(e).startswith("copies=") else ""  # the engine's argument's key
+        raise ConfigError(key + str(e)) from None
 
 
 def host_lookup_setting(cfg: Config):

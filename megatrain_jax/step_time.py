@@ -14,7 +14,13 @@ given work:
                been dispatched, until layer pos - 1's work is done on the device (never for a
                gradient's or an activation's copy out); the bench reads each step's loss.
   h2d, d2h     the bus, each way: weights and offloaded activations in; gradients (in
-               train.grad_dtype) and offloaded activations out.
+               train.grad_dtype) and offloaded activations out. A copy runs beside the
+               device's compute, but hides only the measured fraction of its time (the
+               overlap, per direction and form, bench_transfer.py's: 1 - overlap of it the device
+               loses, "copy not hidden"). Eager copies (a `device_put` of their own) start at
+               their dispatch; in the jit form (engine/step.py: a layer's fetch inside the first
+               call `prefetch` layers before it, its gradient out inside the next layer's first
+               backward call) a copy starts with the call that makes it.
   device       block forward (2 FLOPs / parameter / token + causal attention over the keys each
                query sees: windows and layer types counted), block backward (the block's
                recompute and its gradients: 6 / parameter / token + 3.5x the forward's
@@ -66,8 +72,23 @@ HOP_PATHS = ("pinned_host -> cpu backend, numpy view", "cpu backend -> pinned_ho
 #   (transfer.across_clients: a numpy view of the source put on the other client, one
 #   single-threaded host memcpy), as measured each way on the H100 host (docs/benchmarks.md,
 #   "Transfers").
+# - overlap: the fraction of a copy's time hidden under compute it runs beside, each way and
+#   form, as bench_transfer.py defines it, measured on the H200 host (docs/benchmarks.md,
+#   "Transfers": the eager rows and the copies made inside one jit).
 DEFAULTS = {"h2d_gbps": 55.0, "d2h_gbps": 55.0, "device_tflops": 989.0, "host_update_gbps": 69.8,
-            "hop_gbps": 9.5, "dispatch_us": 20.0}
+            "hop_gbps": 9.5, "dispatch_us": 20.0, "h2d_overlap_eager": 0.36,
+            "d2h_overlap_eager": 0.21, "h2d_overlap_jit": 0.92, "d2h_overlap_jit": 1.0}
+OVERLAPS = ("h2d_overlap_eager", "d2h_overlap_eager", "h2d_overlap_jit", "d2h_overlap_jit")
+# where measured_rates reads them: bench_transfer.py's overlap rows; the host-path check's
+# (section, row)
+TRANSFER_OVERLAPS = (("h2d_overlap_eager", "pinned_host -> device"),
+                     ("d2h_overlap_eager", "device -> pinned_host"),
+                     ("h2d_overlap_jit", "pinned_host -> device (in jit)"),
+                     ("d2h_overlap_jit", "device -> pinned_host (in jit)"))
+HOST_PATH_OVERLAPS = (("h2d_overlap_eager", "write", "overlap P pinned_host -> device"),
+                      ("d2h_overlap_eager", "write", "overlap D2H device -> pinned_host"),
+                      ("h2d_overlap_jit", "injit", "overlap_value H2D pinned_host -> device"),
+                      ("d2h_overlap_jit", "injit", "overlap_value D2H device -> pinned_host"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,15 +100,28 @@ class Rates:
     host_update_gbps: float = DEFAULTS["host_update_gbps"]
     hop_gbps: float = DEFAULTS["hop_gbps"]  # bytes copied a second by the hop between clients
     dispatch_us: float = DEFAULTS["dispatch_us"]
+    # the fraction of a copy's time hidden under compute (OVERLAPS): each way, eager or in a jit
+    h2d_overlap_eager: float = DEFAULTS["h2d_overlap_eager"]
+    d2h_overlap_eager: float = DEFAULTS["d2h_overlap_eager"]
+    h2d_overlap_jit: float = DEFAULTS["h2d_overlap_jit"]
+    d2h_overlap_jit: float = DEFAULTS["d2h_overlap_jit"]
 
     def __post_init__(self):
         for name, value in dataclasses.asdict(self).items():
             if not valid_rate(name, value):
-                raise ValueError(f"rate {name} must be a finite number > 0, got {value}")
+                what = "in [0, 1]" if name in OVERLAPS else "> 0"
+                raise ValueError(f"rate {name} must be a finite number {what}, got {value}")
+
+    def overlap(self, way: str, form: str) -> float:
+        """way: "h2d" or "d2h"; form: "eager" or "jit"."""
+        return getattr(self, f"{way}_overlap_{form}")
 
 
 def valid_rate(name: str, value: float) -> bool:
-    """A rate is a finite number > 0; dispatch_us may be 0 (no cost per call)."""
+    """A rate is a finite number > 0; dispatch_us may be 0 (no cost per call); an overlap is a
+    fraction in [0, 1]."""
+    if name in OVERLAPS:
+        return math.isfinite(value) and 0 <= value <= 1
     return math.isfinite(value) and (value > 0 or (name == "dispatch_us" and value == 0))
 
 
@@ -127,6 +161,7 @@ class StepShape:
     rows_bytes: int = 0
     host_backward_bytes: int = 0  # the host thread's first-stage backward before unit 0's
     # update (HostBackward): bytes touched, at the host update's rate
+    copies: str = "eager"  # the form of the layers' weights in and gradients out (engine/step.py)
 
     @property
     def host_lookup(self) -> bool:
@@ -193,6 +228,9 @@ class Prediction:
         lines = [f"rates: bus {r.h2d_gbps:.3g} GB/s in, {r.d2h_gbps:.3g} GB/s out; device "
                  f"{r.device_tflops:.4g} TFLOP/s; host update {r.host_update_gbps:.3g} GB/s, "
                  f"hop {r.hop_gbps:.3g} GB/s; dispatch {r.dispatch_us:.3g} us",
+                 f"copies: the layers' {self.shape.copies}; overlap with compute in / out: "
+                 f"eager {r.h2d_overlap_eager:.2f} / {r.d2h_overlap_eager:.2f}, in a jit "
+                 f"{r.h2d_overlap_jit:.2f} / {r.d2h_overlap_jit:.2f}",
                  f"predicted step: {self.step_s * 1e3:,.1f} ms, {self.tokens_per_s:,.0f} tokens/s, "
                  f"MFU {self.mfu(peak_tflops):.1%} of {peak_tflops:g} TFLOP/s; bound by "
                  f"{self.bound}",
@@ -228,12 +266,28 @@ class _Timeline:
         return self.op("dispatch", label, self.rates.dispatch_us * 1e-6, after)
 
     def h2d(self, label, nbytes, after=()) -> Op:
+        """An eager copy in: dispatched once `after` is done."""
         d = self.call(label, after)
-        return self.op("h2d", label, nbytes / (self.rates.h2d_gbps * GB), [d])
+        return self._copy("h2d", "eager", label, nbytes, [d])
 
     def d2h(self, label, nbytes, after) -> Op:
+        """An eager copy out, of what `after` makes."""
         d = self.call(label)
-        return self.op("d2h", label, nbytes / (self.rates.d2h_gbps * GB), [d, *after])
+        return self._copy("d2h", "eager", label, nbytes, [d, *after])
+
+    def beside(self, way, label, nbytes, call: Op, after=()) -> Op:
+        """A copy made inside the jitted call `call` (a compute op): it starts with it (and
+        after `after`: what it copies)."""
+        return self._copy(way, "jit", label, nbytes, [o for o in (call.pred, *after) if o])
+
+    def _copy(self, way, form, label, nbytes, after) -> Op:
+        """The copy on its bus, and the part of it not hidden under compute on the device."""
+        seconds = nbytes / (getattr(self.rates, f"{way}_gbps") * GB)
+        copy = self.op(way, label, seconds, after)
+        lost = (1 - self.rates.overlap(way, form)) * seconds
+        if lost > 0:
+            self.op("device", f"copy not hidden: {label}", lost, after[:1])
+        return copy
 
     def compute(self, label, flops, after=()) -> Op:
         d = self.call(label)
@@ -246,16 +300,22 @@ class _Timeline:
         return self.op("host update", label, seconds, [d, *after])
 
 
-def _stream(t: _Timeline, order, fetch, body, prefetch):
-    """A pass as LayerStream runs it (schedule.layer_ops): `body(layer, fetched)` dispatches a
-    layer's work and returns what its retire waits for."""
-    from megatrain_jax.engine.schedule import DISPATCH, FETCH, RETIRE, layer_ops
-    order, fetched, finished = list(order), {}, {}
-    for op, pos in layer_ops(len(order), prefetch):
+def _stream(t: _Timeline, order, fetch, body, prefetch, copies):
+    """A pass as LayerStream runs it (schedule.layer_ops): `body(layer, fetched, ahead)`
+    dispatches a layer's work and returns (what its retire waits for, the copy of layer `ahead`
+    it made in the jit form or None); `fetch(layer)` an eager fetch."""
+    from megatrain_jax.engine.schedule import CARRY, DISPATCH, FETCH, RETIRE, layer_ops
+    order, fetched, finished, ahead = list(order), {}, {}, None
+    for op, pos in layer_ops(len(order), prefetch, copies):
         if op == FETCH:
             fetched[pos] = fetch(order[pos])
+        elif op == CARRY:
+            ahead = pos
         elif op == DISPATCH:
-            finished[pos] = body(order[pos], fetched.pop(pos))
+            finished[pos], copy = body(order[pos], fetched.pop(pos),
+                                       None if ahead is None else order[ahead])
+            if ahead is not None:
+                fetched[ahead], ahead = copy, None
         elif op == RETIRE:  # block_until_ready, then on
             t.call(f"wait layer {order[pos]}", after=finished.pop(pos))
 
@@ -277,14 +337,22 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
     for _ in range(M):
         t.compute("embed", 0, [w])
 
+    def carry(u):  # the jit form: HostState.bus waits for the unit's update before the call
+        t.op("dispatch", f"carry unit {u}", 0, [updates[u]] if updates[u] else [])
+
     # forward: each layer retires on its outputs; the activations' copy out is not waited for
-    def forward(i, w):
+    def forward(i, w, ahead):
+        if ahead is not None:
+            carry(1 + ahead)
         ys = [t.compute(f"forward {i}", s.layer_fwd_flops, [w]) for _ in range(M)]
+        copy = (None if ahead is None else
+                t.beside("h2d", f"fetch unit {1 + ahead}", s.layer_bytes, ys[0]))
         for y in ys if s.act_bytes else []:
             t.d2h(f"save activations {i}", s.act_bytes / M, [y])
-        return ys
+        return ys, copy
 
-    _stream(t, range(s.layers), lambda i: fetch(1 + i, s.layer_bytes), forward, s.prefetch)
+    _stream(t, range(s.layers), lambda i: fetch(1 + i, s.layer_bytes), forward, s.prefetch,
+            s.copies)
 
     # loss: the head's gradient stays on the device until the embedding's backward
     w = fetch(s.layers + 1, s.last_bytes)
@@ -304,20 +372,44 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
                 for _ in range(M)] if s.act_bytes else []
         return [w, *acts]
 
-    def backward(i, inputs):
-        dxs = [t.compute(f"backward {i}", s.layer_bwd_flops, inputs) for _ in range(M)]
-        squares.append(t.compute(f"sum squares {i}", 0))
-        grads[1 + i] = t.d2h(f"gradient {i}", s.layer_grad_bytes, [dxs[-1]])
+    def gradient_out(u, copy):
+        grads[u] = copy
         if not s.updates_wait_for_norm:  # submitted as soon as its gradient is on the host
-            updates[1 + i] = t.update(f"update unit {1 + i}", s.layer_update_bytes,
-                                      [grads[1 + i]], s.layer_hop_bytes)
-        return [squares[-1]]
+            updates[u] = t.update(f"update unit {u}", s.layer_update_bytes, [copy],
+                                  s.layer_hop_bytes)
 
-    _stream(t, reversed(range(s.layers)), fetch_back, backward, s.prefetch)
+    leaving = []  # the jit form: (unit, its gradient's last compute), out in the next call
+
+    def send(call):  # the gradient leaving, out inside `call`
+        u, made = leaving.pop()
+        gradient_out(u, t.beside("d2h", f"gradient {u - 1}", s.layer_grad_bytes, call, [made]))
+
+    def backward(i, inputs, ahead):
+        if ahead is not None:
+            carry(1 + ahead)
+        dxs = [t.compute(f"backward {i}", s.layer_bwd_flops, inputs) for _ in range(M)]
+        copies = None
+        if ahead is not None:  # its weights and offloaded inputs, inside the first call
+            copies = [t.beside("h2d", f"fetch unit {1 + ahead}", s.layer_bytes, dxs[0])]
+            copies += ([t.beside("h2d", f"load activations {ahead}", s.act_bytes, dxs[0])]
+                       if s.act_bytes else [])
+        if leaving:
+            send(dxs[0])
+        squares.append(t.compute(f"sum squares {i}", 0))
+        if s.copies == "jit":
+            leaving.append((1 + i, dxs[-1]))
+        else:
+            gradient_out(1 + i, t.d2h(f"gradient {i}", s.layer_grad_bytes, [dxs[-1]]))
+        return [squares[-1]], copies
+
+    _stream(t, reversed(range(s.layers)), fetch_back, backward, s.prefetch, s.copies)
 
     if s.host_lookup:  # the rows' gradient and the device's scalars out; the first stage's
         # backward and the global norm on the host thread, before unit 0's update; the step
         # returns once the norm is made
+        if leaving:  # no device function runs after it: layer 0's gradient goes out eagerly
+            u, made = leaving.pop()
+            gradient_out(u, t.d2h(f"gradient {u - 1}", s.layer_grad_bytes, [made]))
         rows_grad = t.d2h("rows' gradient", s.rows_bytes, [t.last["device"]])
         scalars = t.d2h("squares", 0, [t.compute("squares total", 0, squares)])
         norm = grads[0] = t.update("first stage's backward", s.host_backward_bytes,
@@ -326,6 +418,8 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
         # norm, on the device; the stages' gradient and the norm go out
         w = fetch(0, s.first_bytes)
         embed_bwd = [t.compute("embed backward", 0, [w]) for _ in range(M)]
+        if leaving:  # layer 0's gradient, out inside the first call
+            send(embed_bwd[0])
         merged = t.compute("stages' gradient", 0, [embed_bwd[-1]])
         norm = t.d2h("global norm", 0, [t.compute("global norm", 0, [merged, *squares])])
         grads[0] = grads[s.layers + 1] = t.d2h("stages' gradient", s.stages_grad_bytes,
@@ -426,7 +520,7 @@ def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True,
         head_hop_bytes=int(hop(last_unit)),
         model_flops=float(useful * M * tokens),
         updates_wait_for_norm=updates_wait_for_norm, rows_bytes=rows,
-        host_backward_bytes=int(host_backward))
+        host_backward_bytes=int(host_backward), copies=c.copies)
 
 
 def executed_flops(shape: StepShape) -> float:
@@ -464,7 +558,8 @@ def measured_rates(path: str, shape: StepShape = None) -> tuple:
     bench.py's measured matmul. host update: bench_optimizer.py's update_gb_s, else bench.py's
     host-update seconds per step less the hop's time. hop: the slower of bench_transfer.py's two
     numpy-view rows between the clients (HOP_PATHS). dispatch: bench_transfer.py's tiny jitted
-    op to completion."""
+    op to completion. overlaps: bench_transfer.py's overlap rows (TRANSFER_OVERLAPS), or the
+    host-path check's (HOST_PATH_OVERLAPS)."""
     values, sources, bench = dict(DEFAULTS), {k: "default" for k in DEFAULTS}, None
     results = _load_results(path)
     for f, r in results:
@@ -488,6 +583,19 @@ def measured_rates(path: str, shape: StepShape = None) -> tuple:
         tiny = (r.get("small_d2h") or {}).get("tiny_op_ms")
         if tiny:
             values["dispatch_us"], sources["dispatch_us"] = tiny * 1e3, f"{f}: tiny jitted op"
+    for f, r in results:  # the host-path check's JSON: its eager rows (`write`), `injit`
+        sections = r.get("sections") if isinstance(r, dict) and not r.get("fake") else None
+        for key, section, row in HOST_PATH_OVERLAPS if isinstance(sections, dict) else ():
+            value = (sections.get(section) or {}).get(row)
+            if value is not None:  # a number, or a line that starts with it
+                values[key] = float(value if isinstance(value, (int, float)) else
+                                    str(value).split()[0])
+                sources[key] = f"{f}: {section}, {row}"
+    for f, r in by_kind("transfer")[:1]:  # bench_transfer.py's overlap rows
+        rows = (r.get("overlap") or {}).get("paths") or {}
+        for key, row in TRANSFER_OVERLAPS:
+            if "overlap" in rows.get(row, {}):
+                values[key], sources[key] = rows[row]["overlap"], f"{f}: overlap, {row}"
     benches = by_kind("train")
     if shape is not None:  # the bench of the same step (its tokens), if there is one
         bench = next(((f, r) for f, r in benches

@@ -110,8 +110,9 @@ def plan_h100(results) -> list:
 
 def step_time_h100(results) -> list:
     """One row per `plan --step-time --json` prediction: config, tokens a step, where the first
-    stage runs (on the host: the host lookup), the step, MFU of the datasheet peak, what bounds it
-    and the host update exposed on its critical path."""
+    stage runs (on the host: the host lookup), the form of the layers' copies (offload.copies as
+    the engine resolves it), the step, MFU of the datasheet peak, what bounds it and the host
+    update exposed on its critical path."""
     rows = []
     for f in glob.glob(os.path.join(results, "step_time_*_h100_*k.json")):
         config = re.match(r"step_time_(\w+)_h100_\d+k\.json$", os.path.basename(f)).group(1)
@@ -120,12 +121,15 @@ def step_time_h100(results) -> list:
         seq = shape["tokens_per_step"] // shape["micro_batches"]
         rows.append(((config, shape["tokens_per_step"]), (
             config, f"{shape['tokens_per_step']:,}", f"{seq:,} x {shape['micro_batches']}",
-            "host lookup" if shape.get("rows_bytes") else "device", f"{r['step_s']:.3g} s", _pct(r["mfu_vs_datasheet"]), r["bound"],
+            "host lookup" if shape.get("rows_bytes") else "device",
+            "in the jitted calls" if shape.get("copies") == "jit" else "eager",
+            f"{r['step_s']:.3g} s", _pct(r["mfu_vs_datasheet"]), r["bound"],
             f"{critical['host update']:.3g} s ({critical['host update'] / r['step_s']:.0%})",
             f"{r['busy_s']['device'] / r['step_s']:.0%}")))
     return table(("config", "tokens a step", "tokens x micro-batches", "first stage",
-                  "predicted step", "MFU (989 TFLOP/s)", "bound by", "exposed host update",
-                  "device busy"), [row for _, row in sorted(rows)], right=(1, 4, 5, 7, 8))
+                  "layers' copies", "predicted step", "MFU (989 TFLOP/s)", "bound by",
+                  "exposed host update", "device busy"), [row for _, row in sorted(rows)],
+                 right=(1, 5, 6, 8, 9))
 
 
 KINDS = ("inputs", "weights", "gradients", "activations", "cotangents", "workspace")

@@ -123,6 +123,29 @@ def test_the_schedule_fetches_each_layer_once_before_its_dispatch(n, prefetch):
     assert max(schedule.resident(n, prefetch)) == min(prefetch, n - 1) + 1
 
 
+@pytest.mark.parametrize("n,prefetch", [(1, 1), (5, 1), (5, 2), (3, 4)])
+def test_the_jit_form_fetches_each_layer_inside_the_dispatch_prefetch_before_it(n, prefetch):
+    """The jit form: layers 0..p-1 fetched before the pass, layer pos + p by dispatch pos (the
+    CARRY right before it); each layer's fetched arrays dropped right after its dispatch; the
+    retires as in the eager form; as many layers resident as the eager form's."""
+    ops = schedule.layer_ops(n, prefetch, schedule.JIT)
+    at = {op: k for k, op in enumerate(ops)}
+    for pos in range(n):
+        if pos < prefetch:
+            assert (schedule.CARRY, pos) not in at and at[(schedule.FETCH, pos)] < at[
+                (schedule.DISPATCH, 0)]
+        else:
+            assert (schedule.FETCH, pos) not in at
+            assert ops[at[(schedule.CARRY, pos)] + 1] == (schedule.DISPATCH, pos - prefetch)
+        assert ops[at[(schedule.DISPATCH, pos)] + 1] == (schedule.DROP, pos)
+        if pos:
+            assert at[(schedule.DISPATCH, pos)] < at[(schedule.RETIRE, pos - 1)]
+    assert max(schedule.resident(n, prefetch, schedule.JIT)) == min(prefetch, n - 1) + 1
+    assert schedule.overlapped(n, prefetch, schedule.JIT) == schedule.overlapped(n, prefetch)
+    with pytest.raises(ValueError, match="^copies='jit' needs prefetch >= 1"):
+        schedule.layer_ops(n, 0, schedule.JIT)
+
+
 def test_gradients_and_bus_copies_stay_in_the_compute_devices_pinned_memory(monkeypatch):
     """On the dispatching thread every gradient goes to the compute device's pinned host memory
     (the hop to the host device is the update thread's), and bus copies wait there."""

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from megatrain_jax.config import (Config, DataConfig, DistributedConfig, OptimizerConfig,
+                                  RamTier,
                                   TrainConfig)
 from megatrain_jax.data import document_context
 from megatrain_jax.engine import StreamedEngine
@@ -41,8 +42,8 @@ SEQ = {"resident": 64, "offloaded": 64, "lookup": 32}  # each engine's config (e
 
 
 def config(seq, offload=False, grad_dtype="float32", document_mask=False, prefetch=1,
-           model=MODEL, compute_dtype="float32") -> Config:
-    return Config(model=model, optimizer=OptimizerConfig(),
+           model=MODEL, compute_dtype="float32", copies="auto") -> Config:
+    return Config(model=model, optimizer=OptimizerConfig(), offload=RamTier(copies=copies),
                   data=DataConfig(seq_len=seq, batch_size=2, micro_batches=2,
                                   document_mask=document_mask),
                   train=TrainConfig(steps=4, compute_dtype=compute_dtype, grad_dtype=grad_dtype,
@@ -62,7 +63,8 @@ def build_engine(cfg: Config, execution) -> StreamedEngine:
                           compute_dtype=jnp.dtype(cfg.train.compute_dtype),
                           grad_dtype=jnp.dtype(cfg.train.grad_dtype), prefetch=cfg.train.prefetch,
                           compute_device=compute, host_device=host,
-                          offload_activations=cfg.train.offload_activations)
+                          offload_activations=cfg.train.offload_activations,
+                          copies=cfg.offload.copies)
 
 
 def device_bytes(device) -> int:
@@ -98,7 +100,10 @@ def measure_step(engine, cfg, workspace=None) -> tuple[dict, dict]:
     # at the loss (the memory model's "loss squares" workspace)
     for name, phase in [("embed", "embed"), ("block_fwd", "forward"), ("head", "loss"),
                         ("block_bwd", "backward"), ("embed_bwd", "embed backward"),
-                        ("leaf_squares", "loss squares"), ("zeros", None)]:
+                        ("leaf_squares", "loss squares"), ("zeros", None),
+                        # the jit form's calls (offload.copies=jit)
+                        ("block_fwd_carry", "forward"), ("block_bwd_carry", "backward"),
+                        ("embed_bwd_carry", "embed backward")]:
         def call(*args, fn=getattr(f, name), phase=phase):
             if phase and phase not in temps:
                 temps[phase] = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
@@ -180,6 +185,25 @@ def test_device_plan_matches_the_engine(engines, setup, seq):
     # last unit's leaves' and the two totals the host thread reads.
     scalars = 4 * (2 * cfg.data.micro_batches + cfg.model.num_layers
                    + (len(engine.parts.last) + 2) * engine.host_lookup)
+    for phase in PHASES:
+        predicted = sum(p.device[phase].values())
+        assert 0 <= measured[phase] - predicted <= scalars, (phase, predicted, measured[phase])
+
+
+@pytest.mark.parametrize("setup", ["resident", "offloaded"])
+def test_the_jit_forms_device_plan_matches_the_engine(setup):
+    """offload.copies=jit (each layer's fetch made inside the call before it, its gradient out
+    inside the call after it, layer 0's kept until the embedding backward's): the plan's
+    residency is what the engine holds, with the plan's workspaces."""
+    cfg = config(SEQ[setup], copies="jit", **SETUPS[setup])
+    p = plan(cfg, MACHINE)
+    engine = build_engine(cfg, p.execution)
+    assert engine.copies == "jit"
+    try:
+        measured, _ = measure_step(engine, cfg, workspace=p.workspace)
+    finally:
+        engine.close()
+    scalars = 4 * (2 * cfg.data.micro_batches + cfg.model.num_layers)
     for phase in PHASES:
         predicted = sum(p.device[phase].values())
         assert 0 <= measured[phase] - predicted <= scalars, (phase, predicted, measured[phase])

@@ -14,13 +14,14 @@ import types
 import pytest
 
 from megatrain_jax import commands
-from megatrain_jax.step_time import (DEFAULTS, RESOURCES, Rates, StepShape, executed_flops,
-                                     measured_rates, simulate)
+from megatrain_jax.step_time import (DEFAULTS, OVERLAPS, RESOURCES, Rates, StepShape,
+                                     executed_flops, measured_rates, simulate)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 1 GB/s each way, 1 TFLOP/s, 1 GB/s host update, no dispatch cost: bytes/1e9 and FLOPs/1e12
-# are seconds.
-UNIT = Rates(h2d_gbps=1, d2h_gbps=1, device_tflops=1, host_update_gbps=1, dispatch_us=0)
+# are seconds; every copy wholly hidden under the compute beside it.
+UNIT = Rates(h2d_gbps=1, d2h_gbps=1, device_tflops=1, host_update_gbps=1, dispatch_us=0,
+             **{k: 1.0 for k in OVERLAPS})
 
 
 def shape(**kw) -> StepShape:
@@ -228,6 +229,61 @@ def test_a_configs_shape_moves_the_bytes_the_engine_counts(tied, setting):
     assert s.layer_hop_bytes == s.layer_grad_bytes + s.layer_bytes > 0
     assert s.first_hop_bytes == (0 if s.host_lookup else 2 * s.first_bytes)  # bf16 both ways
     engine.close()
+
+
+def test_a_copy_hides_only_its_measured_overlap():
+    """Fetches beside layers' compute that lasts longer than they do: the device loses the part
+    of each copy the overlap does not hide (at most the copy's time); the eager form never reads
+    the jit form's overlap."""
+    s = shape(layer_fwd_flops=1e12, layer_bytes=int(0.5e9))
+    step = lambda form, overlap: simulate(dataclasses.replace(s, copies=form), dataclasses.replace(
+        UNIT, **{f"h2d_overlap_{form}": overlap})).step_s
+    for form in ("eager", "jit"):
+        hidden, half, none = step(form, 1.0), step(form, 0.5), step(form, 0.0)
+        fetches = 2 * s.layers * s.layer_bytes / 1e9  # seconds of every layer's fetch
+        assert hidden < half < none <= hidden + fetches
+    # (the jit form's eager copies, the first layer's of each pass, take the eager overlap)
+    assert simulate(s, dataclasses.replace(UNIT, h2d_overlap_jit=0.0)).step_s == step("eager",
+                                                                                       1.0)
+
+
+def test_the_jit_forms_copies_start_with_the_call_that_makes_them():
+    """copies=jit: layer i + 1's fetch starts with layer i's first forward call (and backward
+    call, for layer i - 1), and layer i's gradient goes out starting with layer i - 1's first
+    backward call (layer 0's with the embedding backward's)."""
+    L = 4
+    s = shape(layers=L, micro_batches=2, layer_fwd_flops=1e12, layer_bwd_flops=2e12,
+              layer_bytes=int(0.1e9), layer_grad_bytes=int(0.2e9), copies="jit")
+    ops = [o for o in simulate(s, UNIT).ops if o.step == 3]
+    on = lambda resources: [o for o in ops if o.resource in resources]
+    first = lambda label: next(o for o in on(("device", "d2h")) if o.label == label)
+    starts = lambda label: [o.start for o in on(("h2d",)) if o.label == label]
+    assert starts(f"fetch unit {1 + L - 1}")[0] == first(f"forward {L - 2}").start
+    for i in range(1, L - 1):
+        assert starts(f"fetch unit {1 + i}") == [first(f"forward {i - 1}").start,
+                                                 first(f"backward {i + 1}").start]
+        assert first(f"gradient {i}").start == first(f"backward {i - 1}").start
+    assert first("gradient 0").start == first("embed backward").start
+    eager = [o for o in simulate(dataclasses.replace(s, copies="eager"), UNIT).ops if o.step == 3]
+    last = next(o for o in eager if o.label == "backward 0" and o.resource == "device")
+    assert [o.start >= last.end for o in eager if o.label == "gradient 0" and
+            o.resource == "d2h"] == [True]  # (the eager form: after the layer's compute)
+
+
+def test_overlaps_come_from_the_gpus_measurements():
+    """The H200 host's host-path check (its eager rows and `injit`), and bench_transfer.py's
+    overlap rows (the H100 host: eager only)."""
+    h200, sources, _ = measured_rates(os.path.join(ROOT, "docs/results/2026-11-27-h200"))
+    assert (h200.h2d_overlap_eager, h200.d2h_overlap_eager, h200.d2h_overlap_jit) == (
+        0.36, 0.21, 1.0)
+    assert math.isclose(h200.h2d_overlap_jit, 0.916, abs_tol=1e-3)
+    assert "injit" in sources["h2d_overlap_jit"] and "write" in sources["h2d_overlap_eager"]
+    h100, sources, _ = measured_rates(os.path.join(ROOT, "docs/results/2026-11-26-h100"))
+    assert math.isclose(h100.h2d_overlap_eager, 0.14, abs_tol=0.005)
+    assert math.isclose(h100.d2h_overlap_eager, 0.073, abs_tol=0.005)
+    assert sources["h2d_overlap_jit"] == "default"
+    with pytest.raises(ValueError, match="^rate h2d_overlap_jit must be a finite number in"):
+        Rates(h2d_overlap_jit=1.5)
 
 
 def test_rates_bad_value():

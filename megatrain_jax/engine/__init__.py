@@ -11,7 +11,8 @@ Modules, by concern:
   step.py       one step, top to bottom
   schedule.py   the order of a pass's fetches, dispatches and waits (and the step's around them),
                 written once: executed by stream.py, simulated by step_time, read by plan
-  transfer.py   every host<->device copy (weights, batch, activations, gradients, bus refresh)
+  transfer.py   every host<->device copy (weights, batch, activations, gradients, bus refresh),
+                eager or made inside the jitted calls (the copies' form)
   evaluate.py   forward only: the loss at the current weights, or any function of the last
                 stage (forward_outputs, e.g. per-sequence log-probs)
   decode.py     StreamedDecoder: forwards that carry a per-layer state (a KV cache), to generate

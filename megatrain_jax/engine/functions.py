@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from megatrain_jax.engine.parallel import Placement, sum_squares, zeros_like_acc
+from megatrain_jax.engine.transfer import with_copies
 
 
 def tree_add(acc, tree):
@@ -185,6 +186,14 @@ class DeviceFunctions:
         self.block_fwd = on.spread(block_fwd_total, ("w", "b", "b"), ("b", "w"))
         self.block_bwd = on.spread(block_bwd, ("w", "b", "b", "b", "b", "w"), ("b", "b"),
                                    donate_argnums=(3, 4))
+        # The jit form's calls (engine/schedule.py): the same functions with copies made inside
+        # them (transfer.with_copies: the next layer's fetch in, the previous one's gradient
+        # out), as (fetch, out, *args); one device only
+        if not on.data_parallel:
+            carrying = lambda fn, **kw: jax.jit(with_copies(fn, on.local_devices[0]), **kw)
+            self.block_fwd_carry = carrying(block_fwd_total)
+            self.block_bwd_carry = carrying(block_bwd, donate_argnums=(5, 6))
+            self.embed_bwd_carry = carrying(embed_bwd, donate_argnums=(5,))
         self.zeros = zeros_like_acc(on)
         # The devices' partial gradients summed (or reduce-scattered), on the devices; a layer's
         # with its sum of squares: (grads, sq).

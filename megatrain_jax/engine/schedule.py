@@ -18,6 +18,18 @@ always has work queued while the host waits, and the fetch of position i + p com
 retire: at most p + 1 layers are resident. With p = 0 one layer is resident and the queue drains
 at every layer (retire i - 1, fetch i, dispatch i).
 
+Two forms of the copies (`copies`), the same order of work:
+
+    eager     each fetch is its own `device_put`, issued between dispatches (as above)
+    jit       the fetch of position i + p is made inside dispatch i: its first call takes the
+              bus copy (pinned host memory) and returns it in device memory (`carry`), so the
+              copy runs beside that call's compute (engine/transfer.py). Only positions
+              0..p-1 are fetched eagerly, before the pass. A position's fetched arrays are
+              dropped (`drop`: freed without waiting, the runtime frees them once the work is
+              done) right after its dispatch, since nothing later reads them; its retire frees
+              the rest. At most p + 1 layers are resident, as in the eager form. Needs p >= 1:
+              with p = 0 no layer may be resident beside the computing one.
+
 Around the passes, a training step (engine/step.py) runs: the embedding (fetch, dispatch), the
 forward pass, the loss head (fetch, dispatch, its gradient kept on the device), the backward pass
 (each layer's gradient goes out as it is made), the embedding's backward, the stages' gradient
@@ -27,12 +39,26 @@ stage's unit (final norm, head), which the next step fetches only after every la
 """
 
 FETCH, DISPATCH, RETIRE, RELEASE = "fetch", "dispatch", "retire", "release"
+CARRY, DROP = "carry", "drop"  # the jit form's: a fetch made by the next dispatch; a free after it
+EAGER, JIT = "eager", "jit"
+FORMS = (EAGER, JIT)
 
 
-def layer_ops(n: int, prefetch: int) -> list:
-    """[(operation, position)] of a pass over n positions with `prefetch` layers fetched ahead."""
+def layer_ops(n: int, prefetch: int, copies: str = EAGER) -> list:
+    """[(operation, position)] of a pass over n positions with `prefetch` layers fetched ahead,
+    its copies in form `copies`. A (CARRY, q) comes right before the dispatch that fetches q."""
+    if copies not in FORMS:
+        raise ValueError(f"copies must be one of {', '.join(FORMS)}, got {copies!r}")
+    if copies == JIT and prefetch < 1:
+        raise ValueError("copies='jit' needs prefetch >= 1 (the next layer's copy is made "
+                         "during this layer's compute)")
     ops = [(FETCH, pos) for pos in range(min(prefetch, n))]
     for pos in range(n):
+        if copies == JIT:
+            ops += [(CARRY, pos + prefetch)] if pos + prefetch < n else []
+            ops += [(DISPATCH, pos), (DROP, pos)]
+            ops += [(RETIRE, pos - 1)] if pos else []
+            continue
         if prefetch == 0:  # one layer resident: the previous one goes before the next comes
             ops += [(RETIRE, pos - 1)] if pos else []
             ops += [(FETCH, pos), (DISPATCH, pos)]
@@ -47,25 +73,25 @@ def layer_ops(n: int, prefetch: int) -> list:
     return ops
 
 
-def resident(n: int, prefetch: int) -> list:
-    """For each position, the most layers resident on the device (fetched, not yet retired or
-    released) from its dispatch until the next position's."""
+def resident(n: int, prefetch: int, copies: str = EAGER) -> list:
+    """For each position, the most layers resident on the device (fetched, not yet dropped,
+    retired or released) from its dispatch until the next position's; a carried fetch counts
+    from the dispatch that makes it."""
     out, live, current = [0] * n, set(), None
-    for op, pos in layer_ops(n, prefetch):
-        if op == FETCH:
+    for op, pos in layer_ops(n, prefetch, copies):
+        if op in (FETCH, CARRY):
             live.add(pos)
-        elif op in (RETIRE, RELEASE):
+        elif op in (DROP, RETIRE, RELEASE):
             live.discard(pos)
         else:
             current = pos
-        if current is not None:
+        if current is not None and op != CARRY:  # (a carry belongs to the dispatch after it)
             out[current] = max(out[current], len(live))
     return out
 
 
-def overlapped(n: int, prefetch: int) -> list:
+def overlapped(n: int, prefetch: int, copies: str = EAGER) -> list:
     """For each position, whether the one before it is still to be retired when it is dispatched
     (its arrays, e.g. a gradient on its way out, still alive while this one computes)."""
-    ops = layer_ops(n, prefetch)
-    return [pos > 0 and ops.index((RETIRE, pos - 1)) > ops.index((DISPATCH, pos))
-            for pos in range(n)]
+    at = {op: k for k, op in enumerate(layer_ops(n, prefetch, copies))}
+    return [pos > 0 and at[(RETIRE, pos - 1)] > at[(DISPATCH, pos)] for pos in range(n)]

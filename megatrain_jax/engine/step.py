@@ -25,6 +25,18 @@
 The order of a pass's fetches, dispatches and waits is engine/schedule.py's (LayerStream); every
 copy is engine/transfer.py's.
 
+The copies' form (engine.copies, schedule.EAGER or JIT). Eager: every fetch and every gradient's
+copy out is a `device_put` of its own. Jit: a layer's fetch is made inside the first call
+(micro-batch 0) of the layer `prefetch` before it in the pass, its bus copy, and in the backward
+its offloaded inputs too, returned in device memory; a layer's gradient (reduced, cast) goes out
+inside the next layer's first backward call, returned in pinned host memory, and layer 0's inside
+the embedding backward's first call (the host lookup: eagerly, as no device function runs after
+it). Eager in both forms: the first `prefetch` layers of each pass (no compute precedes them in
+the pass), the stages' fetches and gradient, the activations' offload in the forward, the
+scalars. A fetch made inside a call is an output of it and an input of its own layer's calls,
+which feed that layer's gradient: it is done before the gradient is ready, so a unit's bus copy
+is still written only after every fetch of it has been read (engine/direct.py).
+
 Each block weight crosses the bus twice per step whatever the number of micro-batches M is.
 Data parallel over several devices (parallel.py): every fetch goes to each device, each
 micro-batch's rows are split over them, and each gradient (dW_i, the stages' parts) is summed over
@@ -39,7 +51,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from megatrain_jax.engine import lookup, stage_units
+from megatrain_jax.engine import lookup, schedule, stage_units
 from megatrain_jax.engine.functions import norm_and_scale
 from megatrain_jax.engine.stream import LayerStream, delete
 
@@ -88,6 +100,19 @@ def fetched_copy(engine, w):
     return w
 
 
+def carried_call(engine, fn, args, carry=None, grads=None) -> tuple:
+    """The jit form: fn (a DeviceFunctions `*_carry`) on args, with `carry` = (unit, its bus copy,
+    offloaded inputs or None) fetched and `grads` (a gradient on the device) sent out inside the
+    call. Returns (fn's result, (the unit's weights, its inputs) on the device, the gradient's
+    Parcel or None)."""
+    u, bus, saved = carry or (None, None, None)
+    result, (w, xs), parcel = engine.transfers.in_call(fn, args, weights=bus, activations=saved,
+                                                       grads=grads)
+    if u is not None:
+        engine.host.fetched(u, w)
+    return result, (w, xs), parcel
+
+
 def reduced_away(partial, reduced) -> list:
     """The per-device partial sums that f.reduce replaced (none on one device, where it returns
     its input)."""
@@ -120,13 +145,19 @@ def run(engine, inputs, targets, contexts) -> dict:
             return None
         return lambda kind, layer: engine.on_event(kind, phase, layer)
 
-    def out(grads):
-        """(the gradient on its way to the host, a Parcel; the device arrays to free once the
-        layer retires). `grads` is reduced over the devices already (f.reduce)."""
+    def cast(grads):
+        """(`grads` in the host's gradient dtype, every device array of both). `grads` is reduced
+        over the devices already (f.reduce)."""
         device = jax.tree.leaves(grads)
         if device and device[0].dtype != host.grad_dtype:
             grads = f.cast_grads(grads)  # cast on the device: fewer bytes cross and wait
             device += jax.tree.leaves(grads)
+        return grads, device
+
+    def out(grads):
+        """(the gradient on its way to the host, a Parcel; the device arrays to free once the
+        layer retires)."""
+        grads, device = cast(grads)
         parcel = engine.transfers.grads_out(grads)
         kept = {id(x) for x in parcel.token()}  # no copy when they share a device
         return parcel, [x for x in device if id(x) not in kept]
@@ -138,12 +169,23 @@ def run(engine, inputs, targets, contexts) -> dict:
 
     # ---- forward
     auxs = []  # every layer's and micro-batch's aux statistics (blocks that return them)
-    stream = LayerStream(range(L), lambda i: fetch(1 + i), engine.prefetch, events("forward"))
+    jit = engine.copies == schedule.JIT
+    carry = (lambda i: (1 + i, host.bus(1 + i), None)) if jit else None
+    stream = LayerStream(range(L), lambda i: fetch(1 + i), engine.prefetch, events("forward"),
+                         carry)
     for i, w in stream:
-        outs = [f.block_fwd(w, x, c) for x, c in zip(xs, contexts)]
+        outs, ahead = [], None
+        for m, (x, c) in enumerate(zip(xs, contexts)):
+            if m == 0 and stream.carry is not None:  # the layer ahead's copy beside this compute
+                made, (ahead, _), _ = carried_call(engine, f.block_fwd_carry, (w, x, c),
+                                                   stream.carry)
+            else:
+                made = f.block_fwd(w, x, c)
+            outs.append(made)
         ys = [y for y, _ in outs]
         auxs += [aux for _, aux in outs if aux is not None]
-        stream.done(ys, (fetched(w), acts.save(i, xs)))  # nothing donates a block's outputs
+        # nothing donates a block's outputs
+        stream.done(ys, acts.save(i, xs), drop=fetched(w), carried=ahead)
         xs = ys
         hook("forward", i)
 
@@ -179,20 +221,44 @@ def run(engine, inputs, targets, contexts) -> dict:
 
     # ---- backward
     layer_grads, layer_sq = {}, []
+    carry = (lambda i: (1 + i, host.bus(1 + i), acts.pinned(i))) if jit else None
     stream = LayerStream(reversed(range(L)), lambda i: (fetch(1 + i), acts.load(i)),
-                         engine.prefetch, events("backward"))
+                         engine.prefetch, events("backward"), carry)
+    leaving = None  # the jit form: (unit, gradient) of the layer before, to go out in this call
     for i, (w, xs) in stream:
-        dw = f.zeros(w)
+        dw, ahead = f.zeros(w), None
         for m in range(M):
-            dxs[m], dw = f.block_bwd(w, xs[m], contexts[m], dxs[m], dw, daux)
+            args = (w, xs[m], contexts[m], dxs[m], dw, daux)
+            if m == 0 and (stream.carry is not None or leaving is not None):
+                (dxs[m], dw), (w_ahead, xs_ahead), parcel = carried_call(
+                    engine, f.block_bwd_carry, args, stream.carry,
+                    leaving and leaving[1])
+                if stream.carry is not None:  # its inputs: copied here, or kept on the device
+                    ahead = (w_ahead, xs_ahead if acts.offload else
+                             acts.load(stream.carry[0] - 1))
+                if leaving is not None:
+                    layer_grads[leaving[0]], leaving = parcel, None
+            else:
+                dxs[m], dw = f.block_bwd(*args)
         (dw, sq), partial = f.reduce_squares(dw), dw  # summed over the devices, on them
         layer_sq.append(sq)
-        layer_grads[1 + i], device_grads = out(dw)
+        if jit:  # goes out inside the next call (layer 0's: the embedding backward's)
+            grads, device_grads = cast(dw)
+            leaving = (1 + i, grads)
+        else:
+            layer_grads[1 + i], device_grads = out(dw)
         device_grads += reduced_away(partial, dw)
         host.release_bus(1 + i)
+        if leaving is not None and i == 0:  # freed once it is out, after the loop
+            last_device, device_grads = device_grads, []
         # retired on its sum of squares: made after every micro-batch's work, never donated;
         # the gradient's copy out goes on while the next layer computes
-        stream.done(sq, (fetched(w), xs, device_grads, head_device))
+        # (the jit form drops its fetch right after the dispatch: the weights, and the inputs
+        # when they were loaded back; inputs kept on the device since the forward go with the
+        # rest at its retire)
+        fetched_inputs = acts.offload or not jit
+        stream.done(sq, (device_grads, head_device, () if fetched_inputs else xs),
+                    drop=(fetched(w), xs if fetched_inputs else ()), carried=ahead)
         head_device = ()
         hook("backward", i)
 
@@ -201,6 +267,9 @@ def run(engine, inputs, targets, contexts) -> dict:
     if engine.host_lookup:  # on the host thread, from the rows' gradient (engine/lookup.py)
         total_weight = f.total(weights)
         scalars = (f.total(layer_sq), last_squares, total_weight)
+        if leaving is not None:  # no device function runs after it: layer 0's gradient goes out now
+            layer_grads[leaving[0]] = engine.transfers.grads_out(leaving[1])
+            delete(last_device)
         backward = lookup.HostBackward(engine, host.stage_bus(engine.parts.first), inputs,
                                        engine.transfers.grads_out(dxs),
                                        engine.transfers.scalars_out(scalars))
@@ -208,8 +277,13 @@ def run(engine, inputs, targets, contexts) -> dict:
     else:
         w = stage("first")
         acc = f.zeros(w)
-        for x, dx in zip(inputs, dxs):
-            acc = f.embed_bwd(w, x, dx, acc)
+        for m, (x, dx) in enumerate(zip(inputs, dxs)):
+            if m == 0 and leaving is not None:  # layer 0's gradient out beside this compute
+                acc, _, layer_grads[leaving[0]] = carried_call(
+                    engine, f.embed_bwd_carry, (w, x, dx, acc), grads=leaving[1])
+                delete(last_device)
+            else:
+                acc = f.embed_bwd(w, x, dx, acc)
         delete(fetched(w))
         total_weight = f.total(weights)
         held, sharding = _stage_shapes(engine)

@@ -47,32 +47,56 @@ def delete(tree):
 class LayerStream:
     """Iterates `(layer, payload)` over `order`, `payload = fetch(layer)` fetched `prefetch` layers
     ahead (schedule.layer_ops). After dispatching a layer's work the caller calls
-    `done(token, free)`: `token` is what to wait on before the layer is retired, arrays that
-    no later work donates (its outputs, or a scalar computed from them), and `free` the arrays
-    deleted then (the fetched weights, unless fetching made no copy because they already lived
-    on the device). on_event(kind, layer), when given, is told of each dispatch and wait.
+    `done(token, free, drop)`: `token` is what to wait on before the layer is retired, arrays
+    that no later work donates (its outputs, or a scalar computed from them), `drop` the arrays
+    of its fetch that the step may delete (the fetched weights, unless fetching made no copy
+    because they already lived on the device) and `free` the other arrays deleted then.
+    on_event(kind, layer), when given, is told of each dispatch and wait.
 
         stream = LayerStream(order, fetch, prefetch)
         for i, w in stream:
             ys = [block(w, x) for x in xs]
-            stream.done(ys, free=w)
-    """
+            stream.done(ys, drop=w)
 
-    def __init__(self, order, fetch, prefetch: int, on_event=None):
+    In the jit form (`carry` given, schedule.JIT) only the first `prefetch` layers are fetched by
+    `fetch`; every other layer's fetch is made inside a dispatch: `stream.carry` is then what
+    `carry(layer)` returned for the layer `prefetch` ahead (its bus copy, in pinned host memory)
+    or None, the dispatch's first call copies it to the device, and the caller hands the copy
+    over as `done(..., carried=copy)`: it is that layer's payload. `drop` is deleted right after
+    the dispatch, `free` at the retire."""
+
+    def __init__(self, order, fetch, prefetch: int, on_event=None, carry=None):
         self.order, self.fetch, self.prefetch = list(order), fetch, prefetch
         self.on_event = on_event or (lambda kind, layer: None)
+        self.carry_fetch = carry
+        self.copies = schedule.EAGER if carry is None else schedule.JIT
+        self.carry = None
         self._done = None
 
     def __iter__(self):
-        fetched, finished = {}, {}
-        for op, pos in schedule.layer_ops(len(self.order), self.prefetch):
+        fetched, finished, dropped, carried = {}, {}, {}, None
+        jit = self.copies == schedule.JIT
+        for op, pos in schedule.layer_ops(len(self.order), self.prefetch, self.copies):
             layer = self.order[pos]
             if op == schedule.FETCH:
                 fetched[pos] = self.fetch(layer)
+            elif op == schedule.CARRY:
+                carried, self.carry = pos, self.carry_fetch(layer)
             elif op == schedule.DISPATCH:
                 yield layer, fetched.pop(pos)
                 self.on_event("dispatch", layer)
-                finished[pos], self._done = self._done or ((), ()), None
+                token, free, drop, copy = self._done or ((), (), (), None)
+                self._done, self.carry = None, None
+                if carried is not None:
+                    if copy is None:
+                        raise RuntimeError(f"layer {layer}'s dispatch did not hand over its "
+                                           f"copy of layer {self.order[carried]}")
+                    fetched[carried], carried = copy, None
+                finished[pos] = (token, free) if jit else (token, (drop, free))
+                if jit:
+                    dropped[pos] = drop
+            elif op == schedule.DROP:  # the runtime frees them once the layer's work is done
+                delete(dropped.pop(pos))
             else:  # retire (wait, then free) or release (the rest of the step goes on)
                 token, free = finished.pop(pos)
                 if op == schedule.RETIRE:
@@ -80,8 +104,8 @@ class LayerStream:
                     jax.block_until_ready(token)
                 delete(free)
 
-    def done(self, token, free=()):
-        self._done = (token, free)
+    def done(self, token, free=(), drop=(), carried=None):
+        self._done = (token, free, drop, carried)
 
 
 class Activations:
@@ -112,6 +136,11 @@ class Activations:
             return ()
         self._saved[layer] = self.transfers.activations(xs, self.host, "activations out")
         return xs
+
+    def pinned(self, layer: int):
+        """Offloaded: layer's saved inputs as they wait in pinned host memory, taken for a copy
+        made inside a jitted call (the jit form); else None (load gives them)."""
+        return self._saved.pop(layer) if self.offload else None
 
     def load(self, layer: int) -> list:
         xs = self._saved.pop(layer)

@@ -13,7 +13,7 @@ from flax import nnx
 
 from megatrain_jax.engine import evaluate as evaluate_lib
 from megatrain_jax.engine import lookup
-from megatrain_jax.engine import step
+from megatrain_jax.engine import step, transfer
 from megatrain_jax.engine.functions import DeviceFunctions, stage_parts
 from megatrain_jax.engine.host import HostState
 from megatrain_jax.engine.parallel import Placement
@@ -91,6 +91,14 @@ class StreamedEngine:
         written in place), else a jitted update per unit; "direct": the direct update or an error
         saying why it cannot run; "jit": a jitted update per unit (the kernel through jax.ffi, or
         optax). The log says which. The direct and jit paths give the same bits.
+      copies: how a layer's weights come in and its gradient goes out (engine/step.py). "eager":
+        each a `device_put` of its own between the jitted calls; "jit": made inside the jitted
+        calls, beside their compute (the next layer's fetch inside this layer's first call, the
+        previous layer's gradient out in it too; transfer.with_copies); "auto" (default): jit on
+        an accelerator (not a CPU device) with pinned_host memory and one compute device, with
+        prefetch >= 1, else eager. "jit" where it cannot run (no accelerator apart from the host
+        device, no pinned_host memory, data parallel, prefetch 0): a ValueError saying why. Both
+        forms give the same bits.
 
     A step whose gradient is not finite changes nothing (see `train_step`); a step that raises
     leaves the state as it was before it.
@@ -103,7 +111,7 @@ class StreamedEngine:
                  offload_activations: bool = False, aux_loss: Optional[Callable] = None,
                  disk_tier: Optional[DiskTierOptions] = None, compute_devices=None,
                  shard_host_state: bool = False, host_lookup: Optional[bool] = None,
-                 host_update: str = "auto"):
+                 host_update: str = "auto", copies: str = "auto"):
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         if prefetch < 0:
@@ -123,6 +131,13 @@ class StreamedEngine:
         self.host_sharding = jax.sharding.SingleDeviceSharding(self.host_device)
         self.counters = Counters()
         self.transfers = Transfers(self.placement, self.host_device, self.counters)
+        self.copies = transfer.copies_form(
+            copies, accelerator=self.transfers.accelerator,
+            platform=self.compute_device.platform,
+            pinned=self.transfers.out_kind == transfer.PINNED,
+            data_parallel=self.placement.data_parallel, prefetch=prefetch)
+        log.info("weights in and gradients out: %s", "copies made inside the jitted calls"
+                 if self.copies == transfer.JIT else "eager copies")
         self.activations = Activations(self.compute_device, offload_activations, self.transfers,
                                        self.placement.batch)
         # Called as on_phase(phase, layer=None) after each unit's work is dispatched (phases:

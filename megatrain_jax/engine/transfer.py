@@ -11,6 +11,13 @@ dispatch. With no accelerator (state and compute on one device) nothing crosses.
 A backend whose compute device has no `pinned_host` memory takes the documented fallback:
 gradients go straight to the host device's memory and bus copies wait there (copies across
 clients, on the dispatching thread); `Transfers` logs it once, naming the device.
+
+Weights in and gradients out take one of two forms (`copies_form`): `eager`, a `device_put` of
+their own issued between the jitted calls, or `jit`, made inside a jitted call that also computes
+(`with_copies`, `Transfers.in_call`): a memory-kind `device_put` in the jit, which XLA makes an
+asynchronous copy beside the call's compute. An eager copy issued behind queued compute waits for
+it, while one inside the call runs during it (docs/benchmarks.md "Transfers": the GPU's overlap
+figures), so on an accelerator the jit form is the default.
 """
 
 import logging
@@ -22,6 +29,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 PINNED = "pinned_host"
+COPIES = ("auto", "eager", "jit")
+EAGER, JIT = "eager", "jit"  # (engine/schedule.py's forms)
 
 
 def nbytes(tree) -> int:
@@ -55,6 +64,52 @@ def crosses_clients(source, target) -> bool:
 
 def memory_kinds(device) -> set:
     return {m.kind for m in device.addressable_memories()}
+
+
+def why_eager(*, accelerator: bool, pinned: bool, data_parallel: bool, prefetch: int):
+    """Why the copies cannot be made inside the jitted calls (None: they can). accelerator: the
+    compute device is not the host's CPU backend; pinned: it has pinned_host memory."""
+    if not accelerator:
+        return "no accelerator (nothing crosses a bus)"
+    if not pinned:
+        return "the compute device has no pinned_host memory"
+    if data_parallel:
+        return "data parallel over several devices"
+    if prefetch < 1:
+        return "prefetch 0 (the next layer's copy would be resident beside the computing one)"
+    return None
+
+
+def copies_form(setting: str, *, accelerator: bool, platform: str, pinned: bool,
+                data_parallel: bool, prefetch: int) -> str:
+    """The form (EAGER or JIT) of weights in and gradients out for `setting` (COPIES), where
+    accelerator: the compute device is not the host device; platform: the compute device's
+    ("cpu" also where a CPU device stands in for an accelerator, as in tests); and what else
+    decides (why_eager). auto: JIT on an accelerator that is not a CPU, with pinned_host memory
+    (a GPU measured such copies overlapping compute where eager ones did not: docs/benchmarks.md
+    "Transfers"), else EAGER. A setting that cannot run is a one-line ValueError."""
+    if setting not in COPIES:
+        raise ValueError(f"copies must be one of {', '.join(COPIES)}, got {setting!r}")
+    why = why_eager(accelerator=accelerator, pinned=pinned, data_parallel=data_parallel,
+                    prefetch=prefetch)
+    if setting == JIT and why is not None:
+        raise ValueError(f"copies='jit' cannot run: {why}")
+    if setting == "auto":
+        return JIT if why is None and platform != "cpu" else EAGER
+    return setting
+
+
+def with_copies(fn, device):
+    """fn(*args) as a function of (fetch, out, *args) returning (fn(*args), fetch copied to
+    `device`'s memory, out copied to its pinned host memory), all in one computation: the copies
+    run beside fn's compute. fetch: pinned host arrays (a bus copy, saved activations) or None;
+    out: device arrays (a gradient) or None. To be jitted; each structure compiles once."""
+    to_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    to_pinned = jax.sharding.SingleDeviceSharding(device, memory_kind=PINNED)
+
+    def carried(fetch, out, *args):
+        return fn(*args), jax.device_put(fetch, to_device), jax.device_put(out, to_pinned)
+    return carried
 
 
 class Parcel:
@@ -124,6 +179,28 @@ class Transfers:
             out = placement.put_shards(bus, shapes)
         self._event("weights in")
         return out
+
+    def in_call(self, fn, args, weights=None, activations=None, grads=None):
+        """fn(fetch, out, *args) (a jitted with_copies function) with its copies made inside the
+        call: `weights` (a unit's bus copy, or a part of it) and `activations` (saved inputs in
+        pinned host memory) to the compute device, `grads` (a reduced gradient on the device) to
+        its pinned host memory. Returns (fn's result, (weights, activations) on the device, the
+        gradient on its way out as a Parcel, or None). Counted and announced as the eager
+        copies are, as "... in the call"."""
+        fetch = None if weights is None and activations is None else (weights, activations)
+        result, fetched, sent = fn(fetch, grads, *args)
+        if weights is not None:
+            self.counters.bytes_h2d += nbytes(weights)
+            self._event("weights in, in the call")
+        if activations is not None:
+            self._event("activations in, in the call")
+        parcel = None
+        if grads is not None:
+            leaves, treedef = jax.tree.flatten(sent)
+            parcel = Parcel(treedef, [[x] for x in leaves])
+            self.counters.bytes_d2h += nbytes(leaves)
+            self._event("gradient out, in the call")
+        return result, (None, None) if fetched is None else fetched, parcel
 
     def rows_in(self, rows: list) -> list:
         """The first stage's output rows, computed on the host device (the host lookup,
