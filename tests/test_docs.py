@@ -393,12 +393,6 @@ FIGURE = re.compile(r"\d\s?(?:[KMGT]i?B/s|TFLOP/s|TFLOPS|tok(?:ens)?/s|params/s)
                     r"|\d(?:\.\d+)?\s?[x×] (?:faster|slower)|\d\s?% (?:faster|slower)", re.I)
 # (module, the figure's words): a figure that is a parameter, not a measurement
 NOT_MEASURED = {("engine/stream.py", "its 5 ms switch interval"): "Python's documented default"}
-# (module, the figure's words): measurements still to move behind a pointer (the first two to
-# docs/benchmarks.md, "Transfers"; the third to docs/results/2026-11-26-host-optimizer.md); an
-# entry goes once its figure has
-TO_MOVE = {("engine/transfer.py", "runs at ~1 GB/s on an H100 host"),
-           ("engine/transfer.py", "one host memcpy (~9.6 GB/s there)"),
-           ("engine/transfer.py", "after ~0.1 ms a leaf")}
 
 
 def stated_figures(source: str) -> list:
@@ -439,10 +433,10 @@ def test_code_comments_state_no_measured_figures():
     for module in package_modules():
         with open(os.path.join(package, module), encoding="utf-8") as f:
             for n, line in stated_figures(f.read()):
-                hits = [key for key in [*NOT_MEASURED, *TO_MOVE]
+                hits = [key for key in NOT_MEASURED
                         if key[0] == module and key[1] in line]
                 allowed.update(hits)
                 if not hits:
                     found.append(f"megatrain_jax/{module}:{n}: {line[:100]}")
     assert found == []
-    assert allowed == set(NOT_MEASURED) | TO_MOVE  # an entry that no longer matches is dropped
+    assert allowed == set(NOT_MEASURED)  # an entry that no longer matches is dropped

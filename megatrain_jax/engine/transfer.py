@@ -39,14 +39,15 @@ def nbytes(tree) -> int:
 
 def across_clients(x, sharding):
     """x copied to `sharding`. Between two clients (the GPU's pinned host memory and the CPU
-    backend) jax's own copy runs at ~1 GB/s on an H100 host (jax 0.11.2, docs/benchmarks.md "GPU
-    figures"); a numpy view of host-resident x (zero-copy for the CPU backend and pinned_host)
-    put on `sharding` is one host memcpy (~9.6 GB/s there). Within one client: jax's copy."""
+    backend) jax's own copy is slow; a numpy view of host-resident x (zero-copy for the CPU
+    backend and pinned_host) put on `sharding` is one host memcpy, several times faster
+    (docs/benchmarks.md, "Transfers": between jax's clients). Within one client: jax's copy."""
     if not isinstance(x, jax.Array):  # numpy (the disk tier's views): one host copy already
         return jax.device_put(x, sharding)
     if x.sharding == sharding:  # already there (state and compute on one device): device_put
-        # would only commit x, after ~0.1 ms a leaf of the host thread's time (~3% of an update
-        # here); an uncommitted x is on the default device, which is then `sharding`'s anyway
+        # would only commit x, at a cost of host-thread time for every leaf
+        # (docs/results/2026-11-26-host-optimizer.md, the host thread's gaps); an uncommitted x
+        # is on the default device, which is then `sharding`'s anyway
         return x
     device = next(iter(x.sharding.device_set))
     target = next(iter(sharding.device_set))
