@@ -205,7 +205,7 @@ def test_a_configs_shape_moves_the_bytes_the_engine_counts(tied, setting):
     import numpy as np
     from megatrain_jax.config import load_config
     from megatrain_jax.step_time import step_shape
-    from megatrain_jax.engine import direct
+    from megatrain_jax.engine import update
     from megatrain_jax.recipes import build_engine
     cfg = load_config("configs/tiny.yaml", [
         "model.num_layers=2", "data.seq_len=16", "data.batch_size=1", "data.micro_batches=2",
@@ -224,7 +224,7 @@ def test_a_configs_shape_moves_the_bytes_the_engine_counts(tied, setting):
     # the jit path's host thread hops: a layer's gradient in and its bus copy out; none for unit 0
     # with the lookup (made and kept on the host)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(direct, "available", lambda optimizer, disk_tier: "the jit path (test)")
+        patch.setattr(update, "why_not_direct", lambda optimizer, disk_tier: "the jit path (test)")
         s = step_shape(cfg, offload=False)
     assert s.layer_hop_bytes == s.layer_grad_bytes + s.layer_bytes > 0
     assert s.first_hop_bytes == (0 if s.host_lookup else 2 * s.first_bytes)  # bf16 both ways
