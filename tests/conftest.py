@@ -12,11 +12,17 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="megatrain-jax-test-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
-# Token caches (data.cache_dir's default, under $XDG_CACHE_HOME) in a fresh directory per run
-# too: no test reads one a previous run left, none writes into the home directory.
-_xdg = tempfile.mkdtemp(prefix="megatrain-jax-test-xdg-")
-atexit.register(shutil.rmtree, _xdg, ignore_errors=True)
-os.environ["XDG_CACHE_HOME"] = _xdg
+# Token caches (data.cache_dir's default) and the fused AdamW kernel's build, under
+# $XDG_CACHE_HOME, in a fresh directory per run too: no test reads one a previous run left, none
+# writes into the home directory. The run's workers inherit it from the process that starts them
+# (as the compilation cache above), so the kernel is built once a run, not once a worker; both
+# caches are safe to build from several processes at once (each renames a finished build into
+# place).
+_XDG_PREFIX = "megatrain-jax-test-xdg-"
+if not os.path.basename(os.environ.get("XDG_CACHE_HOME", "")).startswith(_XDG_PREFIX):
+    _xdg = tempfile.mkdtemp(prefix=_XDG_PREFIX)
+    atexit.register(shutil.rmtree, _xdg, ignore_errors=True)
+    os.environ["XDG_CACHE_HOME"] = _xdg
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 

@@ -5,8 +5,9 @@ exactly one stderr line `error: ...` naming the culprit, no traceback, and no fi
 run changed.
 docs/reliability.md lists them all, with the other owners' (data.py, engine).
 
-Fast by construction: config errors fail before JAX compiles anything, the cases run three
-subprocesses at a time, and the runs that train share one persistent compilation cache."""
+Fast by construction: config errors fail before JAX compiles anything (one through the script,
+the others through its main in this process), the other cases run three subprocesses at a time,
+and the runs that train share one persistent compilation cache."""
 
 import concurrent.futures
 import hashlib
@@ -23,7 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from megatrain_jax import checkpoint, hf
+from megatrain_jax import checkpoint, commands, hf
 from megatrain_jax.config import RESUME_KEYS, Config, ConfigError, load_config, resume_changes, \
     resume_keys, to_dict
 from megatrain_jax.model import ModelConfig
@@ -55,9 +56,13 @@ def env(tmp_path_factory):
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
+def train_args(*args, config=TINY):
+    return [*(["--config", config] if config else []), *args]
+
+
 def train_cmd(*args, config=TINY):
-    return [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
-            *(["--config", config] if config else []), *args]
+    script = os.path.join(ROOT, "scripts", "train.py")
+    return [sys.executable, script, *train_args(*args, config=config)]
 
 
 def export_cmd(*args):
@@ -153,45 +158,59 @@ def test_yaml_12_floats_in_files_and_overrides(tmp_path):
         load_config(None, ["train.steps=1e3"])
 
 
-def test_bad_config_is_one_line_exit_2_and_the_run_is_untouched(copy_run, tmp_path, env):
+def test_bad_config_is_one_line_exit_2_and_the_run_is_untouched(copy_run, tmp_path, env,
+                                                                capsys):
+    """Refused while the config is read, before JAX starts: one case through scripts/train.py,
+    the others through its main (commands.train) in this process, each on a copy of a run."""
     (tmp_path / "dup.yaml").write_text("train:\n  steps: 1\n  seed: 0\n  steps: 500\n")
     (tmp_path / "list.yaml").write_text("- model\n- data\n")
     (tmp_path / "confdir").mkdir()
-    cases = [
+    cli_cases_refuse_and_leave_the_run_alone([
         ("lr nan", lambda d: train_cmd("optimizer.learning_rate=.nan", f"run_dir={d}"),
-         ["optimizer.learning_rate must be a finite number, got nan"]),
-        ("lr inf", lambda d: train_cmd("optimizer.learning_rate=.inf", f"run_dir={d}"),
+         ["optimizer.learning_rate must be a finite number, got nan"])], copy_run, env)
+    cases = [
+        ("lr inf", lambda d: train_args("optimizer.learning_rate=.inf", f"run_dir={d}"),
          ["optimizer.learning_rate must be a finite number, got inf"]),
-        ("clip nan", lambda d: train_cmd("optimizer.max_grad_norm=.nan", f"run_dir={d}"),
+        ("clip nan", lambda d: train_args("optimizer.max_grad_norm=.nan", f"run_dir={d}"),
          ["optimizer.max_grad_norm must be a finite number"]),
-        ("eps nan", lambda d: train_cmd("optimizer.eps=.nan", f"run_dir={d}"),
+        ("eps nan", lambda d: train_args("optimizer.eps=.nan", f"run_dir={d}"),
          ["optimizer.eps must be a finite number"]),
-        ("wd inf", lambda d: train_cmd("optimizer.weight_decay=-.inf", f"run_dir={d}"),
+        ("wd inf", lambda d: train_args("optimizer.weight_decay=-.inf", f"run_dir={d}"),
          ["optimizer.weight_decay must be a finite number"]),
-        ("b1", lambda d: train_cmd("optimizer.b1=5.0", f"run_dir={d}"),
+        ("b1", lambda d: train_args("optimizer.b1=5.0", f"run_dir={d}"),
          ["optimizer.b1 must be in [0, 1), got 5.0"]),
-        ("b2", lambda d: train_cmd("optimizer.b2=1", f"run_dir={d}"),
+        ("b2", lambda d: train_args("optimizer.b2=1", f"run_dir={d}"),
          ["optimizer.b2 must be in [0, 1)"]),
-        ("warmup", lambda d: train_cmd("optimizer.warmup_steps=-5", f"run_dir={d}"),
+        ("warmup", lambda d: train_args("optimizer.warmup_steps=-5", f"run_dir={d}"),
          ["optimizer.warmup_steps must be >= 0, got -5"]),
-        ("state_dtype", lambda d: train_cmd("optimizer.state_dtype=bf16", f"run_dir={d}"),
+        ("state_dtype", lambda d: train_args("optimizer.state_dtype=bf16", f"run_dir={d}"),
          ["optimizer.state_dtype must be one of float32, bfloat16, got 'bf16'"]),
-        ("duplicate key", lambda d: train_cmd(f"run_dir={d}", config=str(tmp_path / "dup.yaml")),
+        ("duplicate key", lambda d: train_args(f"run_dir={d}", config=str(tmp_path / "dup.yaml")),
          ["dup.yaml: duplicate key train.steps (line 4)"]),
-        ("yaml list + override", lambda d: train_cmd("train.steps=2", f"run_dir={d}",
-                                                     config=str(tmp_path / "list.yaml")),
+        ("yaml list + override", lambda d: train_args("train.steps=2", f"run_dir={d}",
+                                                      config=str(tmp_path / "list.yaml")),
          ["list.yaml: expected a mapping", "got a list"]),
         ("config is a directory",
-         lambda d: train_cmd(f"run_dir={d}", config=str(tmp_path / "confdir")),
+         lambda d: train_args(f"run_dir={d}", config=str(tmp_path / "confdir")),
          [f"--config {tmp_path / 'confdir'} is a directory"]),
-        ("allow_changes unknown", lambda d: train_cmd("checkpoint.allow_changes=[train.stepz]",
-                                                      f"run_dir={d}"),
+        ("allow_changes unknown", lambda d: train_args("checkpoint.allow_changes=[train.stepz]",
+                                                       f"run_dir={d}"),
          ["checkpoint.allow_changes: unknown config key train.stepz"]),
         ("allow_changes never compared",
-         lambda d: train_cmd("checkpoint.allow_changes=[train.prefetch]", f"run_dir={d}"),
+         lambda d: train_args("checkpoint.allow_changes=[train.prefetch]", f"run_dir={d}"),
          ["checkpoint.allow_changes: train.prefetch is never compared on resume"]),
     ]
-    cli_cases_refuse_and_leave_the_run_alone(cases, copy_run, env)
+    for name, args, needles in cases:
+        run_dir = copy_run(name)
+        before = files(run_dir)
+        assert commands.train(args(run_dir)) == 2, name
+        err = capsys.readouterr().err
+        assert "Traceback" not in err, err[-3000:]
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), (name, err[-3000:])
+        for needle in needles:
+            assert needle in lines[0], (needle, lines[0])
+        assert files(run_dir) == before, f"{name}: the run directory changed"
 
 
 # ----------------------------------------------------------------------------- resume

@@ -149,61 +149,75 @@ def test_bench_transfer_tiny_buffer(tmp_path):
     assert "| pinned_host -> device | " in rendered and "0.004 GB buffer" in rendered
 
 
-def test_bench_optimizer_tiny(tmp_path):
-    """The engine's update (its gradients freed by the host thread, and kept), torch fused (alone
-    and followed by its bf16 copy) and foreach and a copy, at all cores and (a child under
-    taskset) at one, each with its time, GB/s, page faults and CPU time; with --processes 2, each
-    in two fresh processes, the ratios per process and their median."""
-    out = tmp_path / "opt.json"
-    proc = run("bench_optimizer.py", "--params", "1", "--hidden", "256", "--reps", "1",
-               "--mmap-threshold", "1", "--huge-pages", "--processes", "2", "--json", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    key, value = proc.stdout.strip().splitlines()[-1].split(": ")
-    assert key == "update_vs_torch_fused" and positive(float(value))
-    r = json.loads(out.read_text())
-    threads = {r["threads"], 1}
+def check_optimizer_rows(r, threads):
+    """bench_optimizer.py's JSON: a row for each measurement at each thread count, each with
+    its time, GB/s, page faults and CPU time; the engine's update (its gradients freed by the
+    host thread, and kept) and, where the kernel is called directly, the kernel in a jitted
+    update beside it; torch fused (alone and followed by its bf16 copy), foreach and a copy."""
     rows = {(row["measurement"], row["threads"]): row for row in r["table"]}
-    # the direct update (the kernel called directly) beside the kernel in a jitted update
     engine_rows = ("update", "update_kept") + (("update_jit",) if r["direct"] else ())
     assert r["direct"] is (fused_adamw.kernel() is not None)
     assert set(rows) == {(m, t) for m in (*engine_rows, "torch_fused", "torch_fused_bus",
                                           "torch_foreach", "copy")
                          for t in threads}
     assert not r["direct"] or positive(r["update_jit_vs_torch_fused"])
-    assert rows[("torch_fused_bus", 1)]["bytes_per_param"] == 34
-    # two processes a thread count, each run's samples pooled, the ratios the processes' median
-    assert r["processes"] == 2 and all(len(run["seconds"]) == 2
-                                       for run in r["results"]["1"]["runs"].values())
-    for t, key in [(r["threads"], ""), (1, "_1")]:
-        per = r["per_process"][str(t)]
-        assert len(per) == 2 and r[f"update_vs_torch_fused{key}"] == pytest.approx(
-            np.median([x["update_vs_torch_fused"] for x in per]))
-    assert positive(r["update_vs_torch_fused_bus"])
     assert all(positive(row["ms"]) and positive(row["gb_s"]) and row["page_faults"] >= 0
                and positive(row["cpu_ms"]) for row in rows.values())
-    assert positive(r["update_gb_s"]) and r["bytes_per_param_touched"] == 30
-    assert positive(r["update_vs_torch_fused_1"]) and positive(r["update_vs_torch_fused_1_cpu"])
+    assert positive(r["update_gb_s"]) and positive(r["update_vs_torch_fused_bus"])
     assert positive(r["update_kept_vs_torch_fused"])
-    assert r["mmap_threshold_mib"] == 1 and r["results"]["1"]["mmap_threshold_mib"] == 1
-    # --huge-pages: the command ran itself again with the tunable, and so did its one-core child
+    # --mmap-threshold 1 and --huge-pages: the command ran itself again with the tunable, and so
+    # did every child it started
     on = (hostmem.TUNABLE in os.environ.get("GLIBC_TUNABLES", "").split(":")
           or hostmem.huge_pages_env(os.environ, r["thp_mode"]) is not None)
-    assert r["huge_pages"] is on and r["results"]["1"]["huge_pages"] is on
+    for res in [r, *(r["results"][str(t)] for t in threads)]:
+        assert res["mmap_threshold_mib"] == 1 and res["huge_pages"] is on
+    return rows
 
 
-def test_bench_optimizer_with_bf16_moments(tmp_path):
-    """--state-dtype bfloat16: the engine's update counts 22 B/param (param 4 + moments 2 + 2,
-    read and written, the fp32 gradient, the bus copy), torch fused its 28, the JSON says which."""
+def test_bench_optimizer_tiny(tmp_path):
+    """The engine's update against torch's, at all cores, with --processes 2: each in two fresh
+    processes, each run's samples pooled, the ratios the processes' median (the one-core child:
+    the next test's)."""
     out = tmp_path / "opt.json"
     proc = run("bench_optimizer.py", "--params", "1", "--hidden", "256", "--reps", "1",
-               "--no-one-core", "--state-dtype", "bfloat16", "--json", str(out))
+               "--mmap-threshold", "1", "--huge-pages", "--processes", "2", "--no-one-core",
+               "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    key, value = proc.stdout.strip().splitlines()[-1].split(": ")
+    assert key == "update_vs_torch_fused" and positive(float(value))
+    r = json.loads(out.read_text())
+    rows = check_optimizer_rows(r, {r["threads"]})
+    assert r["bytes_per_param_touched"] == 30 and rows[("update", r["threads"])][
+        "bytes_per_param"] == 30
+    t = str(r["threads"])
+    assert r["processes"] == 2 and all(len(run["seconds"]) == 2
+                                       for run in r["results"][t]["runs"].values())
+    per = r["per_process"][t]
+    assert len(per) == 2 and r["update_vs_torch_fused"] == pytest.approx(
+        np.median([x["update_vs_torch_fused"] for x in per]))
+
+
+def test_bench_optimizer_with_bf16_moments_at_all_cores_and_one(tmp_path):
+    """--state-dtype bfloat16: the engine's update counts 22 B/param (param 4 + moments 2 + 2,
+    read and written, the fp32 gradient, the bus copy), torch fused its 28 (34 with its bf16
+    copy), the JSON says which. At all cores in this process, then in a child under taskset at
+    one, with the ratios at one thread (wall and CPU time)."""
+    out = tmp_path / "opt.json"
+    proc = run("bench_optimizer.py", "--params", "1", "--hidden", "256", "--reps", "1",
+               "--mmap-threshold", "1", "--huge-pages", "--state-dtype", "bfloat16",
+               "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "bfloat16 moments" in proc.stdout
     r = json.loads(out.read_text())
-    rows = {row["measurement"]: row for row in r["table"]}
+    rows = check_optimizer_rows(r, {r["threads"], 1})
     assert r["state_dtype"] == "bfloat16" and r["bytes_per_param_touched"] == 22
-    assert rows["update"]["bytes_per_param"] == 22 and rows["torch_fused"]["bytes_per_param"] == 28
-    assert positive(rows["update"]["gb_s"])
+    for t in {r["threads"], 1}:
+        assert rows[("update", t)]["bytes_per_param"] == 22
+        assert rows[("torch_fused", t)]["bytes_per_param"] == 28
+        assert rows[("torch_fused_bus", t)]["bytes_per_param"] == 34
+    assert r["processes"] == 1 and len(r["per_process"]["1"]) == 1
+    assert positive(r["update_vs_torch_fused_1"]) and positive(r["update_vs_torch_fused_1_cpu"])
+
 
 def test_bench_lookup_tiny(tmp_path):
     """The host lookup's backward piece by piece: the compiled scatter-add is in place (its output
