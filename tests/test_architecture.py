@@ -1,7 +1,8 @@
 """The package's shape, read from its source with `ast` (nothing is imported): no import cycle,
 engine/ importing nothing of megatrain_jax outside itself, no module standing on one above it
-(FORBIDDEN), one table of device peaks (scripts read megatrain_jax.machines'), and short
-functions in the modules around the engine (issue 26)."""
+(FORBIDDEN), one table of device peaks (scripts read megatrain_jax.machines'), short
+functions in the modules around the engine (issue 26), and a step that reads only what it is
+given (issue 36)."""
 
 import ast
 import pathlib
@@ -12,7 +13,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = "megatrain_jax"
 ENGINE = f"{PACKAGE}.engine"
 MAX_FUNCTION_LINES = 60
-SHORT_MODULES = ("train.py", "config.py", "plan.py")
+SHORT_MODULES = ("train.py", "config.py", "plan.py", "engine/step.py")
+# the step, the evaluation and the first stage's ways: they read their StepParts, not the engine
+STEP_MODULES = ("engine/step.py", "engine/evaluate.py", "engine/lookup.py")
 
 
 def module_sources(root: pathlib.Path = ROOT, package: str = PACKAGE) -> dict:
@@ -240,3 +243,37 @@ def test_functions_of_the_modules_around_the_engine_are_short():
     lengths = {name: longest_function((ROOT / PACKAGE / name).read_text())
                for name in SHORT_MODULES}
     assert {n: v for n, v in lengths.items() if v[0] >= MAX_FUNCTION_LINES} == {}
+
+
+def engine_reads(source: str) -> list:
+    """Line numbers where source names `engine` (a variable, a parameter or an attribute read
+    off one), docstrings and comments aside."""
+    return sorted({node.lineno for node in ast.walk(ast.parse(source))
+                   if isinstance(node, ast.Name) and node.id == "engine"
+                   or isinstance(node, ast.arg) and node.arg == "engine"})
+
+
+def test_engine_reads_sees_a_parameter_and_an_attribute_read():
+    source = ('"""the engine"""\ndef run(engine, x):\n    # engine\n    return x\n\n\n'
+              'def f(sp):\n    return g(sp).engine.host\n\n\ndef h(e=engine):\n    pass\n')
+    assert engine_reads(source) == [2, 11]
+
+
+def run_parameters(source: str, name: str) -> list:
+    """(name, annotation) of each parameter of the top-level function `name`."""
+    fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)
+              and n.name == name)
+    return [(a.arg, a.annotation and ast.unparse(a.annotation)) for a in fn.args.args]
+
+
+def test_the_step_reads_what_it_is_given_not_the_engine():
+    """step.run (and the evaluation's run and outputs) take the step's parts (step.StepParts),
+    which StreamedEngine builds, instead of reading the engine's attributes and writing one
+    back; nothing in the step's modules names the engine."""
+    found = {name: engine_reads((ROOT / PACKAGE / name).read_text()) for name in STEP_MODULES}
+    assert {n: lines for n, lines in found.items() if lines} == {}
+    step = (ROOT / PACKAGE / "engine/step.py").read_text()
+    evaluate = (ROOT / PACKAGE / "engine/evaluate.py").read_text()
+    assert run_parameters(step, "run")[0] == ("sp", "StepParts")
+    assert run_parameters(evaluate, "run")[0] == ("sp", "StepParts")
+    assert run_parameters(evaluate, "outputs")[0] == ("sp", "StepParts")

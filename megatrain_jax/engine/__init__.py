@@ -8,7 +8,7 @@ stage's own; the host thread updates them in that order, the one the next forwar
 
 Modules, by concern:
   streamed.py   StreamedEngine: construction, train_step, evaluate, reading and loading state
-  step.py       one step, top to bottom
+  step.py       one step, top to bottom, from what it is given (StepParts)
   schedule.py   the order of a pass's fetches, dispatches and waits (and the step's around them),
                 written once: executed by stream.py, simulated by step_time, read by plan
   transfer.py   every host<->device copy (weights, batch, activations, gradients, bus refresh),
@@ -26,8 +26,9 @@ Modules, by concern:
   parallel.py   placement: one device, or data parallel over a mesh of devices and processes
   shard.py      the sharded host layout: which rows of every leaf a process keeps
   stage_units.py  the stages' two units, split from and merged into a checkpoint's one
-  lookup.py     the host lookup: an untied embedding's rows gathered on the host, its table never
-                crossing; the rows' gradient scatter-added into the table's there
+  lookup.py     the first stage's way, chosen once: on the device, or the host lookup (an untied
+                embedding's rows gathered on the host, its table never crossing; the rows'
+                gradient scatter-added into the table's there)
 """
 
 from megatrain_jax.engine.decode import StreamedDecoder

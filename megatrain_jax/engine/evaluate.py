@@ -15,59 +15,55 @@ that of the weights after every step so far. It reuses the step's jitted embed a
 (and `head_loss`, compiled at the first evaluation), so nothing compiles after the first.
 """
 
-import functools
-
 import jax
 
-from megatrain_jax.engine.step import fetch_stage, fetch_unit, fetched_copy, first_stage
+from megatrain_jax.engine.step import StepParts
 from megatrain_jax.engine.stream import LayerStream, delete
 
 
-def _forward(engine, inputs, contexts) -> list:
+def _forward(sp: StepParts, inputs, contexts) -> list:
     """x_L[m] for every micro-batch: the embedding and every block, streamed, forward only."""
-    f, L = engine.functions, engine.num_layers
-    fetch = functools.partial(fetch_unit, engine)
-    fetched = functools.partial(fetched_copy, engine)
+    f = sp.functions
 
     # ---- embed
-    xs = first_stage(engine, inputs)
+    xs = sp.first.forward(sp, inputs)
 
     # ---- forward: each layer's input is freed once its output is computed
-    stream = LayerStream(range(L), lambda i: fetch(1 + i), engine.prefetch)
+    stream = LayerStream(range(sp.num_layers), lambda i: sp.fetch_unit(1 + i), sp.prefetch)
     for i, w in stream:
         ys = [f.block_fwd(w, x, c)[0] for x, c in zip(xs, contexts)]  # aux: not evaluated
         kept = {id(y) for y in ys}  # a jitted identity may hand its input back
-        stream.done(ys, (fetched(w), [x for x in xs if id(x) not in kept]))
+        stream.done(ys, (sp.fetched(w), [x for x in xs if id(x) not in kept]))
         xs = ys
     return xs
 
 
-def run(engine, inputs, targets, contexts) -> dict:
+def run(sp: StepParts, inputs, targets, contexts) -> dict:
     """{"loss_sum", "weight", "loss"} (and "stats" when the last stage returns them, summed)
     over M micro-batches already on the device; scalars still being computed.
     loss = sum(loss_sum) / sum(weight), as a training step's loss."""
-    f = engine.functions
-    xs = _forward(engine, inputs, contexts)
+    f = sp.functions
+    xs = _forward(sp, inputs, contexts)
 
     # ---- loss
-    w = fetch_stage(engine, "last")
+    w = sp.fetch_stage("last")
     out = [f.head_loss(w, x, t) for x, t in zip(xs, targets)]
-    delete((fetched_copy(engine, w), xs))
+    delete((sp.fetched(w), xs))
     loss_sum = f.total([s for s, _, _ in out])
     weight = f.total([n for _, n, _ in out])
     loss = loss_sum / jax.numpy.where(weight > 0, weight, 1.0)
     result = {"loss_sum": loss_sum, "weight": weight, "loss": loss}
     if out[0][2] is not None:
         result["stats"] = f.tree_total([s for _, _, s in out])
-    return engine.placement.local(result)
+    return sp.placement.local(result)
 
 
-def outputs(engine, inputs, targets, contexts, output) -> list:
+def outputs(sp: StepParts, inputs, targets, contexts, output) -> list:
     """[output(last, x_L[m], targets[m]) for every micro-batch m]: the streamed forward, then any
     function of the last stage (e.g. per-sequence log-probabilities) instead of its loss."""
-    xs = _forward(engine, inputs, contexts)
-    w = fetch_stage(engine, "last")
-    fn = engine.functions.head_output(output)
+    xs = _forward(sp, inputs, contexts)
+    w = sp.fetch_stage("last")
+    fn = sp.functions.head_output(output)
     out = [fn(w, x, t) for x, t in zip(xs, targets)]
-    delete((fetched_copy(engine, w), xs))
+    delete((sp.fetched(w), xs))
     return out

@@ -10,15 +10,25 @@ embedding, the scatter-add of the rows' gradient into the table's dense fp32 gra
 stages' sum of squares and the global norm, in the order and dtype the device took them, so the
 norm and every update are those of the device path. AdamW still sees the dense gradient: every
 row's weight and moments decay, as optax does.
+
+The first stage's way is one strategy, chosen once from the first step's shapes
+(StreamedEngine._choose_lookup, by why_off): HostFirst (the host lookup) or DeviceFirst. Each has
+the three moments of a step (engine/step.py) where the two ways differ: `forward` (x_0[m] on the
+device), `last_gradient` (after the loss: the last unit's gradient kept on the device for the
+stages' merge, or sent out at once), and `backward` (the first stage's vjp, the stages' gradient
+out, the global norm and the scale: an EmbedBackward).
 """
 
 import concurrent.futures
+import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from megatrain_jax.engine import stage_units, transfer
 from megatrain_jax.engine.functions import norm_and_scale
+from megatrain_jax.engine.stream import delete
 
 
 def serves(data_parallel: bool, parts, unit0) -> str:
@@ -82,14 +92,14 @@ def unit0_gradient(acc: list, first: tuple, held_leaves: tuple, grad_dtype) -> l
 
 class HostBackward:
     """Unit 0's gradient, the global norm and the scale, made on the host thread by the first
-    update that asks (unit 0's, queued first), from: the first stage's bus leaves `w` (host), the
+    update that asks (unit 0's, queued first), from: the step's parts `sp` (step.StepParts), the first stage's bus leaves `w` (host), the
     micro-batches' inputs (host), the rows' gradient (a transfer.Parcel of a list, one per
     micro-batch) and the device's scalars (the layers' total sum of squares, the last unit's per
     leaf, the total loss weight). `grads`, `norm` and `scale` are what HostState.submit takes;
     `result()` waits for (norm, stages' sum of squares) on the calling thread."""
 
-    def __init__(self, engine, w, inputs, rows_grad, scalars):
-        self.engine, self.w, self.inputs = engine, w, inputs
+    def __init__(self, sp, w, inputs, rows_grad, scalars):
+        self.sp, self.w, self.inputs = sp, w, inputs
         self.rows_grad, self.scalars = rows_grad, scalars
         self._done = concurrent.futures.Future()
 
@@ -102,8 +112,7 @@ class HostBackward:
         return self._done.result()
 
     def _backward(self) -> tuple:
-        engine = self.engine
-        host, f, parts = engine.host, engine.functions, engine.parts
+        host, f, parts = self.sp.host, self.sp.functions, self.sp.parts
         on_host = host.host
         dxs = self.rows_grad.arrive(on_host)
         layers_sq, last_sq, weight = transfer.arrive(self.scalars, on_host)
@@ -132,3 +141,101 @@ class HostBackward:
         them (re-raises what it raised)."""
         _, norm, _, stages_sq = self._done.result()
         return norm, stages_sq
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbedBackward:
+    """The embed backward's outcome: unit 0's and the last unit's gradients, the norm and the
+    scale, as HostState.submit_all takes them; layer 0's gradient Parcel when it went out here
+    (the jit form) else None; the total loss weight; `totals()` (global norm, stages' sum of
+    squares), to call once the update is queued."""
+    first_out: object
+    last_out: object
+    norm: object
+    scale: object
+    layer0: object
+    total_weight: object
+    totals: Callable[[], tuple]
+
+
+def _stage_shapes(sp) -> tuple:
+    """(index, shape) of every stages' gradient leaf on the device (the sharded layout: padded to
+    split over the devices) and where the merge leaves them (None: where jit puts them)."""
+    shapes, shards = sp.host.shapes[0], sp.placement.shards
+    if shards is None:
+        return tuple(enumerate(map(tuple, shapes))), None
+    return tuple(enumerate(shards.padded_shape(s) for s in shapes)), sp.placement.pieces
+
+
+class DeviceFirst:
+    """The first stage on the device, from its fetched weights; its gradient merged with the last
+    stage's on the device (the stages' gradient), where the global norm is taken."""
+    def forward(self, sp, inputs) -> list:
+        w = sp.fetch_stage("first")
+        xs = [sp.functions.embed(w, x) for x in inputs]
+        delete(sp.fetched(w))
+        return xs
+
+    def last_gradient(self, sp, last_grads):
+        return last_grads  # kept on the device for the stages' merge
+
+    def backward(self, sp, inputs, head, layer_sq, leaving) -> EmbedBackward:
+        """`head` a step.Head; `leaving` (layer 0's unit, gradient, device arrays to free once it
+        is out) to send out beside the first micro-batch's compute, or None."""
+        f, host = sp.functions, sp.host
+        w = sp.fetch_stage("first")
+        acc, layer0 = f.zeros(w), None
+        for m, (x, dx) in enumerate(zip(inputs, head.dxs)):
+            if m == 0 and leaving is not None:  # layer 0's gradient out beside this compute
+                acc, _, layer0 = sp.carried_call(f.embed_bwd_carry, (w, x, dx, acc),
+                                                 grads=leaving[1])
+                delete(leaving[2])
+            else:
+                acc = f.embed_bwd(w, x, dx, acc)
+        delete(sp.fetched(w))
+        total_weight = f.total(head.weights)
+        held_leaves, sharding = _stage_shapes(sp)
+        stage_grads = stage_units.gradient(f.reduce(acc), head.last, sp.parts.first,
+                                           sp.parts.last, held_leaves, host.grad_dtype, sharding)
+        stages_sq = f.sum_squares(stage_grads)  # the whole gradient's, on the devices
+        grad_norm, scale = norm_and_scale(layer_sq, stages_sq, total_weight)
+        norm, scale_out = sp.transfers.scalars_out((grad_norm, scale))
+        first_out, last_out = (sp.out(stage_units.like(stage_grads, host.stage_units[u][0]))[0]
+                               for u in (0, host.last))
+        return EmbedBackward(first_out, last_out, norm, scale_out, layer0, total_weight,
+                             lambda: (grad_norm, stages_sq))
+
+
+class HostFirst:
+    """The host lookup: the first stage on the host, on unit 0's bus copy; only its rows cross.
+    The last unit's gradient goes out as soon as the loss is done; the first stage's backward
+    and the global norm run on the host thread (HostBackward)."""
+    def forward(self, sp, inputs) -> list:
+        w = sp.host.stage_bus(sp.parts.first)
+        return sp.transfers.rows_in([sp.functions.host_embed(w, x) for x in inputs])
+
+    def last_gradient(self, sp, last_grads) -> tuple:
+        """Nothing to merge it with: (the last unit's gradient on its way out, its sums of
+        squares per leaf)."""
+        host = sp.host
+        leaves = stage_units.gradient([], last_grads, (), sp.parts.last, held(host, host.last),
+                                      host.grad_dtype, None)
+        squares = sp.functions.leaf_squares(leaves)
+        parcel = sp.out(stage_units.fill(host.stage_units[host.last][0], leaves))[0]
+        delete(last_grads)  # its fp32 sum; the cast leaves are freed once they are out
+        return parcel, squares
+
+    def backward(self, sp, inputs, head, layer_sq, leaving) -> EmbedBackward:
+        """As DeviceFirst.backward, on the host thread, from the rows' gradient."""
+        f, transfers = sp.functions, sp.transfers
+        last_out, last_squares = head.last
+        total_weight = f.total(head.weights)
+        scalars = (f.total(layer_sq), last_squares, total_weight)
+        layer0 = None
+        if leaving is not None:  # no device function runs after it: layer 0's gradient goes out now
+            layer0 = transfers.grads_out(leaving[1])
+            delete(leaving[2])
+        backward = HostBackward(sp, sp.host.stage_bus(sp.parts.first), inputs,
+                                transfers.grads_out(head.dxs), transfers.scalars_out(scalars))
+        return EmbedBackward(backward.grads, last_out, backward.norm, backward.scale, layer0,
+                             total_weight, backward.result)

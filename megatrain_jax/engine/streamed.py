@@ -181,6 +181,7 @@ class StreamedEngine:
         # asked for (None: where it saves bytes); decided at the first step (_choose_lookup):
         # None until then
         self._host_lookup, self.host_lookup = host_lookup, None
+        self.first_stage = None  # lookup.HostFirst or DeviceFirst, with host_lookup
         self.unit_sq = None
         self._broken = None
         self.aux_loss = aux_loss
@@ -210,6 +211,7 @@ class StreamedEngine:
             table=sum(math.prod(host.shapes[0][i]) for i in first),
             compute_bytes=host.compute_dtype.itemsize, grad_bytes=host.grad_dtype.itemsize)
         self.host_lookup = not why
+        self.first_stage = lookup.HostFirst() if self.host_lookup else lookup.DeviceFirst()
         if self.host_lookup:
             self.host.keep_bus_on_host(0)
         elif self._host_lookup:  # asked for: said where the user sees it
@@ -235,7 +237,8 @@ class StreamedEngine:
         (`nonfinite_units()` then says where). If the step raises, the state is as before it
         (a Ctrl-C just after its updates were queued: as after it; they are queued all or none).
         """
-        return self._run(step.run, inputs, targets, context)
+        result, self.unit_sq = self._run(step.run, inputs, targets, context)
+        return result
 
     def evaluate(self, inputs, targets, context=None) -> dict:
         """The loss of M micro-batches at the current weights, forward only (shapes as in
@@ -255,11 +258,12 @@ class StreamedEngine:
         frozen model. `output` may read the weights `last` reads; it is compiled once per
         function and shape (pass the same function object to reuse it). Results are still being
         computed, on the compute device."""
-        run = lambda engine, i, t, c: evaluate_lib.outputs(engine, i, t, c, output)
+        run = lambda sp, i, t, c: evaluate_lib.outputs(sp, i, t, c, output)
         return self._run(run, inputs, targets, context)
 
     def _run(self, schedule, inputs, targets, context):
-        """schedule(self, inputs, targets, contexts) on the batch put on the device. If it raises,
+        """schedule(the step's parts, inputs, targets, contexts) on the batch put on the device
+        (step.StepParts, made here: the hooks may change between calls). If it raises,
         the saved activations are dropped and the state is as before (or, raised after the
         step's updates were queued, as after it: they are queued all or none); a host update
         that failed leaves the engine unusable, saying which."""
@@ -274,11 +278,18 @@ class StreamedEngine:
             self._choose_lookup(shape(inputs), len(inputs))
         inputs, targets, contexts = self._put_batch(inputs, targets, context)
         try:
-            return schedule(self, inputs, targets, contexts)
+            return schedule(self._step_parts(), inputs, targets, contexts)
         except BaseException as e:
             self.activations.clear()
             self._broken = self.host.failure()
             raise
+
+    def _step_parts(self) -> step.StepParts:
+        return step.StepParts(
+            host=self.host, transfers=self.transfers, functions=self.functions,
+            placement=self.placement, parts=self.parts, activations=self.activations,
+            num_layers=self.num_layers, prefetch=self.prefetch, copies=self.copies,
+            first=self.first_stage, on_phase=self.on_phase, on_event=self.on_event)
 
     def _update_event(self, u: int):
         if u in (0, self.host.last):
