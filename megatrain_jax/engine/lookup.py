@@ -92,10 +92,10 @@ def unit0_gradient(acc: list, first: tuple, held_leaves: tuple, grad_dtype) -> l
 
 class HostBackward:
     """Unit 0's gradient, the global norm and the scale, made on the host thread by the first
-    update that asks (unit 0's, queued first), from: the step's parts `sp` (step.StepParts), the first stage's bus leaves `w` (host), the
-    micro-batches' inputs (host), the rows' gradient (a transfer.Parcel of a list, one per
-    micro-batch) and the device's scalars (the layers' total sum of squares, the last unit's per
-    leaf, the total loss weight). `grads`, `norm` and `scale` are what HostState.submit takes;
+    update that asks (unit 0's, queued first), from: the step's parts `sp` (step.StepParts), the
+    first stage's bus leaves `w` (host), the micro-batches' inputs (host), the rows' gradient (a
+    transfer.Parcel of a list, one per micro-batch) and the device's scalars (the layers' total
+    sum of squares, the last unit's per leaf, the total loss weight). `grads`, `norm` and `scale` are what HostState.submit takes;
     `result()` waits for (norm, stages' sum of squares) on the calling thread."""
 
     def __init__(self, sp, w, inputs, rows_grad, scalars):
