@@ -23,6 +23,14 @@ if not os.path.basename(os.environ.get("XDG_CACHE_HOME", "")).startswith(_XDG_PR
     _xdg = tempfile.mkdtemp(prefix=_XDG_PREFIX)
     atexit.register(shutil.rmtree, _xdg, ignore_errors=True)
     os.environ["XDG_CACHE_HOME"] = _xdg
+# XLA:CPU compiles the tests' programs without LLVM's optimisation passes (here and in every
+# subprocess a test starts): those passes are most of the time of a compile, which is most of the
+# suite's, and the tests' tiny programs run about as fast without them. What the tests compare
+# does not depend on them (XLA:CPU does no fast math at either level). Outside the tests (runs,
+# benchmarks) XLA's default stays.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
