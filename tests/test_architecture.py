@@ -185,23 +185,12 @@ def test_the_engine_imports_nothing_of_the_package_outside_itself():
     assert {m: t for m, t in outside.items() if t} == {}
 
 
-def reachable(graph: dict, start: str) -> set:
-    """The modules `start` imports, directly or through others."""
-    seen, todo = set(), [start]
-    while todo:
-        for target in graph.get(todo.pop(), ()):
-            if target not in seen:
-                seen.add(target)
-                todo.append(target)
-    return seen
-
-
 def test_data_stands_below_the_sources_package():
     """data.py (tokenizers, one file's tokens, document masks, windows and batches) is the layer
     the sources package (paths of many files, token caches, mixtures, reading ahead) builds on:
     nothing data.py imports, directly or through another module, is of sources/."""
     sources = f"{PACKAGE}.sources"
-    found = reachable(import_graph(module_sources()), f"{PACKAGE}.data")
+    found = reaches(import_graph(module_sources()), f"{PACKAGE}.data")
     assert sorted(m for m in found if m == sources or m.startswith(sources + ".")) == []
 
 
