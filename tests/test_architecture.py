@@ -7,7 +7,6 @@ given (issue 36)."""
 import ast
 import pathlib
 
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = "megatrain_jax"
