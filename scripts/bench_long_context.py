@@ -30,6 +30,7 @@ would have needed without it (the T x T scores, the T x V logits). GB = 1e9 byte
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -140,32 +141,45 @@ def bench(args):
     engine = build_engine(cfg, offload_activations=cfg.train.offload_activations is True)
     build_s = time.perf_counter() - t0
     rss["after_engine"] = maxrss_bytes()
-    losses, grad_norms, step_times = [], [], []
+    losses, grad_norms, step_times, compiles = [], [], [], []
+
+    def measured() -> dict:
+        stats = dev.memory_stats() or {}
+        counters = engine.counters
+        run = {"build_s": build_s, "step_times_s": step_times, "losses": losses,
+               "grad_norms": grad_norms, "compiles": compiles, "bytes_h2d": counters.bytes_h2d,
+               "bytes_d2h": counters.bytes_d2h, "host_update_s": counters.host_update_s,
+               "host_wait_s": counters.host_wait_s,
+               "device_peak_bytes": stats.get("peak_bytes_in_use"),
+               "device_bytes_limit": stats.get("bytes_limit")}
+        timed = step_times[1:] or step_times  # the first step compiles
+        if timed:
+            run["step_s"] = sum(timed) / len(timed)
+            run["tokens_per_s"] = tokens / run["step_s"]
+            run["model_tflops"] = model_flops(cfg) * tokens / run["step_s"] / 1e12
+            run["step_s_measured_over"] = ("steps after the first" if step_times[1:]
+                                           else "first step")
+        return run
+
     for t in toks[:args.steps]:
         # Each step timed to the end of its host updates (not overlapped with the next step's
         # forward): the first step's include compiling the update, which the second would wait for.
-        ts = time.perf_counter()
-        out = engine.train_step(t[..., :-1], t[..., 1:])
-        losses.append(float(out["loss"]))  # the step's sync point
-        grad_norms.append(float(out["grad_norm"]))
-        engine.wait()
-        step_times.append(time.perf_counter() - ts)
-        print(f"step {len(losses)}: loss {losses[-1]:.4f}, {step_times[-1]:.3g} s", flush=True)
+        with count_compiles() as compiled:
+            ts = time.perf_counter()
+            out = engine.train_step(t[..., :-1], t[..., 1:])
+            losses.append(float(out["loss"]))  # the step's sync point
+            grad_norms.append(float(out["grad_norm"]))
+            engine.wait()
+            step_times.append(time.perf_counter() - ts)
+        compiles.append(compiled)
+        print(f"step {len(losses)}: loss {losses[-1]:.4f}, {step_times[-1]:.3g} s "
+              f"({compiled['count']} compiles, {compiled['seconds']:.3g} s)", flush=True)
+        if args.json:  # a run cut short by a timeout still leaves the steps it finished
+            rss["after_steps"] = maxrss_bytes()
+            write_json(args.json, make_record(args, cfg, dev, jax, m, tokens, rss, measured(),
+                                              run_plan, None))
     rss["after_steps"] = maxrss_bytes()
-    stats = dev.memory_stats() or {}
-    counters = engine.counters
-    run = {"build_s": build_s, "step_times_s": step_times, "losses": losses,
-           "grad_norms": grad_norms, "bytes_h2d": counters.bytes_h2d,
-           "bytes_d2h": counters.bytes_d2h, "host_update_s": counters.host_update_s,
-           "host_wait_s": counters.host_wait_s,
-           "device_peak_bytes": stats.get("peak_bytes_in_use"),
-           "device_bytes_limit": stats.get("bytes_limit")}
-    timed = step_times[1:] or step_times  # the first step compiles
-    if timed:
-        run["step_s"] = sum(timed) / len(timed)
-        run["tokens_per_s"] = tokens / run["step_s"]
-        run["model_tflops"] = model_flops(cfg) * tokens / run["step_s"] / 1e12
-        run["step_s_measured_over"] = "steps after the first" if step_times[1:] else "first step"
+    run = measured()
 
     estimate = None
     if args.dense_estimate:
@@ -179,23 +193,50 @@ def bench(args):
     else:
         engine.close()
 
-    record = {"kind": "long_context", "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-              "command": " ".join([sys.executable, *sys.argv]), "jax": jax.__version__,
-              "python": platform.python_version(), "device_kind": dev.device_kind,
-              "platform": dev.platform, "params": m.num_params(), "tokens_per_step": tokens,
-              "config": _to_dict(cfg), "peak_rss_bytes": rss, "run": run,
-              "plan": plan_record(run_plan), "dense_estimate": estimate,
-              "max_rss_gb": args.max_rss_gb}
+    record = make_record(args, cfg, dev, jax, m, tokens, rss, run, run_plan, estimate)
     print_table(record)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
+        write_json(args.json, record)
         print(f"wrote {args.json}")
     if args.max_rss_gb is not None and rss["after_steps"] > args.max_rss_gb * GB:
         from megatrain_jax.errors import TrainingError
         raise TrainingError(f"peak RSS {rss['after_steps'] / GB:.3f} GB exceeds --max-rss-gb "
                             f"{args.max_rss_gb:g}")
+
+
+def make_record(args, cfg, dev, jax, m, tokens, rss, run, run_plan, estimate) -> dict:
+    return {"kind": "long_context", "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "command": " ".join([sys.executable, *sys.argv]), "jax": jax.__version__,
+            "python": platform.python_version(), "device_kind": dev.device_kind,
+            "platform": dev.platform, "params": m.num_params(), "tokens_per_step": tokens,
+            "config": _to_dict(cfg), "peak_rss_bytes": dict(rss), "run": run,
+            "plan": plan_record(run_plan), "dense_estimate": estimate,
+            "max_rss_gb": args.max_rss_gb}
+
+
+def write_json(path, record):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """XLA compilations while the block runs: {"count", "seconds"} (jax.monitoring's backend
+    compile event). A step after the first that compiles is a step that is not yet steady."""
+    import jax
+    seen = {"count": 0, "seconds": 0.0}
+
+    def on_event(event, seconds, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen["count"] += 1
+            seen["seconds"] += seconds
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
 
 
 def model_flops(cfg) -> float:
