@@ -61,6 +61,8 @@ def test_bench_one_step_table_and_json(tmp_path):
                 "host_update_s_per_step", "rss_gb", "resident_compute_s_per_step"):
         assert positive(s[key]), key
     assert s["device_busy"] is None and "CPU" in s["device_busy_method"]
+    assert s["copies"] == "eager" and s["host_update"] == "direct"  # what auto picks on a CPU
+    assert 0 < s["host_compute_s_per_step"] <= s["host_update_s_per_step"]
     # The exposed wait is step time (the main thread's): it may exceed the update's own time by
     # the host thread's hand-offs (stream.Counters), never the step's.
     assert 0 <= s["host_exposed_s_per_step"] <= s["step_s"]
@@ -258,6 +260,8 @@ def test_bench_long_context_tiny(tmp_path):
     assert r["tokens_per_step"] == 256 and r["config"]["train"]["offload_activations"] is True
     assert len(run_["losses"]) == 2 and all(abs(x - math.log(512)) < 0.5 for x in run_["losses"])
     assert positive(run_["tokens_per_s"]) and len(run_["step_times_s"]) == 2
+    # the first step compiles, the second runs what it compiled
+    assert run_["compiles"][0]["count"] > 0 and run_["compiles"][1]["count"] == 0
     assert positive(run_["model_tflops"]) and "model TFLOP/s" in proc.stdout
     assert run_["device_peak_bytes"] is None  # no memory_stats on the CPU
     assert 0 < rss["start"] <= rss["before_engine"] <= rss["after_engine"] <= rss["after_steps"]

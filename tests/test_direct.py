@@ -156,6 +156,8 @@ def test_engine_reads_gradients_in_place_and_writes_the_bus_in_place():
         assert bus_pointers[0][u] == bus_pointers[1][u] == bus_pointers[2][u]
         assert [b for _, b in kernel[u][-1]] == bus_pointers[2][u]
     assert engine.counters.host_copy_bytes == 0
+    # the update's own work is part of the host thread's update time, never more
+    assert 0 < engine.counters.host_compute_s <= engine.counters.host_update_s
     engine.close()
 
 

@@ -286,9 +286,12 @@ class HostState:
         grads, grad_norm, scale = (x() if callable(x) else x for x in (grads, grad_norm, scale))
         grad_norm = np.float32(np.asarray(grad_norm))  # a view of the pinned scalar: waits for it
         unit = self.units[u]
+        t1 = time.perf_counter()
         if np.isfinite(grad_norm):  # else skipped (as optax.apply_if_finite): nothing changes
             pieces = (grads.pieces if isinstance(grads, transfer.Parcel)
                       else [[g] for g in jax.tree.leaves(grads)])
+            _wait_for_arrays(pieces)  # the gradient's copies out (arrival, not the update's work)
+            t1 = time.perf_counter()
             params_bus = self.buses[u].is_params
             bus = None if params_bus else jax.tree.leaves(unit.bus)
             what = "the stages' unit" if u in (0, self.last) else f"layer {u - 1}"
@@ -300,7 +303,9 @@ class HostState:
                 if params_bus:
                     self._direct_bus(u, unit, fresh=True)
                 arrays.settle()
-        self.counters.host_update_s += time.perf_counter() - t0
+        t2 = time.perf_counter()
+        self.counters.host_compute_s += t2 - t1
+        self.counters.host_update_s += t2 - t0
 
     def _apply(self, u: int, bus, grads, grad_norm, scale):
         """Runs on the host-optimizer thread: one jitted, in-place optax step of one unit, its
@@ -314,6 +319,8 @@ class HostState:
             self.counters.host_copy_bytes += sum(
                 p.nbytes for p in grads.token() if p.sharding.device_set != self.host.device_set)
         grads, grad_norm, scale = transfer.arrive((grads, grad_norm, scale), self.host)
+        jax.block_until_ready((grads, grad_norm))  # arrival, not the update's work
+        t1 = time.perf_counter()
         unit = self.units[u]
         self.store.load(u, unit)  # the disk tier: the state from its file (read ahead)
         old_bus = bus.old_for_update(unit)
@@ -336,7 +343,9 @@ class HostState:
         # the buffer that params alias: a skipped step's bus copy is made from them.
         jax.block_until_ready(unit.bus)
         self.store.store(u, unit)  # the disk tier: written back behind, out of RAM
-        self.counters.host_update_s += time.perf_counter() - t0
+        t2 = time.perf_counter()
+        self.counters.host_compute_s += t2 - t1
+        self.counters.host_update_s += t2 - t0
 
     def submit(self, u: int, grads, grad_norm, scale):
         """Queues unit u's update, as submit_all."""
@@ -461,3 +470,8 @@ class HostState:
 class NotRun(RuntimeError):
     """A unit's update that did not run: an earlier one of its step failed (the message)."""
 
+
+def _wait_for_arrays(pieces):
+    """Waits until every jax array among a gradient's pieces is ready (numpy pieces are)."""
+    jax.block_until_ready([p for leaf in pieces for p in leaf
+                           if isinstance(p, jax.Array) and not p.is_deleted()])

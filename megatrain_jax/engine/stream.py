@@ -34,6 +34,9 @@ class Counters:
     # Bytes of unit state copied because a reader (a checkpoint being written, a caller's view)
     # still held the old state (direct.py's copy-on-write)
     host_snapshot_bytes: int = 0
+    # Seconds of the host thread's update work once its inputs were there: host_update_s less
+    # the waits for the unit's gradient and the global norm to arrive from the device
+    host_compute_s: float = 0.0
 
 
 def delete(tree):
