@@ -200,7 +200,8 @@ def run_streamed(cfg, batches, warmup, dev, keep_init):
     losses = [float(engine.train_step(inputs, targets)["loss"])
               for inputs, targets in batches[:warmup]]
     engine.wait()
-    names = ("bytes_h2d", "bytes_d2h", "host_update_s", "host_wait_s", "host_compute_s")
+    names = ("bytes_h2d", "bytes_d2h", "host_update_s", "host_wait_s", "host_compute_s",
+             "device_wait_s")
     counters = lambda: [getattr(engine.counters, k) for k in names]
     before = counters()
     in_use_before = dev.memory_stats()  # None on a CPU
@@ -212,13 +213,17 @@ def run_streamed(cfg, batches, warmup, dev, keep_init):
     engine.wait()  # the last step's host updates belong to the timed steps (exposed: counted)
     total = time.perf_counter() - t0
     n = len(batches) - warmup
-    h2d, d2h, upd, wait, compute = (after - b for after, b in zip(counters(), before))
+    h2d, d2h, upd, wait, compute, device_wait = (after - b for after, b in zip(counters(), before))
     out.update({"total_s": total, "step_s": total / n, "step_times_s": step_times, "losses": losses,
                 "h2d_gb_per_step": h2d / n / GB, "d2h_gb_per_step": d2h / n / GB,
                 "h2d_gb_per_s": h2d / total / GB, "d2h_gb_per_s": d2h / total / GB,
                 "host_update_s_per_step": upd / n, "host_exposed_s_per_step": wait / n,
                 "host_hidden_s_per_step": (upd - wait) / n,
-                "host_compute_s_per_step": compute / n})
+                "host_compute_s_per_step": compute / n,
+                # the main thread: waiting for the device at retires, for host updates, the rest
+                # dispatching (and the step's own syncs)
+                "device_wait_s_per_step": device_wait / n,
+                "main_thread_other_s_per_step": (total - device_wait - wait) / n})
     out.update(device_memory(dev))
     out.update(device_left_by_steps(in_use_before, dev.memory_stats()))
     out.update(host_rss_gb())
@@ -436,6 +441,9 @@ def print_table(r):
          "of which the update's own work (the rest waited for gradients and the norm)"),
         ("  hidden", f(s["host_hidden_s_per_step"], ".3f"), "overlapped with device work"),
         ("  exposed", f(s["host_exposed_s_per_step"], ".3f"), "the step waited for it"),
+        ("main thread: device waits s", f(s.get("device_wait_s_per_step"), ".3f"),
+         f"per step at the layers' retires; {f(s.get('main_thread_other_s_per_step'), '.3f')} s "
+         f"neither there nor waiting for updates (dispatching, the step's syncs)"),
         ("device peak GB", f(s["device_peak_gb"]),
          s.get("device_peak_note", "peak_bytes_in_use (the streamed run comes first)")
          + (f"; cap {s['device_mem_limit_gb']:.1f} GB = "

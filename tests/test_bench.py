@@ -63,6 +63,10 @@ def test_bench_one_step_table_and_json(tmp_path):
     assert s["device_busy"] is None and "CPU" in s["device_busy_method"]
     assert s["copies"] == "eager" and s["host_update"] == "direct"  # what auto picks on a CPU
     assert 0 < s["host_compute_s_per_step"] <= s["host_update_s_per_step"]
+    # the main thread's step: waits at retires, for updates, and the rest
+    assert 0 < s["device_wait_s_per_step"] and 0 <= s["main_thread_other_s_per_step"]
+    assert math.isclose(s["device_wait_s_per_step"] + s["host_exposed_s_per_step"]
+                        + s["main_thread_other_s_per_step"], s["step_s"])
     # The exposed wait is step time (the main thread's): it may exceed the update's own time by
     # the host thread's hand-offs (stream.Counters), never the step's.
     assert 0 <= s["host_exposed_s_per_step"] <= s["step_s"]

@@ -179,7 +179,7 @@ def _forward(sp: StepParts, xs: list, contexts: list) -> tuple:
     carry = ((lambda i: (1 + i, sp.host.bus(1 + i), None)) if sp.copies == schedule.JIT
              else None)
     stream = LayerStream(range(sp.num_layers), lambda i: sp.fetch_unit(1 + i), sp.prefetch,
-                         sp.events("forward"), carry)
+                         sp.events("forward"), carry, sp.host.counters)
     for i, w in stream:
         outs, ahead = [], None
         for m, (x, c) in enumerate(zip(xs, contexts)):
@@ -233,7 +233,7 @@ def _backward(sp: StepParts, dxs: list, contexts: list, head: Head) -> tuple:
     carry = (lambda i: (1 + i, host.bus(1 + i), acts.pinned(i))) if jit else None
     stream = LayerStream(reversed(range(sp.num_layers)),
                          lambda i: (sp.fetch_unit(1 + i), acts.load(i)), sp.prefetch,
-                         sp.events("backward"), carry)
+                         sp.events("backward"), carry, sp.host.counters)
     head_device, leaving = head.head_device, None  # leaving: the jit form's gradient before
     for i, (w, xs) in stream:
         dw, ahead = f.zeros(w), None

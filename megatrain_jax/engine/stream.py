@@ -10,6 +10,7 @@ micro-batch.
 """
 
 import dataclasses
+import time
 
 import jax
 
@@ -37,6 +38,9 @@ class Counters:
     # Seconds of the host thread's update work once its inputs were there: host_update_s less
     # the waits for the unit's gradient and the global norm to arrive from the device
     host_compute_s: float = 0.0
+    # Seconds the step (main thread) waited at the schedule's retires for a layer's device work:
+    # with host_wait_s, what of a step's time the main thread did not spend dispatching
+    device_wait_s: float = 0.0
 
 
 def delete(tree):
@@ -68,8 +72,9 @@ class LayerStream:
     over as `done(..., carried=copy)`: it is that layer's payload. `drop` is deleted right after
     the dispatch, `free` at the retire."""
 
-    def __init__(self, order, fetch, prefetch: int, on_event=None, carry=None):
+    def __init__(self, order, fetch, prefetch: int, on_event=None, carry=None, counters=None):
         self.order, self.fetch, self.prefetch = list(order), fetch, prefetch
+        self.counters = counters  # Counters: device_wait_s, when given
         self.on_event = on_event or (lambda kind, layer: None)
         self.carry_fetch = carry
         self.copies = schedule.EAGER if carry is None else schedule.JIT
@@ -104,7 +109,10 @@ class LayerStream:
                 token, free = finished.pop(pos)
                 if op == schedule.RETIRE:
                     self.on_event("wait", layer)
+                    t0 = time.perf_counter()
                     jax.block_until_ready(token)
+                    if self.counters is not None:
+                        self.counters.device_wait_s += time.perf_counter() - t0
                 delete(free)
 
     def done(self, token, free=(), drop=(), carried=None):
