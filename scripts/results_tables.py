@@ -183,14 +183,18 @@ def train_rows(items) -> list:
         s = r["streamed"]
         vs = lambda b: (f"{s[f'throughput_vs_{b}']:.2f}x" if f"throughput_vs_{b}" in s else
                         r["baselines"].get(b, {}).get("skipped", "not run"))
-        rows.append((name, r.get("config_file"), f"{r['tokens_per_step']:,}",
+        overrides = " ".join(a for a in r.get("command", "").split()
+                             if "=" in a and not a.startswith("-")) or "none"
+        rows.append((name, r.get("config_file"), overrides, s.get("copies", "eager"),
+                     f"{r['tokens_per_step']:,}",
                      f"{s['tokens_per_s']:,.0f}", f"{s['step_s'] * 1e3:,.0f}",
                      _pct(s.get("mfu_vs_measured")), _pct(s.get("mfu_vs_datasheet")),
                      _num(s.get("h2d_gb_per_s")), _num(s.get("d2h_gb_per_s")),
                      f"{s['host_update_s_per_step']:.3f} / {s['host_exposed_s_per_step']:.3f}",
                      _pct(s.get("device_busy")), _num(s.get("device_peak_gb")),
                      vs("resident"), vs("offload")))
-    return table(("file", "config", "tokens/step", "tokens/s", "ms/step", "MFU (measured matmul)",
+    return table(("file", "config", "overrides", "copies", "tokens/step", "tokens/s", "ms/step",
+                  "MFU (measured matmul)",
                   "MFU (datasheet)", "H2D GB/s", "D2H GB/s", "host update / exposed s",
                   "device busy", "device peak GB", "vs resident", "vs offload"), rows)
 
