@@ -20,10 +20,12 @@ counted. There are no padding tokens (sequences are packed). GB = 1e9 bytes.
 """
 
 import argparse
+import cProfile
 import datetime
 import json
 import os
 import platform
+import pstats
 import subprocess
 import sys
 import time
@@ -46,6 +48,9 @@ def parse_args(argv):
     p.add_argument("--matmul", type=int, default=0,
                    help="square matmul size for the measured peak (0: 8192 on GPU, 512 on CPU)")
     p.add_argument("--json", default=None, help="output file (default runs/bench/<config>.json)")
+    p.add_argument("--profile-main", action="store_true",
+                   help="profile the timed steps' dispatching thread (cProfile, which slows it): "
+                        "its 25 costliest functions by own time in the table and the JSON")
     return p.parse_args(argv)
 
 
@@ -117,7 +122,8 @@ def bench(args):
                         dtype=np.int32)
     batches = [(t[..., :-1], t[..., 1:]) for t in toks]
 
-    streamed, engine, init = run_streamed(cfg, batches, args.warmup, dev, keep_init=bool(baselines))
+    streamed, engine, init = run_streamed(cfg, batches, args.warmup, dev, keep_init=bool(baselines),
+                                          profile=args.profile_main)
     print(f"streamed: {tokens / streamed['step_s']:,.0f} tokens/s, {streamed['step_s']:.3f} s/step "
           f"(engine built in {streamed['build_s']:.0f} s; copies {streamed['copies']}, host update "
           f"{streamed['host_update']})", flush=True)
@@ -185,7 +191,7 @@ def measure_matmul(jax, dev, dtype, n, iters=10) -> dict:
             "datasheet_bf16_tflops": sheet}
 
 
-def run_streamed(cfg, batches, warmup, dev, keep_init):
+def run_streamed(cfg, batches, warmup, dev, keep_init, profile=False):
     import jax
     import numpy as np
     from megatrain_jax.recipes import build_engine
@@ -205,10 +211,15 @@ def run_streamed(cfg, batches, warmup, dev, keep_init):
     counters = lambda: [getattr(engine.counters, k) for k in names]
     before = counters()
     in_use_before = dev.memory_stats()  # None on a CPU
+    profiler = cProfile.Profile() if profile else None
     step_times, t0 = [], time.perf_counter()
     for inputs, targets in batches[warmup:]:
         ts = time.perf_counter()
+        if profiler:
+            profiler.enable()
         losses.append(float(engine.train_step(inputs, targets)["loss"]))  # the step's sync point
+        if profiler:
+            profiler.disable()
         step_times.append(time.perf_counter() - ts)
     engine.wait()  # the last step's host updates belong to the timed steps (exposed: counted)
     total = time.perf_counter() - t0
@@ -224,10 +235,22 @@ def run_streamed(cfg, batches, warmup, dev, keep_init):
                 # dispatching (and the step's own syncs)
                 "device_wait_s_per_step": device_wait / n,
                 "main_thread_other_s_per_step": (total - device_wait - wait) / n})
+    if profiler:
+        out["main_thread_profile"] = costliest(profiler, n, 25)
     out.update(device_memory(dev))
     out.update(device_left_by_steps(in_use_before, dev.memory_stats()))
     out.update(host_rss_gb())
     return out, engine, init
+
+
+def costliest(profiler, steps: int, k: int) -> list:
+    """The k functions of a cProfile run with the most own time: [{function, calls_per_step,
+    own_s_per_step, cumulative_s_per_step}]."""
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:k]
+    return [{"function": f"{os.path.basename(f)}:{line}({name})", "calls_per_step": nc / steps,
+             "own_s_per_step": tt / steps, "cumulative_s_per_step": ct / steps}
+            for (f, line, name), (_, nc, tt, ct, _) in rows]
 
 
 def device_left_by_steps(before, after) -> dict:
@@ -467,6 +490,11 @@ def print_table(r):
           + " ".join(f"{x:.4f}" for x in s["losses"]))
     for name, value, note in rows:
         print(f"  {name:<30} {value:>10}   {note}")
+    if s.get("main_thread_profile"):
+        print("\nthe dispatching thread, per timed step (cProfile; own time, cumulative, calls):")
+        for row in s["main_thread_profile"]:
+            print(f"  {row['own_s_per_step'] * 1e3:9.2f} ms {row['cumulative_s_per_step'] * 1e3:9.2f}"
+                  f" ms {row['calls_per_step']:7.0f}  {row['function']}")
 
 
 if __name__ == "__main__":

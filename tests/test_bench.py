@@ -47,7 +47,7 @@ def test_bench_one_step_table_and_json(tmp_path):
     overrides = ["model.num_layers=2", "data.seq_len=32", "data.batch_size=2",
                  "data.micro_batches=2", "optimizer.warmup_steps=0"]
     proc = run("bench.py", "--config", "configs/tiny.yaml", "--steps", "1", "--warmup", "1",
-               "--json", str(out), *overrides)
+               "--json", str(out), "--profile-main", *overrides)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for label in ("tokens/s", "model TFLOP/s", "MFU vs measured matmul", "H2D GB/s", "D2H GB/s",
                   "device busy", "host update", "exposed", "device peak GB", "host RSS GB",
@@ -63,6 +63,11 @@ def test_bench_one_step_table_and_json(tmp_path):
     assert s["device_busy"] is None and "CPU" in s["device_busy_method"]
     assert s["copies"] == "eager" and s["host_update"] == "direct"  # what auto picks on a CPU
     assert 0 < s["host_compute_s_per_step"] <= s["host_update_s_per_step"]
+    # --profile-main: the dispatching thread's costliest functions, the step's own among them
+    profile = s["main_thread_profile"]
+    assert len(profile) == 25 and "the dispatching thread" in proc.stdout
+    assert all(a["own_s_per_step"] >= b["own_s_per_step"] for a, b in zip(profile, profile[1:]))
+    assert any("step.py" in row["function"] for row in profile)
     # the main thread's step: waits at retires, for updates, and the rest
     assert 0 < s["device_wait_s_per_step"] and 0 <= s["main_thread_other_s_per_step"]
     assert math.isclose(s["device_wait_s_per_step"] + s["host_exposed_s_per_step"]
@@ -89,7 +94,9 @@ def test_bench_one_step_table_and_json(tmp_path):
     assert math.isclose(rates.device_tflops, step_time.executed_flops(shape)
                         / s["resident_compute_s_per_step"] / 1e12)
     row = tables.train_rows([("bench.json", r)])[2]
-    assert row.startswith("| bench.json | configs/tiny.yaml | 128 | ")
+    assert row.startswith("| bench.json | configs/tiny.yaml | model.num_layers=2 data.seq_len=32 "
+                          "data.batch_size=2 data.micro_batches=2 optimizer.warmup_steps=0 | "
+                          "eager | 128 | ")
     assert f"| {s['throughput_vs_resident']:.2f}x |" in row
 
 
