@@ -210,7 +210,10 @@ def _largest_compiled(ok: Callable[[int], bool], quantum: int, guess: int) -> in
     """The largest multiple n of quantum with ok(n) (monotone; each call compiles), found to
     within LARGEST_SEQ_TOLERANCE: bracketed from `guess` by steps of that tolerance, doubled each
     time, then bisected until a length that fits and one that does not are that close (or one
-    quantum apart). 0 if one quantum does not fit."""
+    quantum apart). Where one quantum does not fit, the same below it in halved quanta (a length
+    under one attention block still trains); 0 if not even one token fits."""
+    if not ok(quantum):
+        return _largest_compiled(ok, quantum // 2, quantum // 2) if quantum > 1 else 0
     down = lambda n: max(quantum, n // quantum * quantum)
     lo = hi = down(guess)
     step = LARGEST_SEQ_TOLERANCE
@@ -220,9 +223,7 @@ def _largest_compiled(ok: Callable[[int], bool], quantum: int, guess: int) -> in
             lo, hi = (up, up) if ok(up) else (lo, up)
             step *= 2
     else:
-        while lo == hi:
-            if hi == quantum:
-                return 0
+        while lo == hi:  # one quantum fits (checked above): the bracket ends there at the latest
             below = down(int(hi / (1 + step)))
             lo, hi = (below, hi) if ok(below) else (below, below)
             step *= 2

@@ -347,6 +347,17 @@ def test_auto_offload_and_what_does_not_fit():
     assert f"DOES NOT FIT: device peak {format_bytes(small.device_peak)} > " in small.summary()
 
 
+def test_the_largest_sequence_under_one_attention_block():
+    """A device that holds the configured 16 tokens but not one attention block (32) of them:
+    the search goes below the block instead of reporting that no length fits."""
+    cfg = config(16)
+    short, block = plan(cfg, MACHINE), plan(config(32), MACHINE)
+    assert short.device_peak < block.device_peak
+    between = (short.device_peak + block.device_peak) / 2 / GB
+    p = plan(cfg, dataclasses.replace(MACHINE, device_memory_gb=between))
+    assert p.fits and 16 <= p.largest_seq_len < 32
+
+
 def test_host_bytes_a_parameter_are_the_memory_models_bytes():
     """Each kind's bytes a parameter times the model's parameters is that kind's bytes, in the
     plan and its table (its JSON: the command's test below); by hand, in bf16: master 4, AdamW's
