@@ -20,12 +20,11 @@ counted. There are no padding tokens (sequences are packed). GB = 1e9 bytes.
 """
 
 import argparse
-import cProfile
+import contextlib
 import datetime
 import json
 import os
 import platform
-import pstats
 import subprocess
 import sys
 import time
@@ -211,15 +210,13 @@ def run_streamed(cfg, batches, warmup, dev, keep_init, profile=False):
     counters = lambda: [getattr(engine.counters, k) for k in names]
     before = counters()
     in_use_before = dev.memory_stats()  # None on a CPU
-    profiler = cProfile.Profile() if profile else None
+    from megatrain_jax.profiling import MainThreadProfile
+    profiler = MainThreadProfile() if profile else None
     step_times, t0 = [], time.perf_counter()
     for inputs, targets in batches[warmup:]:
         ts = time.perf_counter()
-        if profiler:
-            profiler.enable()
-        losses.append(float(engine.train_step(inputs, targets)["loss"]))  # the step's sync point
-        if profiler:
-            profiler.disable()
+        with profiler.steps() if profiler else contextlib.nullcontext():
+            losses.append(float(engine.train_step(inputs, targets)["loss"]))  # the step's sync
         step_times.append(time.perf_counter() - ts)
     engine.wait()  # the last step's host updates belong to the timed steps (exposed: counted)
     total = time.perf_counter() - t0
@@ -236,21 +233,11 @@ def run_streamed(cfg, batches, warmup, dev, keep_init, profile=False):
                 "device_wait_s_per_step": device_wait / n,
                 "main_thread_other_s_per_step": (total - device_wait - wait) / n})
     if profiler:
-        out["main_thread_profile"] = costliest(profiler, n, 25)
+        out["main_thread_profile"] = profiler.costliest(n)
     out.update(device_memory(dev))
     out.update(device_left_by_steps(in_use_before, dev.memory_stats()))
     out.update(host_rss_gb())
     return out, engine, init
-
-
-def costliest(profiler, steps: int, k: int) -> list:
-    """The k functions of a cProfile run with the most own time: [{function, calls_per_step,
-    own_s_per_step, cumulative_s_per_step}]."""
-    stats = pstats.Stats(profiler).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
-    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:k]
-    return [{"function": f"{os.path.basename(f)}:{line}({name})", "calls_per_step": nc / steps,
-             "own_s_per_step": tt / steps, "cumulative_s_per_step": ct / steps}
-            for (f, line, name), (_, nc, tt, ct, _) in rows]
 
 
 def device_left_by_steps(before, after) -> dict:
@@ -491,10 +478,9 @@ def print_table(r):
     for name, value, note in rows:
         print(f"  {name:<30} {value:>10}   {note}")
     if s.get("main_thread_profile"):
+        from megatrain_jax.profiling import format_rows
         print("\nthe dispatching thread, per timed step (cProfile; own time, cumulative, calls):")
-        for row in s["main_thread_profile"]:
-            print(f"  {row['own_s_per_step'] * 1e3:9.2f} ms {row['cumulative_s_per_step'] * 1e3:9.2f}"
-                  f" ms {row['calls_per_step']:7.0f}  {row['function']}")
+        print("\n".join(format_rows(s["main_thread_profile"])))
 
 
 if __name__ == "__main__":

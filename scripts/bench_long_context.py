@@ -66,6 +66,9 @@ def parse_args(argv):
     p.add_argument("--dense-estimate", action="store_true",
                    help="compile (not run) the dense path's block backward and loss head and print "
                         "their memory analysis next to the long-context path's")
+    p.add_argument("--profile-main", action="store_true",
+                   help="profile the steps after the first on the dispatching thread (cProfile, "
+                        "which slows it): its 25 costliest functions in the table and the JSON")
     p.add_argument("--max-rss-gb", type=float, default=None,
                    help="fail (exit 1) if the peak RSS after the steps exceeds this many GB")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -82,7 +85,7 @@ def maxrss_bytes() -> int:
 def make_config(args, dense: bool = False):
     from megatrain_jax.recipes import load_config  # model.from_hf read too
     d = args.hidden
-    execution = ([f"train.attention=xla", "train.tile_size=0", f"train.loss_chunk={args.seq_len}",
+    execution = (["train.attention=xla", "train.tile_size=0", f"train.loss_chunk={args.seq_len}",
                   "train.loss_vocab_chunk=0", "train.offload_activations=false"] if dense else
                  [f"train.attention={args.attention}", f"train.tile_size={args.tile_size}",
                   f"train.loss_chunk={args.loss_chunk}",
@@ -119,6 +122,7 @@ def bench(args):
 
     from megatrain_jax import plan as plan_lib
     from megatrain_jax.machines import machine_from_device
+    from megatrain_jax.profiling import MainThreadProfile
     from megatrain_jax.recipes import build_engine
 
     rss = {"start": maxrss_bytes()}
@@ -142,6 +146,7 @@ def bench(args):
     build_s = time.perf_counter() - t0
     rss["after_engine"] = maxrss_bytes()
     losses, grad_norms, step_times, compiles = [], [], [], []
+    profiler = MainThreadProfile() if args.profile_main else None
 
     def measured() -> dict:
         stats = dev.memory_stats() or {}
@@ -152,6 +157,8 @@ def bench(args):
                "host_wait_s": counters.host_wait_s,
                "device_peak_bytes": stats.get("peak_bytes_in_use"),
                "device_bytes_limit": stats.get("bytes_limit")}
+        if profiler and step_times[1:]:
+            run["main_thread_profile"] = profiler.costliest(len(step_times) - 1)
         timed = step_times[1:] or step_times  # the first step compiles
         if timed:
             run["step_s"] = sum(timed) / len(timed)
@@ -164,7 +171,8 @@ def bench(args):
     for t in toks[:args.steps]:
         # Each step timed to the end of its host updates (not overlapped with the next step's
         # forward): the first step's include compiling the update, which the second would wait for.
-        with count_compiles() as compiled:
+        profiled = profiler.steps() if profiler and step_times else contextlib.nullcontext()
+        with count_compiles() as compiled, profiled:
             ts = time.perf_counter()
             out = engine.train_step(t[..., :-1], t[..., 1:])
             losses.append(float(out["loss"]))  # the step's sync point
@@ -337,6 +345,11 @@ def print_table(r):
           f"{r['tokens_per_step']:,} tokens/step")
     for name, value, note in rows:
         print(f"  {name:<30} {value:>14}   {note}")
+    if run.get("main_thread_profile"):
+        from megatrain_jax.profiling import format_rows
+        print("\nthe dispatching thread, per step after the first (cProfile; own time, "
+              "cumulative, calls):")
+        print("\n".join(format_rows(run["main_thread_profile"])))
 
 
 def _parts(parts: dict) -> str:

@@ -1,5 +1,5 @@
 """The GPU checklist (docs/gpu-checklist.md): every benchmark of a GPU run, each under its own
-timeout, in four parts of at most 10 minutes each; run them in order.
+timeout, in five parts of at most 10 minutes each; run them in order.
 
     python3 scripts/gpu_checklist.py 1    # machine, transfers, bench_1b, host update, step-time
                                           # prediction against bench_1b, the engine's tests
@@ -8,7 +8,10 @@ timeout, in four parts of at most 10 minutes each; run them in order.
     python3 scripts/gpu_checklist.py 3    # bench_4b in an 11 GB device cap, host update on 16 / 1
                                           # cores, step-time prediction against bench_4b
     python3 scripts/gpu_checklist.py 4    # long context at 256K
-    python3 scripts/gpu_checklist.py 1 2 3 4 --smoke --out /tmp/smoke   # on a CPU, tiny sizes
+    python3 scripts/gpu_checklist.py 5    # what holds a streamed step: bench_1b's and the 128K
+                                          # step's dispatching thread profiled; bench_1b at 64K
+                                          # tokens a step against resident
+    python3 scripts/gpu_checklist.py 1 2 3 4 5 --smoke --out /tmp/smoke   # on a CPU, tiny sizes
 
 Results go to the folder $OUT names when it is set, else to --out DIR: per part part<N>.txt
 (every command and its output, in order), part<N>.json (the steps: command, exit status, seconds,
@@ -86,14 +89,15 @@ def machine_steps(versions: bool) -> list:
     return steps
 
 
-def long_context(name, seq, attention, steps, timeout) -> Step:
+def long_context(name, seq, attention, steps, timeout, flags=()) -> Step:
     """Llama-3-8B's layer and vocabulary shapes with 4 layers: the device peak does not depend on
     the depth, and the host state (about 31 GB) fits the machine's RAM (the whole model: ~135 GB).
     XLA_PYTHON_CLIENT_MEM_FRACTION: the default 0.75 leaves a quarter of the GPU's memory unused."""
     return Step(name, timeout, ("scripts/bench_long_context.py", "--config", "configs/llama3_8b.yaml",
                                 "--seq-len", str(seq), "--compute-dtype", "bfloat16", "--attention",
-                                attention, "--steps", str(steps), "model.num_layers=4"),
-                smoke=("scripts/bench_long_context.py", *TINY_LONG, "--attention", attention),
+                                attention, "--steps", str(steps), *flags, "model.num_layers=4"),
+                smoke=("scripts/bench_long_context.py", *TINY_LONG, "--attention", attention,
+                       *flags),
                 json=f"{name}.json", env=(("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92"),))
 
 
@@ -179,6 +183,22 @@ STEPS = {
         step_time("step_time_4b", "configs/bench_4b.yaml")],
     4: [*machine_steps(versions=False),
         long_context("long_256k_auto", 262144, "auto", 2, 540)],
+    # what holds a streamed step while the device is idle (docs/results/2026-11-27-h200-b.md:
+    # bench_1b's dispatching thread spends most of a step outside its counted waits; the 128K
+    # step takes far longer than its FLOPs)
+    5: [*machine_steps(versions=False),
+        # cProfile slows the thread it profiles: this run's step time is not a figure
+        Step("bench_1b_profile", 110, ("scripts/bench.py", "--config", "configs/bench_1b.yaml",
+                                       "--steps", "2", "--baselines", "none", "--profile-main"),
+             smoke=("scripts/bench.py", *TINY, "--steps", "1", "--baselines", "none",
+                    "--profile-main"), json="bench_1b_profile.json"),
+        # twice the tokens a step, the resident run in the same process: the ratio at 64K
+        Step("bench_1b_m16", 170, ("scripts/bench.py", "--config", "configs/bench_1b.yaml",
+                                   "--steps", "3", "--baselines", "resident",
+                                   "data.micro_batches=16"),
+             smoke=("scripts/bench.py", *TINY, "--steps", "1", "--baselines", "resident"),
+             json="bench_1b_m16.json"),
+        long_context("long_128k_profile", 131072, "auto", 2, 260, flags=("--profile-main",))],
 }
 
 
@@ -194,7 +214,7 @@ def parse_args(argv):
                                     f"part {n}: " + ", ".join(s.name for s in steps)
                                     for n, steps in STEPS.items()))
     p.add_argument("parts", nargs="+", type=int, choices=sorted(STEPS), metavar="PART",
-                   help="1, 2, 3 or 4 (several run one after the other)")
+                   help="1 to 5 (several run one after the other)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, any machine (the test suite)")
     p.add_argument("--out", default="gpu_results", help="results folder when $OUT is unset")
     p.add_argument("--only", default="", help="comma-separated step names (default: all)")

@@ -260,7 +260,7 @@ def test_bench_long_context_tiny(tmp_path):
     proc = run("bench_long_context.py", "--seq-len", "256", "--vocab", "512", "--hidden", "32",
                "--layers", "1", "--heads", "2", "--kv-heads", "1", "--attention-block", "64",
                "--tile-size", "64", "--loss-chunk", "64", "--loss-vocab-chunk", "128",
-               "--dense-estimate", "--json", str(out))
+               "--dense-estimate", "--profile-main", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     for label in ("peak RSS before engine", "peak RSS after steps", "step time", "tokens/s",
                   "losses", "plan: host GB", "plan: device peak GB", "block backward, dense",
@@ -273,6 +273,10 @@ def test_bench_long_context_tiny(tmp_path):
     assert positive(run_["tokens_per_s"]) and len(run_["step_times_s"]) == 2
     # the first step compiles, the second runs what it compiled
     assert run_["compiles"][0]["count"] > 0 and run_["compiles"][1]["count"] == 0
+    # --profile-main: the second step's dispatching thread, the engine's step among its functions
+    profile = run_["main_thread_profile"]
+    assert len(profile) == 25 and any("step.py" in row["function"] for row in profile)
+    assert "the dispatching thread" in proc.stdout
     assert positive(run_["model_tflops"]) and "model TFLOP/s" in proc.stdout
     assert run_["device_peak_bytes"] is None  # no memory_stats on the CPU
     assert 0 < rss["start"] <= rss["before_engine"] <= rss["after_engine"] <= rss["after_steps"]
