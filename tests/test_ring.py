@@ -5,6 +5,7 @@ computation that read it is done, without holding back a dispatch; no layer bus 
 the update; the key refused with one line where it cannot run."""
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -172,3 +173,47 @@ def test_auto_takes_the_ring_only_where_resident_copies_do_not_fit_and_the_ring_
                                          r"need 10.74 GB of XLA's pinned host pool, which is "
                                          r"8 GiB: run with XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=18$"):
         choose("ring", pool=8 * 2**30)
+
+
+def _tiny_plan(host_memory_gb, overrides=()):
+    from megatrain_jax.machines import MACHINES
+    from megatrain_jax.plan import plan
+    cfg = load_config("configs/tiny.yaml", ["train.compute_dtype=bfloat16", *overrides])
+    return plan(cfg, dataclasses.replace(MACHINES["h200"], host_memory_gb=host_memory_gb))
+
+
+def test_the_plan_counts_the_ring_and_auto_takes_it_where_host_ram_is_short(monkeypatch):
+    """The plan's bus bytes with the ring: the stages' copies and prefetch + 2 layers' (not
+    every layer's); auto takes it where resident copies leave host RAM short and the ring fits,
+    and says so; resident where host RAM holds them."""
+    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+    roomy = _tiny_plan(1000)
+    c = roomy.counts
+    assert (roomy.bus, roomy.bus_reason) == ("resident", "auto: host memory holds every unit's "
+                                                         "bus copy")
+    assert roomy.host["bus"] == 2 * c.params
+    ring = _tiny_plan(1000, ["offload.bus=ring"])
+    assert (ring.bus, ring.bus_reason) == ("ring", "asked for")
+    assert ring.host["bus"] == 2 * (c.stages + 3 * c.layer) < roomy.host["bus"]
+    between = (ring.host_total + roomy.host_total) / 2 / 1e9
+    short = _tiny_plan(between)
+    assert short.bus == "ring" and short.fits and not _tiny_plan(between,
+                                                                 ["offload.bus=resident"]).fits
+    assert short.bus_reason.startswith("auto: with resident bus copies host RAM would be ")
+    assert "bus copies ring (auto: with resident bus copies host RAM" in short.summary()
+
+
+def test_a_ring_the_pinned_pool_cannot_hold_is_one_line_exit_2(monkeypatch, capsys):
+    """offload.bus=ring asked for where XLA's pinned pool is smaller than the ring and the
+    stages' copies: `megatrain plan` says so in one line naming XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
+    and the size, exit 2; auto then keeps resident copies (and the plan's note names the pool)."""
+    from megatrain_jax import commands
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "0.0001")
+    argv = ["plan", "--config", "configs/tiny.yaml", "--device", "h200",
+            "train.compute_dtype=bfloat16"]
+    assert commands.run([*argv, "offload.bus=ring"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert re.fullmatch(r"error: offload.bus='ring': the bus ring and the stages' bus copies need "
+                        r"[0-9.]+ (GB|MB) of XLA's pinned host pool, which is 0.0001 GiB: run "
+                        r"with XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=9", err), err

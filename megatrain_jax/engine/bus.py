@@ -284,8 +284,9 @@ def pinned_pool_bytes() -> int:
 
 def pool_line(what: str, need: int, pool: int) -> str:
     """What the pinned pool lacks, and the setting that gives it (with room for the rest)."""
-    return (f"{what} {need / 1e9:.2f} GB of XLA's pinned host pool, which is "
-            f"{pool / 2**30:g} GiB: run with {POOL_VARIABLE}={-(-need // 2**30) + 8}")
+    size = f"{need / 1e9:.2f} GB" if need >= 1e9 else f"{need / 1e6:.2f} MB"
+    return (f"{what} {size} of XLA's pinned host pool, which is "
+            f"{pool / 2**30:.4g} GiB: run with {POOL_VARIABLE}={-(-need // 2**30) + 8}")
 
 
 def why_not_ring(params_bus: bool, disk_tier, data_parallel: bool) -> Optional[str]:
@@ -317,7 +318,7 @@ def choose_form(setting: str, *, resident_pinned: int, ring_pinned: int, pool: O
         return setting, "asked for"
     if not host_short and pool is not None and resident_pinned > pool:
         host_short = (f"resident bus copies would take {resident_pinned / 1e9:.2f} GB of the "
-                      f"{pool / 2**30:g} GiB pinned pool ({POOL_VARIABLE})")
+                      f"{pool / 2**30:.4g} GiB pinned pool ({POOL_VARIABLE})")
     if host_short and ring_fits:
         return RING, f"auto: {host_short}"
     if host_short:
