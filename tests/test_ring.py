@@ -217,3 +217,20 @@ def test_a_ring_the_pinned_pool_cannot_hold_is_one_line_exit_2(monkeypatch, caps
     assert re.fullmatch(r"error: offload.bus='ring': the bus ring and the stages' bus copies need "
                         r"[0-9.]+ (GB|MB) of XLA's pinned host pool, which is 0.0001 GiB: run "
                         r"with XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=9", err), err
+
+
+def test_the_step_time_model_counts_the_rings_casts_and_no_layer_bus_write():
+    """Each layer fetch (two a step) casts its fp32 master into a ring buffer on the dispatching
+    thread, 4 + 2 B/param at the host update's rate; the layer's update writes 2 B/param less."""
+    from megatrain_jax import step_time
+    cfg = load_config("configs/tiny.yaml", ["train.compute_dtype=bfloat16"])
+    resident, ring = (step_time.step_shape(cfg, offload=False, bus=form)
+                      for form in ("resident", "ring"))
+    layer = ring.layer_bytes // 2  # parameters of a layer (bf16 weights)
+    assert (resident.ring_fill_bytes, ring.ring_fill_bytes) == (0, 6 * layer)
+    assert resident.layer_update_bytes - ring.layer_update_bytes == 2 * layer
+    rates = step_time.Rates(host_update_gbps=1e-3)  # slow enough to see
+    fills = [o for o in step_time.simulate(ring, rates, steps=2).ops
+             if o.label.startswith("fill unit")]
+    assert len(fills) == 2 * 2 * L and {o.resource for o in fills} == {"dispatch"}
+    assert fills[0].end - fills[0].start == pytest.approx(6 * layer / 1e6)
