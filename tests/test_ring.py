@@ -71,6 +71,19 @@ def test_the_ring_trains_the_resident_bits(resident, monkeypatch, copies, prefet
         np.testing.assert_array_equal(a, b)
 
 
+def test_without_the_kernel_the_rings_numpy_cast_gives_the_same_bits(resident, monkeypatch):
+    """Where the fused AdamW kernel is not built the ring casts with numpy (round to nearest
+    even, as the kernel and XLA): the same losses."""
+    from megatrain_jax.engine import host as host_lib
+    built = engine("ring")
+    monkeypatch.setattr(host_lib.fused_adamw, "kernel", lambda: None)
+    try:
+        losses, _ = train(built, steps=3)
+    finally:
+        built.close()
+    assert losses == resident[0][:3]
+
+
 @pytest.mark.parametrize("copies,prefetch", [("eager", 1), ("jit", 2)])
 def test_each_slot_is_refilled_after_its_reader_and_no_dispatch_waits_for_it(copies, prefetch):
     """The order of events over two steps: a slot is refilled only after the pass retired the
