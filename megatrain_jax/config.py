@@ -304,11 +304,18 @@ class LoggingConfig:
 # offload.copies, a key of both tiers: how a layer's weights come in and its gradient goes out
 # (engine/step.py): auto (inside the jitted calls on a GPU, else eager), eager, jit
 COPIES = ("auto", "eager", "jit")
+# offload.bus, a key of both tiers: how the layers' bus copies (their weights in the compute
+# dtype, which the device fetches) are kept (engine/bus.py): auto (the ring where the plan says
+# host memory is short for resident ones and the ring fits), resident (every unit's, all step),
+# ring (the layers' in a ring of prefetch + 2 buffers, filled just before each fetch)
+BUS = ("auto", "resident", "ring")
 
 
-def _check_copies(copies):
+def _check_copies(copies, bus):
     if copies not in COPIES:
         raise ConfigError(f"offload.copies must be one of {', '.join(COPIES)}, got {copies!r}")
+    if bus not in BUS:
+        raise ConfigError(f"offload.bus must be one of {', '.join(BUS)}, got {bus!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,9 +323,10 @@ class RamTier:
     """offload.tier=ram: in host RAM (~16 B/param)."""
     tier: str = dataclasses.field(default="ram", init=False)
     copies: str = "auto"  # (both tiers': see COPIES)
+    bus: str = "auto"  # (both tiers': see BUS)
 
     def __post_init__(self):
-        _check_copies(self.copies)
+        _check_copies(self.copies, self.bus)
 
     def check(self):
         """The ram tier has no keys of its own."""
@@ -331,6 +339,7 @@ class DiskTier:
     bit-identical training. See engine/tier.py."""
     tier: str = dataclasses.field(default="disk", init=False)
     copies: str = "auto"  # (both tiers': see COPIES)
+    bus: str = "auto"  # (both tiers': see BUS)
     path: str = ""  # a directory of its own on a fast local disk (NVMe)
     read_ahead: int = 1  # layers read ahead of the one being updated (and written behind)
     # O_DIRECT, so the disk moves the bytes and the page cache does not fill with the model:
@@ -341,7 +350,7 @@ class DiskTier:
         """The values, checked when built: also when given with offload.tier=ram, where the keys
         are then refused (_build_choice), so that a wrong value is named as such first."""
         _at_least(0, "offload", read_ahead=self.read_ahead)
-        _check_copies(self.copies)
+        _check_copies(self.copies, self.bus)
         if self.direct_io not in (True, False, "auto"):
             raise ConfigError(f"offload.direct_io must be true, false or auto, "
                               f"got {self.direct_io!r}")

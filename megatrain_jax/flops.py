@@ -93,6 +93,10 @@ class Counts:
     # the form of the layers' weights in and gradients out (offload.copies as the engine
     # resolves it: engine/transfer.py's copies_form): "eager" or "jit"
     copies: str = "eager"
+    # how the layers' bus copies are kept (offload.bus as the plan resolves it: engine/bus.py):
+    # "resident" (every unit's all step) or "ring" (prefetch + 2 layer buffers; the stages'
+    # resident)
+    bus: str = "resident"
 
     @property
     def params(self) -> int:

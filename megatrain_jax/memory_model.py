@@ -13,6 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from megatrain_jax.engine import bus as bus_lib
 from megatrain_jax.engine import schedule
 from megatrain_jax.engine.functions import DeviceFunctions
 from megatrain_jax.flops import Counts, abstract_units, host_lookup
@@ -95,14 +96,24 @@ def optimizer_state_bytes(c: Counts) -> int:
     return c.optimizer
 
 
+def bus_params(c: Counts) -> int:
+    """The parameters that have a bus copy at the step's peak: every unit's (resident), or with
+    the bus ring (c.bus "ring", engine/bus.py's Ring) the stage units' and the ring's slots,
+    each the size of a layer."""
+    if c.bus == bus_lib.RING:
+        return c.stages + bus_lib.ring_size(c.prefetch) * c.layer
+    return c.params
+
+
 def bus_bytes(c: Counts, tokens: int) -> int:
     """Bytes of the bus copies (the weights in the compute dtype that the device fetches) the
-    host holds: every unit's, all step, 2 B/param in bf16. Where the compute dtype is fp32 there
-    is none on a CPU-only run (the bus copy is the master), and with the host lookup unit 0's is
-    its master weights (HostState._is_params)."""
+    host holds: every unit's, all step, 2 B/param in bf16, or the stages' and the ring's
+    (bus_params). Where the compute dtype is fp32 there is none on a CPU-only run (the bus copy
+    is the master), and with the host lookup unit 0's is its master weights
+    (HostState._is_params)."""
     if not c.accelerator and c.compute == 4:
         return 0
-    return c.compute * (c.params - (host_lookup(c, tokens) and c.compute == 4) * c.first)
+    return c.compute * (bus_params(c) - (host_lookup(c, tokens) and c.compute == 4) * c.first)
 
 
 def host_bytes(c: Counts, tokens: int, offload: bool) -> dict:
@@ -129,7 +140,9 @@ def host_bytes(c: Counts, tokens: int, offload: bool) -> dict:
         "optimizer": share(optimizer_state_bytes(c)),
         "bus": share(bus_bytes(c, tokens)),
         "gradients": share(c.grad * c.layers * c.layer + stage_grads),
-        "staging": (share(c.compute * (c.stages - lookup * c.first + c.layer))
+        # (the jit path's update writes a bus copy there first; the ring's layers have none)
+        "staging": (share(c.compute * (c.stages - lookup * c.first
+                                       + c.layer * (c.bus != bus_lib.RING)))
                     if c.accelerator and not c.direct else 0),
         "activations": c.layers * activation_bytes(c, tokens) if offload else 0,
     }
@@ -139,7 +152,7 @@ def pinned_bytes(c: Counts, tokens: int, host: dict) -> int:
     """The bytes of `host` (host_bytes' result) in the compute device's pinned host memory: the
     bus copies but unit 0's with the host lookup (this process's rows), offloaded
     activations."""
-    params = c.params - host_lookup(c, tokens) * c.first
+    params = bus_params(c) - host_lookup(c, tokens) * c.first
     return -(-c.compute * params // c.host_shards) + host["activations"]
 
 

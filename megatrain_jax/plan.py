@@ -19,11 +19,11 @@ import dataclasses
 import functools
 from typing import Callable
 
-import numpy as np
 
-from megatrain_jax.config import Config, DiskTier
+from megatrain_jax.config import Config, ConfigError, DiskTier
+from megatrain_jax.engine import bus as bus_lib
 from megatrain_jax.flops import (ASSUMED_MFU, Counts, counts, devices_assumed, flops_per_token,
-                                  host_lookup, tokens_to_hide, with_layers)
+                                  host_lookup, local_devices, tokens_to_hide, with_layers)
 from megatrain_jax.machines import GB, Machine
 from megatrain_jax.memory_model import (compile_device, device_bytes, fits, host_bytes,
                                         host_bytes_on_disk, peak_bytes, pinned_bytes,
@@ -31,7 +31,6 @@ from megatrain_jax.memory_model import (compile_device, device_bytes, fits, host
 from megatrain_jax.model import Execution
 from megatrain_jax.plan_report import MOST_LAYERS, Plan, format_bytes
 
-PINNED_POOL_DEFAULT_GIB = 64  # XLA:GPU's pinned host pool, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
 LARGEST_SEQ_TOLERANCE = 0.02
 
 
@@ -54,25 +53,32 @@ def plan(cfg: Config, machine: Machine) -> Plan:
     estimated = device.platform != machine.platform  # compiled by the CPU for a GPU
     cpu_compiled = functools.partial(temps, B, T, hoisting=True) if estimated else dict
     offload, offload_reason, options = _offload(cfg, c, workspace, machine)
+    device = device_bytes(c, B * T, offload, workspace)
+    c, bus_reason, bus_forms = _bus_form(cfg, c, machine, B * T, offload, peak_bytes(device))
     read_ahead = getattr(cfg.offload, "read_ahead", DiskTier.read_ahead)  # ram tier: the default
     host_by_tier = {"ram": host_bytes(c, B * T, offload),
                     "disk": host_bytes_on_disk(c, B * T, offload, read_ahead)}
     host = host_by_tier[cfg.offload.tier]
     notes += _pinned_pool_notes(pinned_bytes(c, B * T, host), machine)
+    if c.bus == bus_lib.RING:
+        notes.append(f"the layers' bus copies are a ring of {bus_lib.ring_size(c.prefetch)} "
+                     f"buffers (offload.bus=ring), each cast from the fp32 master on the host "
+                     f"before its fetch (6 B/param of host memory traffic a fetch, two fetches a "
+                     f"step); the stages' are resident")
     notes += [n for n in [devices_assumed(cfg, machine)] if n]
     if host_lookup(c, B * T):
         notes.append("the first stage runs on the host (the host lookup, engine/lookup.py: its "
                      "rows cross, not its weights, and their gradient comes back); unit 0's bus "
                      "copy stays in host memory")
     disk_bytes = 4 * c.params + c.optimizer
-    return Plan(host=host, device=device_bytes(c, B * T, offload, workspace),
+    return Plan(host=host, device=device, bus=c.bus, bus_reason=bus_reason,
                 offload_activations=offload, offload_reason=offload_reason,
                 attention=execution.attention, attention_reason=attention_reason,
                 execution=execution, machine=machine, workspace=workspace, micro_batch=(M, B, T),
                 tokens_to_hide_transfers=tokens_to_hide(cfg.model, c, T, machine, offload),
                 notes=tuple(notes), counts=c, tier=cfg.offload.tier,
                 _largest=_largest_search(cfg, machine, c, temps, workspace, options,
-                                         execution.attention_block),
+                                         execution.attention_block, bus_forms),
                 host_by_tier={k: sum(v.values()) for k, v in host_by_tier.items()},
                 disk_bytes=disk_bytes,
                 disk_gbps_to_hide=_disk_gbps_to_hide(cfg, machine, disk_bytes),
@@ -128,12 +134,45 @@ def _offload(cfg: Config, c: Counts, workspace: dict, machine: Machine) -> tuple
 
 def _pinned_pool_notes(pinned: int, machine: Machine) -> list:
     """A note where the bus copies and offloaded activations (`pinned` bytes) outgrow XLA's
-    pinned host pool."""
-    if machine.platform != "gpu" or pinned <= PINNED_POOL_DEFAULT_GIB * 2**30:
+    pinned host pool (bus.pinned_pool_bytes: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, else its
+    default)."""
+    pool = bus_lib.pinned_pool_bytes()
+    if machine.platform != "gpu" or pinned <= pool:
         return []
-    return [f"the bus copies and offloaded activations take {format_bytes(pinned)} of "
-            f"XLA's pinned host pool, {PINNED_POOL_DEFAULT_GIB} GiB unless set: run with "
-            f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={int(np.ceil(pinned / 2**30)) + 8}"]
+    return [bus_lib.pool_line("the bus copies and offloaded activations take", pinned, pool)]
+
+
+def _bus_form(cfg: Config, c: Counts, machine: Machine, tokens: int, offload: bool,
+              device_peak: int) -> tuple:
+    """(c with offload.bus resolved, why, the forms the searches for the largest shape may take)
+    (engine/bus.py's choose_form: auto takes the ring where resident bus copies leave host RAM
+    or XLA's pinned pool short and the ring fits the pool). An asked-for ring that cannot run, or
+    that the pool cannot hold: one ConfigError line."""
+    setting = cfg.offload.bus
+    devices = (local_devices(cfg, machine) or 1) * cfg.distributed.num_processes
+    why_not = bus_lib.why_not_ring(c.compute == 4 and machine.compute_on_host,
+                                   cfg.offload.tier == "disk", devices > 1)
+    resident, ring = (dataclasses.replace(c, bus=form) for form in bus_lib.FORMS[1:])
+    if why_not:
+        if setting == bus_lib.RING:
+            raise ConfigError(f"offload.bus='ring' cannot run: {why_not}")
+        return resident, (f"auto: the ring cannot run ({why_not})" if setting == "auto"
+                          else "asked for"), [bus_lib.RESIDENT]
+    held = lambda counts: host_bytes(counts, tokens, offload)
+    total = sum(held(resident).values()) + (device_peak if machine.compute_on_host else 0)
+    short = "" if total <= machine.host_memory_gb * GB else (
+        f"with resident bus copies host RAM would be {format_bytes(total)} > "
+        f"{format_bytes(machine.host_memory_gb * GB)}")
+    try:
+        form, why = bus_lib.choose_form(
+            setting, resident_pinned=pinned_bytes(resident, tokens, held(resident)),
+            ring_pinned=pinned_bytes(ring, tokens, held(ring)),
+            pool=bus_lib.pinned_pool_bytes() if machine.platform == "gpu" else None,
+            host_short=short)
+    except ValueError as e:
+        raise ConfigError(f"offload.{e}") from None
+    forms = list(bus_lib.FORMS[1:]) if setting == "auto" else [form]
+    return dataclasses.replace(c, bus=form), why, forms
 
 
 def _disk_gbps_to_hide(cfg: Config, machine: Machine, disk_bytes: int) -> float:
@@ -150,7 +189,7 @@ def _disk_gbps_to_hide(cfg: Config, machine: Machine, disk_bytes: int) -> float:
 
 
 def _largest_search(cfg: Config, machine: Machine, c: Counts, temps: Callable, workspace: dict,
-                    options: list, quantum: int) -> Callable[[str], int]:
+                    options: list, quantum: int, bus_forms: list) -> Callable[[str], int]:
     """largest(axis): the largest batch_size (axis "batch"), seq_len ("seq") or num_layers
     ("layers") that fits, everything else as configured, offload as `options` allow. The arrays
     the plan counts are linear in a micro-batch's tokens. For the batch, a workspace is fitted
@@ -160,14 +199,16 @@ def _largest_search(cfg: Config, machine: Machine, c: Counts, temps: Callable, w
     to within LARGEST_SEQ_TOLERANCE of the shortest length that does not fit. For the layers,
     nothing is compiled: every layer is one block shape, so the workspaces stay and the counts
     follow (flops.with_layers). `temps(batch, seq)`: the phases' workspaces; `workspace`: theirs
-    at the configured shape."""
+    at the configured shape; `bus_forms`: the offload.bus forms a shape may take (both with
+    auto: the ring where resident bus copies do not fit)."""
     B, T = cfg.data.batch_size, cfg.data.seq_len
     host_of = host_bytes if cfg.offload.tier == "ram" else functools.partial(
         host_bytes_on_disk, read_ahead=cfg.offload.read_ahead)
 
     def fits_at(b, t, workspace, c=c):
         def fits_with(offload):
-            host = sum(host_of(c, b * t, offload).values())
+            host = min(sum(host_of(dataclasses.replace(c, bus=form), b * t, offload).values())
+                       for form in bus_forms)
             # the host alone over: no need to walk the device's schedule (a layer at a time)
             return host <= machine.host_memory_gb * GB and fits(
                 host, peak_bytes(device_bytes(c, b * t, offload, workspace)), machine)

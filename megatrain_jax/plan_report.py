@@ -56,6 +56,8 @@ class Plan:
     device: dict
     offload_activations: bool  # resolved
     offload_reason: str
+    bus: str  # offload.bus resolved: "resident" or "ring" (engine/bus.py)
+    bus_reason: str
     attention: str  # the resolved implementation
     attention_reason: str
     execution: Execution  # the model's, as the engine will run it
@@ -171,8 +173,12 @@ class Plan:
                 f"{format_bytes(self.device_peak)} of {format_bytes(m.device_memory_gb * GB)} "
                 f"in the {self.peak_phase}\n"
                 f"plan: offload activations {'on' if self.offload_activations else 'off'} "
-                f"({self.offload_reason}), attention {self.attention} ({self.attention_reason}); "
-                f"{self.verdict()}")
+                f"({self.offload_reason}), attention {self.attention} ({self.attention_reason}), "
+                f"{self.bus_line()}; {self.verdict()}")
+
+    def bus_line(self) -> str:
+        """The bus copies' form, and why."""
+        return f"bus copies {self.bus} ({self.bus_reason})"
 
     def report(self) -> str:
         """The whole plan as text tables."""
@@ -182,7 +188,8 @@ class Plan:
                  f"{m.host_device_gbps:g} GB/s each way",
                  f"step: {M} micro-batch(es) of {B} x {T:,} tokens = {self.tokens_per_step:,}; "
                  f"attention {self.attention} ({self.attention_reason}); offload activations "
-                 f"{'on' if self.offload_activations else 'off'} ({self.offload_reason})",
+                 f"{'on' if self.offload_activations else 'off'} ({self.offload_reason}); "
+                 f"{self.bus_line()}",
                  layer_line(self.counts), "", *self.tables(), "", self.verdict(),
                  f"largest that fits: batch {self.largest_batch:,} at seq_len {T:,}; "
                  f"seq_len {self.largest_seq_len:,} at batch {B}",
@@ -274,7 +281,8 @@ class Plan:
     def to_dict(self) -> dict:
         """Plain data, for JSON."""
         names = ("host", "host_total", "device", "device_peak", "peak_phase", "fits",
-                 "offload_activations", "offload_reason", "attention", "attention_reason",
+                 "offload_activations", "offload_reason", "bus", "bus_reason", "attention",
+                 "attention_reason",
                  "workspace", "largest_batch", "largest_seq_len", "tokens_per_step", "host_lookup",
                  "tokens_to_hide_transfers", "tier", "host_by_tier", "disk_bytes",
                  "disk_gbps_to_hide", "workspace_cpu_compiled", "params",

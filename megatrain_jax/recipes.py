@@ -124,6 +124,7 @@ def build_engine(cfg: Config, *, offload_activations: bool | None = None,
         engine_kwargs.setdefault("shard_host_state", True)
     engine_kwargs.setdefault("host_lookup", host_lookup_setting(cfg))
     engine_kwargs.setdefault("copies", cfg.offload.copies)
+    engine_kwargs.setdefault("bus", cfg.offload.bus)
     if cfg.offload.tier == "disk" and "disk_tier" not in engine_kwargs:
         engine_kwargs["disk_tier"] = disk_tier_options(cfg)
     try:
@@ -135,7 +136,8 @@ def build_engine(cfg: Config, *, offload_activations: bool | None = None,
             grad_dtype=jnp.dtype(cfg.train.grad_dtype), offload_activations=offload_activations,
             aux_loss=moe.aux_loss(model), **engine_kwargs)
     except ValueError as e:  # e.g. offload asked on a device without host memory kinds
-        key = "offload." if str(e).startswith("copies=") else ""  # the engine's argument's key
+        # the engine's arguments' keys
+        key = "offload." if str(e).startswith(("copies=", "bus=")) else ""
         raise ConfigError(key + str(e)) from None
 
 

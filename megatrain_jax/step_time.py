@@ -162,6 +162,11 @@ class StepShape:
     host_backward_bytes: int = 0  # the host thread's first-stage backward before unit 0's
     # update (HostBackward): bytes touched, at the host update's rate
     copies: str = "eager"  # the form of the layers' weights in and gradients out (engine/step.py)
+    # offload.bus=ring (engine/bus.py): bytes of host memory traffic of one layer's fill, the
+    # cast of its fp32 master into a ring buffer (read 4 B, write the compute dtype's) on the
+    # dispatching thread before each of its two fetches a step, at the host update's rate (the
+    # host's memory bandwidth). 0: resident bus copies (the update writes them instead)
+    ring_fill_bytes: int = 0
 
     @property
     def host_lookup(self) -> bool:
@@ -327,7 +332,13 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
     for _ in range(2 * M):  # inputs and targets of each micro-batch
         t.call("put batch")
 
+    def fill(u):  # the bus ring: HostState.bus casts a layer's master into a ring buffer
+        if s.ring_fill_bytes and 1 <= u <= s.layers:
+            t.op("dispatch", f"fill unit {u}", s.ring_fill_bytes / (t.rates.host_update_gbps * GB),
+                 [updates[u]] if updates[u] else [])
+
     def fetch(u, nbytes):  # HostState.bus waits for the unit's update, then the put
+        fill(u)
         return t.h2d(f"fetch unit {u}", nbytes, after=[updates[u]] if updates[u] else [])
 
     # embed: the first stage's weights fetched, or (the host lookup) its rows gathered on the
@@ -339,6 +350,7 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
 
     def carry(u):  # the jit form: HostState.bus waits for the unit's update before the call
         t.op("dispatch", f"carry unit {u}", 0, [updates[u]] if updates[u] else [])
+        fill(u)
 
     # forward: each layer retires on its outputs; the activations' copy out is not waited for
     def forward(i, w, ahead):
@@ -464,9 +476,11 @@ def simulate(shape: StepShape, rates: Rates, steps: int = 4) -> Prediction:
 
 
 def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True,
-               devices: int = 0) -> StepShape:
+               devices: int = 0, bus: str = "") -> StepShape:
     """The shape of one step of `cfg` on an accelerator (`offload`: activations offloaded) of a
-    machine with `devices` of them (0: unknown, 1 assumed: flops.local_devices)."""
+    machine with `devices` of them (0: unknown, 1 assumed: flops.local_devices), its layers' bus
+    copies kept as `bus` ("resident" or "ring"; "": offload.bus, auto taken as resident: the
+    plan resolves auto)."""
     # lazy: jax and the model (`megatrain --help` stays quick)
     from megatrain_jax.flops import attention_flops, counts, flops_per_token, host_lookup
     from megatrain_jax.machines import MACHINES
@@ -487,7 +501,10 @@ def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True,
     # copies, at hop_gbps, the gradient from the compute device's pinned memory to the CPU client
     # and the new bus copy back to pinned memory (transfer.across_clients); the direct update
     # (engine/direct.py) reads and writes them where they are: no hop
+    ring = (bus or cfg.offload.bus) == "ring"
     touched = lambda n: n * (8 + 2 * opt_per_param + c.grad + c.compute)
+    # a layer's update with the bus ring writes no bus copy: its fills cast one instead
+    layer_touched = touched(c.layer) - ring * c.layer * c.compute
     hop = lambda n: n * (c.grad + c.compute) if c.accelerator and not c.direct else 0
     lookup = host_lookup(c, tokens)
     rows = M * tokens * c.hidden * c.compute if lookup else 0
@@ -515,12 +532,14 @@ def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True,
         layer_bwd_flops=tokens * (6 * c.layer + 3.5 * attention),
         head_flops=tokens * 6 * head,
         stages_update_bytes=int(first_update + touched(last_unit)),
-        layer_update_bytes=int(touched(c.layer)), head_update_bytes=int(touched(last_unit)),
-        first_hop_bytes=0 if lookup else int(hop(c.first)), layer_hop_bytes=int(hop(c.layer)),
+        layer_update_bytes=int(layer_touched), head_update_bytes=int(touched(last_unit)),
+        first_hop_bytes=0 if lookup else int(hop(c.first)),
+        layer_hop_bytes=int(hop(c.layer) and hop(c.layer) - ring * c.layer * c.compute),
         head_hop_bytes=int(hop(last_unit)),
         model_flops=float(useful * M * tokens),
         updates_wait_for_norm=updates_wait_for_norm, rows_bytes=rows,
-        host_backward_bytes=int(host_backward), copies=c.copies)
+        host_backward_bytes=int(host_backward), copies=c.copies,
+        ring_fill_bytes=ring * c.layer * (4 + c.compute))
 
 
 def executed_flops(shape: StepShape) -> float:

@@ -220,7 +220,8 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
         checkpoint.check_writable(ckpt_dir)  # before training, not at the first save
     devices = len(placed["compute_devices"])
     run_plan = _checked_plan(cfg, devices)
-    engine = build_engine(cfg, offload_activations=run_plan.offload_activations, **placed)
+    engine = build_engine(cfg, offload_activations=run_plan.offload_activations,
+                          bus=run_plan.bus, **placed)
     manager = None
     with _closed_after(lambda: manager, engine):
         ckpt = cfg.checkpoint

@@ -124,8 +124,8 @@ def bench(args):
     streamed, engine, init = run_streamed(cfg, batches, args.warmup, dev, keep_init=bool(baselines),
                                           profile=args.profile_main)
     print(f"streamed: {tokens / streamed['step_s']:,.0f} tokens/s, {streamed['step_s']:.3f} s/step "
-          f"(engine built in {streamed['build_s']:.0f} s; copies {streamed['copies']}, host update "
-          f"{streamed['host_update']})", flush=True)
+          f"(engine built in {streamed['build_s']:.0f} s; copies {streamed['copies']}, bus "
+          f"{streamed['bus']}, host update {streamed['host_update']})", flush=True)
     limit = (dev.memory_stats() or {}).get("bytes_limit")
     if limit:
         streamed["device_mem_limit_gb"] = limit / GB
@@ -197,7 +197,7 @@ def run_streamed(cfg, batches, warmup, dev, keep_init, profile=False):
     t0 = time.perf_counter()
     engine = build_engine(cfg)
     # the forms the engine chose ("auto" in the config resolves by machine)
-    out = {"build_s": time.perf_counter() - t0, "copies": engine.copies,
+    out = {"build_s": time.perf_counter() - t0, "copies": engine.copies, "bus": engine.bus,
            "host_update": engine.host.update.kind}
     # The baselines start from the same weights and see the same batches, so their losses must
     # track the engine's: a check that they do the same work. (A copy: updates donate the params.)

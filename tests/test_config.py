@@ -271,9 +271,9 @@ def test_the_disk_keys_belong_to_the_disk_tier():
                               "offload.direct_io=false"])
     assert disk.offload == DiskTier(path="/nvme/t", read_ahead=3, direct_io=False)
     assert load_config(None, ["offload.tier=disk", "offload.path=/t"]).offload == DiskTier(path="/t")
-    assert to_dict(ram)["offload"] == {"tier": "ram", "copies": "auto"}
-    assert to_dict(disk)["offload"] == {"tier": "disk", "copies": "auto", "path": "/nvme/t",
-                                        "read_ahead": 3, "direct_io": False}
+    assert to_dict(ram)["offload"] == {"tier": "ram", "copies": "auto", "bus": "auto"}
+    assert to_dict(disk)["offload"] == {"tier": "disk", "copies": "auto", "bus": "auto",
+                                        "path": "/nvme/t", "read_ahead": 3, "direct_io": False}
     for cfg in (ram, disk):  # what a run saves (config.yaml, a checkpoint's meta) loads again
         assert from_dict(json.loads(json.dumps(to_dict(cfg)))) == cfg
 
@@ -304,4 +304,5 @@ def test_every_config_file_loads_to_the_values_it_had():
             assert dead == {k: getattr(DiskTier(), k) for k in DISK_KEYS}
         loaded = flat(json.loads(json.dumps(to_dict(cfg))))
         assert loaded.pop("offload.copies") == "auto"  # a key of both tiers since, its default
+        assert loaded.pop("offload.bus") == "auto"  # (as offload.copies)
         assert loaded == expected, name

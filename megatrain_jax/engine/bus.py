@@ -17,6 +17,10 @@ update returns no bus copy (the weights are it); `on_host`: the copy is in host 
 host reads it (the host lookup, engine/lookup.py).
 """
 
+import dataclasses
+import os
+from typing import Any, Optional
+
 import jax
 import jax.numpy as jnp
 
@@ -148,3 +152,175 @@ def choose(compute_dtype, compute_device, host_device, in_ram: bool, staging: di
     if where.memory_kind != transfer.PINNED:
         return where, [on_host] * 3, on_host
     return where, [PinnedBus(compute_dtype, where, staging, key) for key in range(3)], on_host
+
+
+# ----------------------------------------------------------------------------- the ring
+RESIDENT, RING = "resident", "ring"
+FORMS = ("auto", RESIDENT, RING)
+
+
+@dataclasses.dataclass
+class _Slot:
+    """One of the ring's buffers and what reads it: `reader` the fill it holds (None: free),
+    `token` arrays to wait on before it is rewritten (made by the ring from what its reader's
+    computation output, so nothing else deletes or donates them), `fetches` the fetched copies
+    kept in debug mode."""
+    bus: Any
+    reader: Optional[int] = None
+    token: Any = None
+    fetches: list = dataclasses.field(default_factory=list)
+
+
+class Ring:
+    """The layer units' bus copies as a ring of `size` buffers (the stage units keep their
+    resident ones): each fetch of a layer unit takes the next buffer, filled from the unit's fp32
+    master weights just before the fetch (`fill`), forward and backward alike. Nothing else
+    writes a slot: the update writes no bus copy for a layer unit.
+
+    A slot is rewritten only once every device copy that read it is done. Its reader (the pass
+    position whose fetch it holds) frees it when the pass retires that position (`retired`:
+    LayerStream waited on a token of the computation that consumed the fetch, which a copy's
+    output feeds, so the copy is done). A position released without a wait (a pass's last)
+    leaves a token made from its outputs (`released`): a one-element slice of each, computed on
+    the device after them, held by the ring alone (nothing donates or deletes it). With
+    `size` = prefetch + 2 the buffer a fill takes was last read by a position retired one or two
+    layers earlier (engine/schedule.py's order: the eager fetch of position i + p comes after
+    the retire of i - 1; the jit form's copy of i + p is made by dispatch i, after the retire of
+    i - 2), so a fill waits on nothing in steady state, and never before a dispatch on work the
+    device has not been given. A fill whose slot's reader never retired nor released (a step that
+    raised midway) writes into a fresh buffer instead (`fresh`, counted): the old one goes with
+    its reader.
+
+    `write(leaves, master)` writes the compute-dtype cast of the master leaves (numpy fp32)
+    into the slot's leaves (jax arrays) through their pointers. `debug`: the fetches of each
+    slot are kept (HostState.fetched) and a fill refuses to write while one is still copying."""
+
+    def __init__(self, make, size: int, write, debug: bool):
+        self.make, self.size, self.write, self.debug = make, size, write, debug
+        self.slots = [_Slot(make()) for _ in range(size)]
+        self.next = 0  # the slot the next fill takes: the least recently filled
+        self.serial = 0  # fills made so far (a reader's id)
+        self.holds = {}  # unit -> (its latest fill's slot, that fill's serial)
+        self.fresh = 0  # fills written into a fresh buffer (a reader that never retired)
+        self.on_fill = None  # on_fill(unit, slot), when set: each fill, before it writes
+        self._mark = jax.jit(lambda leaves: [jnp.ravel(x)[:1] for x in leaves])
+
+    def fill(self, u: int, master: list):
+        """Unit u's bus copy in the next slot, from `master` (its fp32 leaves, numpy), once the
+        slot's last reader is done."""
+        s = self.next
+        self.next = (s + 1) % self.size
+        slot = self.slots[s]
+        if slot.reader is not None:
+            if slot.token is not None:
+                jax.block_until_ready(slot.token)
+            elif slot.fetches and not any(x.is_deleted() for x in slot.fetches):
+                jax.block_until_ready(slot.fetches)  # a copy's output is ready once it is done
+            else:
+                slot.bus, slot.fetches = self.make(), []
+                self.fresh += 1
+        if self.debug:
+            copying = [x for x in slot.fetches if not x.is_deleted() and not x.is_ready()]
+            if copying:
+                raise RuntimeError(f"bus ring slot {s} would be rewritten for layer {u - 1} while "
+                                   f"{len(copying)} of the arrays fetched from it are still being "
+                                   f"copied")
+        if self.on_fill is not None:
+            self.on_fill(u, s)
+        self.serial += 1
+        slot.reader, slot.token, slot.fetches = self.serial, None, []
+        self.holds[u] = (s, self.serial)
+        self.write(jax.tree.leaves(slot.bus), master)
+        return slot.bus
+
+    def _held(self, u: int) -> Optional[_Slot]:
+        s, serial = self.holds.get(u, (None, None))
+        return self.slots[s] if s is not None and self.slots[s].reader == serial else None
+
+    def fetched(self, u: int, copies):
+        """Debug mode: `copies` were fetched from unit u's slot."""
+        slot = self._held(u)
+        if self.debug and slot is not None:
+            slot.fetches.extend(jax.tree.leaves(copies))
+
+    def retired(self, u: int):
+        """Unit u's latest fill was read by a computation now done: its slot is free."""
+        slot = self._held(u)
+        if slot is not None:
+            slot.reader, slot.token = None, None
+
+    def released(self, u: int, outputs):
+        """Unit u's latest fill was read by the computation that makes `outputs`, not waited
+        for: the slot waits, before it is rewritten, on a token made from them."""
+        slot = self._held(u)
+        leaves = [x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)]
+        if slot is not None and leaves:
+            slot.token = self._mark(leaves)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * transfer.nbytes(self.slots[0].bus)
+
+
+def ring_size(prefetch: int) -> int:
+    """Slots of the ring: the prefetch + 1 fetched layers of a pass, and one whose reader has
+    just retired (Ring's docstring)."""
+    return prefetch + 2
+
+
+POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+POOL_DEFAULT_GIB = 64  # XLA:GPU's pinned host pool where POOL_VARIABLE is not set
+
+
+def pinned_pool_bytes() -> int:
+    """XLA:GPU's pinned host pool, as POOL_VARIABLE sets it (GiB), else its default."""
+    value = os.environ.get(POOL_VARIABLE, "")
+    try:
+        gib = float(value) if value else POOL_DEFAULT_GIB
+    except ValueError:
+        raise ValueError(f"{POOL_VARIABLE}={value!r} is not a number of GiB") from None
+    return int(gib * 2**30)
+
+
+def pool_line(what: str, need: int, pool: int) -> str:
+    """What the pinned pool lacks, and the setting that gives it (with room for the rest)."""
+    size = f"{need / 1e9:.2f} GB" if need >= 1e9 else f"{need / 1e6:.2f} MB"
+    return (f"{what} {size} of XLA's pinned host pool, which is "
+            f"{pool / 2**30:.4g} GiB: run with {POOL_VARIABLE}={-(-need // 2**30) + 8}")
+
+
+def why_not_ring(params_bus: bool, disk_tier, data_parallel: bool) -> Optional[str]:
+    """Why the layer units' bus copies cannot be a ring (None: they can)."""
+    if params_bus:
+        return "the bus copy is the fp32 master itself (float32 compute, no accelerator)"
+    if disk_tier:
+        return "the disk tier (its master weights leave RAM between updates)"
+    if data_parallel:
+        return "data parallel over several devices (not built yet)"
+    return None
+
+
+def choose_form(setting: str, *, resident_pinned: int, ring_pinned: int, pool: Optional[int],
+                host_short: str = "") -> tuple:
+    """(RESIDENT or RING, why) for offload.bus `setting` (FORMS). resident_pinned, ring_pinned:
+    the bytes each form keeps in the pinned pool (bus copies, offloaded activations); pool: the
+    pool's size (pinned_pool_bytes; None: no pool, not a GPU); host_short: why host RAM cannot
+    hold resident bus copies ("" where it can, or where it is not known: the plan knows).
+    auto: the ring where resident bus copies do not fit host RAM or the pool and the ring does;
+    else resident. An asked-for ring that the pool cannot hold: one ValueError line."""
+    if setting not in FORMS:
+        raise ValueError(f"bus must be one of {', '.join(FORMS)}, got {setting!r}")
+    ring_fits = pool is None or ring_pinned <= pool
+    if setting == RING and not ring_fits:
+        raise ValueError("bus='ring': " + pool_line("the bus ring and the stages' bus copies "
+                                                     "need", ring_pinned, pool))
+    if setting != "auto":
+        return setting, "asked for"
+    if not host_short and pool is not None and resident_pinned > pool:
+        host_short = (f"resident bus copies would take {resident_pinned / 1e9:.2f} GB of the "
+                      f"{pool / 2**30:.4g} GiB pinned pool ({POOL_VARIABLE})")
+    if host_short and ring_fits:
+        return RING, f"auto: {host_short}"
+    if host_short:
+        return RESIDENT, f"auto: {host_short}, and the ring does not fit either"
+    return RESIDENT, "auto: host memory holds every unit's bus copy"

@@ -29,7 +29,8 @@ def _forward(sp: StepParts, inputs, contexts) -> list:
     xs = sp.first.forward(sp, inputs)
 
     # ---- forward: each layer's input is freed once its output is computed
-    stream = LayerStream(range(sp.num_layers), lambda i: sp.fetch_unit(1 + i), sp.prefetch)
+    stream = LayerStream(range(sp.num_layers), lambda i: sp.fetch_unit(1 + i), sp.prefetch,
+                         on_retire=sp.read())
     for i, w in stream:
         ys = [f.block_fwd(w, x, c)[0] for x, c in zip(xs, contexts)]  # aux: not evaluated
         kept = {id(y) for y in ys}  # a jitted identity may hand its input back

@@ -2,6 +2,7 @@
 and the optax update that runs on the host CPU device in a background thread."""
 
 import concurrent.futures
+import ctypes
 import dataclasses
 import itertools
 import logging
@@ -17,6 +18,7 @@ import optax
 
 from megatrain_jax.engine import bus as bus_lib
 from megatrain_jax.engine import direct as direct_lib
+from megatrain_jax.engine import fused_adamw
 from megatrain_jax.engine import stage_units
 from megatrain_jax.engine import store as store_lib
 from megatrain_jax.engine import tier as tier_lib
@@ -66,9 +68,14 @@ class HostState:
     def __init__(self, stages, blocks, optimizer: optax.GradientTransformation, *, max_grad_norm,
                  compute_dtype, grad_dtype, compute_device, host_device, counters, num_blocks: int,
                  disk_tier: Optional[tier_lib.DiskTierOptions] = None, shards=None,
-                 host_update: str = "auto"):
+                 host_update: str = "auto", bus: str = bus_lib.RESIDENT, prefetch: int = 1,
+                 data_parallel: bool = False, pinned_pool: Optional[int] = None):
         """stages: the stages' params (param_split((first, last))); blocks: an iterable of the
-        blocks' params (with the disk tier, one in RAM at a time)."""
+        blocks' params (with the disk tier, one in RAM at a time); bus: bus_lib.FORMS' RESIDENT
+        (every unit's bus copy kept all step), RING (the layer units' in a ring of
+        bus_lib.ring_size(prefetch) buffers, bus.Ring) or auto (bus_lib.choose_form, from the
+        bytes of each in `pinned_pool`, None where the compute device has no such pool): the
+        form taken and why are `bus_form`, `bus_why`."""
         # How each unit is updated (update.py), its hyperparameters checked there, said once in
         # the log: the fused AdamW kernel called directly on numpy state the engine owns, where
         # it can run; else one jitted update per unit.
@@ -89,6 +96,17 @@ class HostState:
         self.bus_sharding, by_structure, self._on_host = bus_lib.choose(
             self.compute_dtype, compute_device, host_device, disk_tier is None, self.staging)
         self.buses = [by_structure[self._structure(u)] for u in range(self.last + 1)]
+        self.ring = None  # bus.Ring with bus=RING: made once the units are
+        if bus not in bus_lib.FORMS:
+            raise ValueError(f"bus must be one of {', '.join(bus_lib.FORMS)}, got {bus!r}")
+        no_ring = bus_lib.why_not_ring(self.buses[1].is_params, disk_tier, data_parallel)
+        if bus == bus_lib.RING and no_ring:
+            raise ValueError(f"bus='ring' cannot run: {no_ring}")
+        self.bus_form, self.bus_why = bus_lib.RESIDENT, "asked for"
+        if bus == bus_lib.RESIDENT or (bus == "auto" and no_ring):
+            self.bus_why = f"auto: the ring cannot run ({no_ring})" if no_ring else "asked for"
+            bus = bus_lib.RESIDENT
+        self._pinned_pool = pinned_pool
         self.failed = None  # why the state is unknown: a host update failed (see ready)
         self.on_update = None  # on_update(u), when set: the host thread starts unit u's update
 
@@ -111,7 +129,9 @@ class HostState:
         # Debug mode (MEGATRAIN_DEBUG_BUS=1): every fetch of a unit's bus copy is kept until the
         # unit's update, which refuses to write the copy while one of them is still copying
         # (direct.py: when the bus copy may be written)
-        self.fetches = {} if self.direct is not None and os.environ.get(DEBUG_BUS) == "1" else None
+        debug = os.environ.get(DEBUG_BUS) == "1"
+        self.fetches = {} if self.direct is not None and debug else None
+        self._ring_args = (bus, prefetch, debug)
         # Where params and optax state live between updates (store.py): RAM or the disk tier.
         self.store = store_lib.choose(disk_tier, self.last + 1, self.stage_units[self.last],
                                       self.host, self.direct)
@@ -142,22 +162,65 @@ class HostState:
                 self.shapes.setdefault(1, [tuple(p.shape) for p in jax.tree.leaves(params)])
                 yield shards.cut(params) if shards is not None else params
 
+        bus, prefetch, debug = self._ring_args
+        size = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
+        in_ring = False
         for params in itertools.chain([first], block_units(), [last]):
-            self.units.append(self._new_unit(params))
+            u = len(self.units)
+            if u == 1 and bus != bus_lib.RESIDENT:  # decided from the bytes of each form
+                stages = size(first) + size(last)
+                pinned = lambda layers: self.compute_dtype.itemsize * (stages + layers * size(
+                    params))
+                self.bus_form, self.bus_why = bus_lib.choose_form(
+                    bus, resident_pinned=pinned(self.last - 1),
+                    ring_pinned=pinned(bus_lib.ring_size(prefetch)), pool=self._pinned_pool)
+                in_ring = self.bus_form == bus_lib.RING
+            self.units.append(self._new_unit(params, in_ring and u not in (0, self.last)))
             self.store.add(self.units)  # the disk tier: the state to its file
+        if in_ring:  # its buffers made like a bus copy of layer 0's weights (then rewritten)
+            self.ring = bus_lib.Ring(lambda: self.make_bus(self.unit_state(1)[0], 1),
+                                     bus_lib.ring_size(prefetch), self._write_slot, debug)
         for u in (0, 1, self.last):  # one per structure (pinned bus copies only)
-            if self.direct is None:
+            if self.direct is None and not self.in_ring(u):
                 self.buses[u].make_staging(self.units[u].bus, host_device)
 
-    def _new_unit(self, params) -> Unit:
-        """Unit len(units), its optax state and bus copy made from its fp32 master weights."""
+    def _new_unit(self, params, in_ring: bool) -> Unit:
+        """Unit len(units), its optax state and bus copy (none for a unit `in_ring`: the bus
+        ring's fills make it) made from its fp32 master weights."""
         u = len(self.units)
         if self.direct is None:
-            return Unit(params, self._init(params), self.make_bus(params, u))
+            return Unit(params, self._init(params), None if in_ring else self.make_bus(params, u))
         unit = Unit(None, None, arrays=direct_lib.UnitArrays.of(params, self._init(params),
                                                                 self.direct.lib))
-        self._direct_bus(u, unit, fresh=True)
+        if not in_ring:
+            self._direct_bus(u, unit, fresh=True)
         return unit
+
+    def in_ring(self, u: int) -> bool:
+        """Whether unit u's bus copy is made in the bus ring (a layer unit, with bus=RING)."""
+        return self.ring is not None and u not in (0, self.last)
+
+    def _write_slot(self, leaves: list, master: list):
+        """The bus ring's write: each master leaf (fp32) cast into its slot leaf, through its
+        pointer; rounded as the update rounds a bus copy (the kernel's own cast where it is
+        built, else numpy's round-to-nearest-even)."""
+        lib = fused_adamw.kernel()
+        for out, p in zip(leaves, master, strict=True):
+            p = np.ascontiguousarray(np.asarray(p), np.float32)
+            if out.size != p.size:
+                raise ValueError(f"a bus ring slot of {out.size} elements for a leaf of {p.size}")
+            ptr = out.unsafe_buffer_pointer()
+            if lib is not None and out.dtype == jnp.bfloat16:
+                lib.megatrain_to_bf16(ptr, p.ctypes.data, p.size)
+            elif lib is not None and out.dtype == jnp.float32:
+                lib.megatrain_copy(ptr, p.ctypes.data, p.nbytes)
+            else:
+                dst = np.ctypeslib.as_array((ctypes.c_uint8 * out.nbytes).from_address(ptr))
+                np.copyto(dst.view(out.dtype).reshape(p.shape), p, casting="unsafe")
+
+    def bus_example(self):
+        """A bus copy of a layer unit, as the fetches take it (for Transfers.check)."""
+        return self.ring.slots[0].bus if self.ring is not None else self.units[1].bus
 
     def _direct_bus(self, u: int, unit: Unit, fresh: bool):
         """The direct update's bus copy of unit u: the weights themselves (wrapped, ParamsBus), or
@@ -235,8 +298,13 @@ class HostState:
         unit.bus, unit.spare = self.make_bus(self.unit_state(u)[0], u), None
 
     def bus(self, u: int):
-        """Unit u's bus copy, once its pending update has finished."""
+        """Unit u's bus copy, once its pending update has finished (a layer unit's with the bus
+        ring: filled into the ring's next slot, for one fetch)."""
         unit = self.ready(u)
+        if self.in_ring(u):
+            master = (unit.arrays.p if unit.arrays is not None else
+                      jax.tree.leaves(self.store.view(u, unit)[0]))
+            return self.ring.fill(u, master)
         if unit.bus is None:  # released by a step that then failed: still the weights' copy
             unit.bus, unit.spare = unit.spare, None
         if unit.bus is None:  # (given back to the pinned pool): rebuilt from the weights
@@ -259,6 +327,17 @@ class HostState:
         u's update writes it."""
         if self.fetches is not None:
             self.fetches.setdefault(u, []).extend(jax.tree.leaves(copies))
+        if self.in_ring(u):
+            self.ring.fetched(u, copies)
+
+    def read(self, u: int, token=None):
+        """Unit u's latest fetch has been read: by work now done (token None), or by the work
+        that makes `token`, not waited for (LayerStream's on_retire). Frees its bus ring slot."""
+        if self.in_ring(u):
+            if token is None:
+                self.ring.retired(u)
+            else:
+                self.ring.released(u, token)
 
     def _check_fetches(self, u: int, what: str):
         copying = [x for x in (self.fetches or {}).pop(u, ()) if not x.is_deleted()
@@ -272,7 +351,7 @@ class HostState:
         """After a unit's last use in a step (bus.py: a host buffer is kept for the update to
         write in place, a pinned one goes back to the accelerator's pinned pool). The direct
         update keeps every bus copy where it is and writes it in place."""
-        if self.direct is None:
+        if self.direct is None and not self.in_ring(u):
             self.buses[u].release(self.units[u])
 
     # ----------------------------------------------------------------- the update
@@ -293,7 +372,8 @@ class HostState:
             _wait_for_arrays(pieces)  # the gradient's copies out (arrival, not the update's work)
             t1 = time.perf_counter()
             params_bus = self.buses[u].is_params
-            bus = None if params_bus else jax.tree.leaves(unit.bus)
+            # (the bus ring's units: no bus copy to write, the fills make it)
+            bus = None if params_bus or self.in_ring(u) else jax.tree.leaves(unit.bus)
             what = "the stages' unit" if u in (0, self.last) else f"layer {u - 1}"
             self._check_fetches(u, what)
             arrays = self.direct.apply(u, unit.arrays, pieces, grad_norm,
@@ -323,25 +403,28 @@ class HostState:
         t1 = time.perf_counter()
         unit = self.units[u]
         self.store.load(u, unit)  # the disk tier: the state from its file (read ahead)
-        old_bus = bus.old_for_update(unit)
+        in_ring = self.in_ring(u)  # no bus copy to write: the bus ring's fills make it
+        old_bus = None if in_ring else bus.old_for_update(unit)
         unit.bus = unit.spare = None
         # A non-finite global norm skips the update (as optax.apply_if_finite), decided here. A
         # select between the new and the old state inside the update made XLA copy the donated
         # optax state first (8 B/param of fresh memory, page-faulted in every update: several
         # times slower).
         if not np.isfinite(grad_norm):
-            unit.bus = bus.on_skip(unit, old_bus)
+            unit.bus = None if in_ring else bus.on_skip(unit, old_bus)
         else:
             if self.update.prepare_first:
                 grads = self._prepare_in_place(grads, grad_norm, scale)
             unit.params, unit.opt_state, new_bus = self._update(
-                unit.params, unit.opt_state, grads, old_bus, grad_norm, scale, bus.is_params)
-            unit.bus = bus.after_update(unit, new_bus)
-            if not bus.on_host:  # the refresh to the accelerator's pinned memory
+                unit.params, unit.opt_state, grads, old_bus, grad_norm, scale,
+                bus.is_params or in_ring)
+            if not in_ring:
+                unit.bus = bus.after_update(unit, new_bus)
+            if not bus.on_host and not in_ring:  # the refresh to the accelerator's pinned memory
                 self.counters.host_copy_bytes += transfer.nbytes(unit.bus)
         # The future completes when the weights are usable; and before the disk tier takes back
         # the buffer that params alias: a skipped step's bus copy is made from them.
-        jax.block_until_ready(unit.bus)
+        jax.block_until_ready(unit.params if in_ring else unit.bus)
         self.store.store(u, unit)  # the disk tier: written back behind, out of RAM
         t2 = time.perf_counter()
         self.counters.host_compute_s += t2 - t1
@@ -449,12 +532,13 @@ class HostState:
         unit = self.ready(u)
         if self.direct is not None:
             self.store.put(u, unit, unit_state["params"], unit_state["opt_state"])
-            self._direct_bus(u, unit, fresh=False)
+            if not self.in_ring(u):
+                self._direct_bus(u, unit, fresh=False)
             return
         params = jax.device_put(unit_state["params"], self.host)
         opt_state = jax.device_put(unit_state["opt_state"], self.host)
         self.store.put(u, unit, params, opt_state)
-        unit.bus = self.make_bus(params, u)
+        unit.bus = None if self.in_ring(u) else self.make_bus(params, u)
 
     def close(self):
         """Waits for the pending updates (raising what failed); after a failed update, cancels

@@ -110,6 +110,13 @@ class StepParts:
             self.host.fetched(u, w)
         return w
 
+    def read(self):
+        """A pass's LayerStream on_retire: each layer unit's fetch has been read (it frees its
+        bus ring slot, HostState.read); None without the ring."""
+        if self.host.ring is None:
+            return None
+        return lambda layer, token: self.host.read(1 + layer, token)
+
     def fetched(self, w):
         """What a step may delete of a fetch: with state and compute on one device (no
         accelerator), a fetch is the bus copy itself, which must live on; in debug mode the host
@@ -179,7 +186,7 @@ def _forward(sp: StepParts, xs: list, contexts: list) -> tuple:
     carry = ((lambda i: (1 + i, sp.host.bus(1 + i), None)) if sp.copies == schedule.JIT
              else None)
     stream = LayerStream(range(sp.num_layers), lambda i: sp.fetch_unit(1 + i), sp.prefetch,
-                         sp.events("forward"), carry, sp.host.counters)
+                         sp.events("forward"), carry, sp.read(), sp.host.counters)
     for i, w in stream:
         outs, ahead = [], None
         for m, (x, c) in enumerate(zip(xs, contexts)):
@@ -233,7 +240,7 @@ def _backward(sp: StepParts, dxs: list, contexts: list, head: Head) -> tuple:
     carry = (lambda i: (1 + i, host.bus(1 + i), acts.pinned(i))) if jit else None
     stream = LayerStream(reversed(range(sp.num_layers)),
                          lambda i: (sp.fetch_unit(1 + i), acts.load(i)), sp.prefetch,
-                         sp.events("backward"), carry, sp.host.counters)
+                         sp.events("backward"), carry, sp.read(), sp.host.counters)
     head_device, leaving = head.head_device, None  # leaving: the jit form's gradient before
     for i, (w, xs) in stream:
         dw, ahead = f.zeros(w), None

@@ -70,12 +70,19 @@ class LayerStream:
     `carry(layer)` returned for the layer `prefetch` ahead (its bus copy, in pinned host memory)
     or None, the dispatch's first call copies it to the device, and the caller hands the copy
     over as `done(..., carried=copy)`: it is that layer's payload. `drop` is deleted right after
-    the dispatch, `free` at the retire."""
+    the dispatch, `free` at the retire.
 
-    def __init__(self, order, fetch, prefetch: int, on_event=None, carry=None, counters=None):
+    on_retire(layer, token), when given, is told as each layer's fetch has been read: token None
+    once the retire waited for the layer's work, else (the pass's last layer, released without a
+    wait) its token, still being computed (the bus ring's: engine/bus.py). `counters`
+    (Counters), when given, adds the retires' waits to device_wait_s."""
+
+    def __init__(self, order, fetch, prefetch: int, on_event=None, carry=None, on_retire=None,
+                 counters=None):
         self.order, self.fetch, self.prefetch = list(order), fetch, prefetch
-        self.counters = counters  # Counters: device_wait_s, when given
+        self.counters = counters
         self.on_event = on_event or (lambda kind, layer: None)
+        self.on_retire = on_retire
         self.carry_fetch = carry
         self.copies = schedule.EAGER if carry is None else schedule.JIT
         self.carry = None
@@ -113,6 +120,8 @@ class LayerStream:
                     jax.block_until_ready(token)
                     if self.counters is not None:
                         self.counters.device_wait_s += time.perf_counter() - t0
+                if self.on_retire is not None:
+                    self.on_retire(layer, None if op == schedule.RETIRE else token)
                 delete(free)
 
     def done(self, token, free=(), drop=(), carried=None):

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from megatrain_jax.engine import bus as bus_lib
 from megatrain_jax.engine import evaluate as evaluate_lib
 from megatrain_jax.engine import lookup
 from megatrain_jax.engine import step, transfer
@@ -99,6 +100,15 @@ class StreamedEngine:
         prefetch >= 1, else eager. "jit" where it cannot run (no accelerator apart from the host
         device, no pinned_host memory, data parallel, prefetch 0): a ValueError saying why. Both
         forms give the same bits.
+      bus: how the layers' bus copies (their weights in the compute dtype, which the fetches
+        read) are kept. "resident": every unit's, all step (2 B/param in bf16); "ring": the layer
+        units' in a ring of prefetch + 2 buffers, each filled from the fp32 master weights just
+        before its fetch (forward and backward), the stage units' resident (engine/bus.py's
+        Ring); the update then writes no layer bus copy. "auto" (default): the ring where the
+        resident copies do not fit the GPU's pinned host pool (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)
+        and the ring does, else resident (a run passes its plan's choice, which also weighs host
+        RAM). Not with the disk tier, data parallel, or fp32 compute with no accelerator. The log
+        says which and why. Both give the same bits.
 
     A step whose gradient is not finite changes nothing (see `train_step`); a step that raises
     leaves the state as it was before it.
@@ -111,7 +121,7 @@ class StreamedEngine:
                  offload_activations: bool = False, aux_loss: Optional[Callable] = None,
                  disk_tier: Optional[DiskTierOptions] = None, compute_devices=None,
                  shard_host_state: bool = False, host_lookup: Optional[bool] = None,
-                 host_update: str = "auto", copies: str = "auto"):
+                 host_update: str = "auto", copies: str = "auto", bus: str = "auto"):
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         if prefetch < 0:
@@ -169,11 +179,20 @@ class StreamedEngine:
                               compute_device=self.compute_device, host_device=self.host_device,
                               counters=self.counters, num_blocks=num_layers,
                               disk_tier=disk_tier, shards=self.placement.shards,
-                              host_update=host_update)
+                              host_update=host_update, bus=bus, prefetch=prefetch,
+                              data_parallel=self.placement.data_parallel,
+                              pinned_pool=(bus_lib.pinned_pool_bytes()
+                                           if self.compute_device.platform == "gpu"
+                                           and self.transfers.out_kind == transfer.PINNED
+                                           else None))
         del stages
+        self.bus = self.host.bus_form
+        ring = self.host.ring
+        log.info("bus copies: %s (%s)", f"the layers' in a ring of {len(ring.slots)} buffers, the "
+                 f"stages' resident" if ring else "every unit's resident", self.host.bus_why)
         # where the plan counts them: bus copies in the compute device's pinned host memory
         try:
-            self.transfers.check(self.host.units[1].bus, self.host.bus_sharding.memory_kind)
+            self.transfers.check(self.host.bus_example(), self.host.bus_sharding.memory_kind)
         except BaseException:
             self.host.close()  # its thread and the disk tier's files
             raise

@@ -1,0 +1,249 @@
+"""offload.bus=ring (engine/bus.py's Ring): the layers' bus copies in prefetch + 2 buffers, each
+filled from the fp32 master just before its fetch. The same bits as resident bus copies, in both
+copies forms and prefetch depths (and under the debug guard); a slot refilled only after the
+computation that read it is done, without holding back a dispatch; no layer bus copy written by
+the update; the key refused with one line where it cannot run."""
+
+import dataclasses
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from megatrain_jax import commands
+from megatrain_jax.config import load_config
+from megatrain_jax.engine import bus as bus_lib
+from megatrain_jax.recipes import build_engine
+
+CPU = jax.devices("cpu")
+STEPS = 5
+# configs/tiny.yaml, smaller, in bf16 (the ring's cast is then a rounding, as on a GPU)
+CFG = load_config("configs/tiny.yaml", ["train.compute_dtype=bfloat16", "data.seq_len=32",
+                                        "data.batch_size=2", "data.micro_batches=2"])
+L = CFG.model.num_layers
+TOKENS = np.random.default_rng(0).integers(0, CFG.model.vocab_size, size=(STEPS, 2, 2, 33))
+
+
+def engine(bus, copies="eager", prefetch=1):
+    """CPU device 1 standing for the accelerator, the state on device 0."""
+    cfg = dataclasses.replace(CFG, train=dataclasses.replace(CFG.train, prefetch=prefetch))
+    built = build_engine(cfg, compute_device=CPU[1], host_device=CPU[0], copies=copies, bus=bus)
+    assert (built.copies, built.bus) == (copies, bus)
+    return built
+
+
+def train(built, steps=STEPS):
+    """(losses, state as numpy) after `steps` steps."""
+    losses = [float(built.train_step(t[..., :-1], t[..., 1:])["loss"]) for t in TOKENS[:steps]]
+    return losses, jax.tree.map(np.array, built.state())
+
+
+@pytest.fixture(scope="module")
+def resident():
+    built = engine("resident")
+    try:
+        yield train(built)
+    finally:
+        built.close()
+
+
+@pytest.mark.parametrize("copies,prefetch,debug", [("eager", 1, False), ("eager", 2, True),
+                                                   ("jit", 1, True), ("jit", 2, False)])
+def test_the_ring_trains_the_resident_bits(resident, monkeypatch, copies, prefetch, debug):
+    """Losses and final weights and optimizer state bit for bit; every fill found its slot's
+    reader done (none written into a fresh buffer); under the debug guard no slot is rewritten
+    while a copy from it is still running. (Resident bus copies give the same bits in both forms
+    and at every prefetch: tests/test_injit.py.)"""
+    if debug:
+        monkeypatch.setenv("MEGATRAIN_DEBUG_BUS", "1")
+    built = engine("ring", copies, prefetch)
+    try:
+        ring = built.host.ring
+        assert len(ring.slots) == prefetch + 2 and ring.debug == debug
+        losses, state = train(built)
+        assert ring.fresh == 0
+    finally:
+        built.close()
+    assert losses == resident[0]
+    for a, b in zip(jax.tree.leaves(resident[1]), jax.tree.leaves(state), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+
+
+def test_without_the_kernel_the_rings_numpy_cast_gives_the_same_bits(resident, monkeypatch):
+    """Where the fused AdamW kernel is not built the ring casts with numpy (round to nearest
+    even, as the kernel and XLA): the same losses."""
+    from megatrain_jax.engine import host as host_lib
+    built = engine("ring")
+    monkeypatch.setattr(host_lib.fused_adamw, "kernel", lambda: None)
+    try:
+        losses, _ = train(built, steps=3)
+    finally:
+        built.close()
+    assert losses == resident[0][:3]
+
+
+@pytest.mark.parametrize("copies,prefetch", [("eager", 1), ("jit", 2)])
+def test_each_slot_is_refilled_after_its_reader_and_no_dispatch_waits_for_it(copies, prefetch):
+    """The order of events over two steps: a slot is refilled only after the pass retired the
+    layer that read it, or, the pass's last layer (released without a wait), once the token the
+    ring made of its outputs is ready; and the fill (with the fetch right after it) of each layer
+    comes before the pass waits for the layer before it, so the device always has the next
+    layer's copy and compute queued while the host waits."""
+    built = engine("ring", copies, prefetch)
+    events, holder, problems = [], {}, []
+    read = built.host.read
+
+    def on_read(u, token=None):
+        events.append(("read", u, token is None))
+        read(u, token)
+
+    def on_fill(u, s):
+        slot = built.host.ring.slots[s]
+        if s in holder:  # its reader: retired (read with no token), or released with a token
+            v, k = holder[s]
+            retired = ("read", v, True) in events[k:]
+            ready = slot.token is not None and all(x.is_ready() for x in slot.token)
+            if not (retired or ready):
+                problems.append((u, s, v))
+        holder[s] = (u, len(events))
+        events.append(("fill", u, s))
+
+    built.host.read = on_read
+    built.host.ring.on_fill = on_fill
+    built.on_event = lambda kind, what, layer: (
+        events.append((kind, what, layer)) if kind in ("dispatch", "wait") else None)
+    try:
+        train(built, steps=2)
+    finally:
+        built.close()
+    assert problems == []
+    fills = [k for k, e in enumerate(events) if e[0] == "fill"]
+    assert len(fills) == 2 * 2 * L  # each layer twice a step: its forward's, its backward's
+    for step in range(2):
+        for n, (phase, order) in enumerate((("forward", list(range(L))),
+                                            ("backward", list(reversed(range(L)))))):
+            mine = fills[(2 * step + n) * L:(2 * step + n + 1) * L]  # the pass's, in its order
+            assert [events[k][1] for k in mine] == [1 + i for i in order]
+            for pos in range(1, L):
+                wait = [k for k, e in enumerate(events) if e == ("wait", phase, order[pos - 1])]
+                assert mine[pos] < wait[step], (step, phase, pos)
+
+
+def test_the_update_writes_no_layer_bus_copy_with_the_ring():
+    """The direct update's kernel gets no bus pointer for a layer unit (fewer bytes each
+    update), and still writes the stages' resident bus copies."""
+    built = engine("ring")
+    direct = built.host.direct
+    if direct is None:
+        built.close()
+        pytest.skip("the fused AdamW kernel could not be built")
+    writes = {}
+    direct.on_kernel = lambda u, ranges: writes.setdefault(u, []).extend(
+        r.bus is not None for r in ranges)
+    try:
+        train(built, steps=1)
+        built.wait()
+    finally:
+        built.close()
+    assert sorted(writes) == list(range(L + 2))
+    assert not any(any(writes[u]) for u in range(1, L + 1))
+    assert all(writes[0]) and all(writes[L + 1])
+
+
+def test_a_ring_where_it_cannot_run_is_one_line(tmp_path):
+    with pytest.raises(ValueError, match=r"^bus must be one of auto, resident, ring, got 'x'$"):
+        build_engine(CFG, compute_device=CPU[1], host_device=CPU[0], bus="x")
+    fp32 = dataclasses.replace(CFG, train=dataclasses.replace(CFG.train, compute_dtype="float32"))
+    with pytest.raises(ValueError, match=r"^offload.bus='ring' cannot run: the bus copy is the "
+                                         r"fp32 master itself"):
+        build_engine(fp32, compute_device=CPU[0], host_device=CPU[0], bus="ring")
+
+
+def test_a_bad_offload_bus_is_one_line_exit_2(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert commands.train(["offload.bus=rings", f"run_dir={run_dir}"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: offload.bus must be one of auto, "
+                                               "resident, ring, got 'rings'")
+    assert not run_dir.exists()
+
+
+def test_auto_takes_the_ring_only_where_resident_copies_do_not_fit_and_the_ring_does():
+    """bus.choose_form, the rule of the engine and the plan; and an asked-for ring that the
+    pinned pool cannot hold: one line naming XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB and the size."""
+    choose = lambda setting, **kw: bus_lib.choose_form(
+        setting, **{"resident_pinned": 100 * 2**30, "ring_pinned": 10 * 2**30,
+                    "pool": 64 * 2**30, **kw})
+    assert choose("auto")[0] == "ring"
+    assert "64 GiB pinned pool (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)" in choose("auto")[1]
+    assert choose("auto", pool=None)[0] == "resident"  # not a GPU: no pool
+    assert choose("auto", pool=None, host_short="host RAM 1.9 TB > 1.5 TB")[0] == "ring"
+    assert choose("auto", pool=200 * 2**30)[0] == "resident"
+    assert choose("auto", pool=8 * 2**30)[0] == "resident"  # the ring does not fit either
+    assert choose("resident") == ("resident", "asked for")
+    with pytest.raises(ValueError, match=r"^bus='ring': the bus ring and the stages' bus copies "
+                                         r"need 10.74 GB of XLA's pinned host pool, which is "
+                                         r"8 GiB: run with XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=18$"):
+        choose("ring", pool=8 * 2**30)
+
+
+def _tiny_plan(host_memory_gb, overrides=()):
+    from megatrain_jax.machines import MACHINES
+    from megatrain_jax.plan import plan
+    cfg = load_config("configs/tiny.yaml", ["train.compute_dtype=bfloat16", *overrides])
+    return plan(cfg, dataclasses.replace(MACHINES["h200"], host_memory_gb=host_memory_gb))
+
+
+def test_the_plan_counts_the_ring_and_auto_takes_it_where_host_ram_is_short(monkeypatch):
+    """The plan's bus bytes with the ring: the stages' copies and prefetch + 2 layers' (not
+    every layer's); auto takes it where resident copies leave host RAM short and the ring fits,
+    and says so; resident where host RAM holds them."""
+    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+    roomy = _tiny_plan(1000)
+    c = roomy.counts
+    assert (roomy.bus, roomy.bus_reason) == ("resident", "auto: host memory holds every unit's "
+                                                         "bus copy")
+    assert roomy.host["bus"] == 2 * c.params
+    ring = _tiny_plan(1000, ["offload.bus=ring"])
+    assert (ring.bus, ring.bus_reason) == ("ring", "asked for")
+    assert ring.host["bus"] == 2 * (c.stages + 3 * c.layer) < roomy.host["bus"]
+    between = (ring.host_total + roomy.host_total) / 2 / 1e9
+    short = _tiny_plan(between)
+    assert short.bus == "ring" and short.fits and not _tiny_plan(between,
+                                                                 ["offload.bus=resident"]).fits
+    assert short.bus_reason.startswith("auto: with resident bus copies host RAM would be ")
+    assert "bus copies ring (auto: with resident bus copies host RAM" in short.summary()
+
+
+def test_a_ring_the_pinned_pool_cannot_hold_is_one_line_exit_2(monkeypatch, capsys):
+    """offload.bus=ring asked for where XLA's pinned pool is smaller than the ring and the
+    stages' copies: `megatrain plan` says so in one line naming XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
+    and the size, exit 2; auto then keeps resident copies (and the plan's note names the pool)."""
+    from megatrain_jax import commands
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "0.0001")
+    argv = ["plan", "--config", "configs/tiny.yaml", "--device", "h200",
+            "train.compute_dtype=bfloat16"]
+    assert commands.run([*argv, "offload.bus=ring"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert re.fullmatch(r"error: offload.bus='ring': the bus ring and the stages' bus copies need "
+                        r"[0-9.]+ (GB|MB) of XLA's pinned host pool, which is 0.0001 GiB: run "
+                        r"with XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=9", err), err
+
+
+def test_the_step_time_model_counts_the_rings_casts_and_no_layer_bus_write():
+    """Each layer fetch (two a step) casts its fp32 master into a ring buffer on the dispatching
+    thread, 4 + 2 B/param at the host update's rate; the layer's update writes 2 B/param less."""
+    from megatrain_jax import step_time
+    cfg = load_config("configs/tiny.yaml", ["train.compute_dtype=bfloat16"])
+    resident, ring = (step_time.step_shape(cfg, offload=False, bus=form)
+                      for form in ("resident", "ring"))
+    layer = ring.layer_bytes // 2  # parameters of a layer (bf16 weights)
+    assert (resident.ring_fill_bytes, ring.ring_fill_bytes) == (0, 6 * layer)
+    assert resident.layer_update_bytes - ring.layer_update_bytes == 2 * layer
+    rates = step_time.Rates(host_update_gbps=1e-3)  # slow enough to see
+    fills = [o for o in step_time.simulate(ring, rates, steps=2).ops
+             if o.label.startswith("fill unit")]
+    assert len(fills) == 2 * 2 * L and {o.resource for o in fills} == {"dispatch"}
+    assert fills[0].end - fills[0].start == pytest.approx(6 * layer / 1e6)
