@@ -634,14 +634,19 @@ def measured_rates(path: str, shape: StepShape = None) -> tuple:
         values["host_update_gbps"] = r["update_gb_s"]
         sources["host_update_gbps"] = f"{f}: update_gb_s ({r.get('threads')} threads)"
     elif bench is not None and bench[1]["streamed"].get("host_update_s_per_step"):
-        seconds = (bench[1]["streamed"]["host_update_s_per_step"]
-                   - shape.hop_bytes / (values["hop_gbps"] * GB))  # the update's own time
+        s = bench[1]["streamed"]
+        # the update's own work where the bench counted it apart from its waits for gradients
+        # and the norm (host_compute_s_per_step); else the host thread's time less the hop's
+        own = s.get("host_compute_s_per_step")
+        seconds = own or (s["host_update_s_per_step"]
+                          - shape.hop_bytes / (values["hop_gbps"] * GB))
         total = (shape.stages_update_bytes + shape.layers * shape.layer_update_bytes
                  + shape.host_backward_bytes)
         if seconds > 0:
             values["host_update_gbps"] = total / seconds / GB
-            sources["host_update_gbps"] = (f"{bench[0]}: host update seconds per step (in the "
-                                           "run), less the hop's")
+            sources["host_update_gbps"] = (
+                f"{bench[0]}: the host update's own work per step (in the run)" if own else
+                f"{bench[0]}: host update seconds per step (in the run), less the hop's")
     return Rates(**values), sources, bench[1] if bench else None
 
 

@@ -337,6 +337,13 @@ def test_measured_rates_come_from_the_engines_own_paths(tmp_path):
     own = 1.5 - (4 * 0.5 + 0.4) / 8.0  # seconds: the bench's, less 2.4 GB at 8 GB/s
     assert math.isclose(rates.host_update_gbps, (2 + 4 * 1) / own)
     assert "less the hop's" in sources["host_update_gbps"]
+    # a bench that counted the update's own work apart from its waits: that, not the thread's time
+    bench_1b = json.loads((tmp_path / "bench_1b.json").read_text())
+    bench_1b["streamed"]["host_compute_s_per_step"] = 0.3
+    (tmp_path / "bench_1b.json").write_text(json.dumps(bench_1b))
+    rates, sources, _ = measured_rates(str(tmp_path), hops)
+    assert math.isclose(rates.host_update_gbps, (2 + 4 * 1) / 0.3)
+    assert "own work" in sources["host_update_gbps"]
     for name in ("optimizer.json", "optimizer_1_core.json"):
         os.rename(tmp_path / f"{name}.off", tmp_path / name)
     # another step's bench gives only its measured matmul, and no comparison
