@@ -56,26 +56,6 @@ def assert_states_equal(a, b):
         assert x.dtype == y.dtype and np.array_equal(x, y)
 
 
-CACHE_OPTIONS = {"jax_compilation_cache_dir": None, "jax_persistent_cache_min_compile_time_secs": 0,
-                 "jax_persistent_cache_min_entry_size_bytes": 0}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compile_once(tmp_path_factory):
-    """Every run here compiles the same programs: a persistent cache (this module's only, then put
-    back) compiles them once for all the engines and processes, which keeps the file fast."""
-    from jax.experimental.compilation_cache import compilation_cache
-    options = dict(CACHE_OPTIONS, jax_compilation_cache_dir=str(tmp_path_factory.mktemp("jax_cache")))
-    previous = {k: getattr(jax.config, k) for k in options}
-    for k, v in options.items():
-        jax.config.update(k, v)
-    compilation_cache.reset_cache()
-    yield {k.upper(): str(v) for k, v in options.items()}  # the same, for subprocesses
-    for k, v in previous.items():
-        jax.config.update(k, v)
-    compilation_cache.reset_cache()
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """STEPS uninterrupted steps, an asynchronous checkpoint every 2."""
@@ -146,12 +126,11 @@ runpy.run_path(os.path.join(os.getcwd(), "scripts", "train.py"), run_name="__mai
 """
 
 
-def kill_at(tmp_path, mode, arg, run_dir, env, *extra, timeout=120):
+def kill_at(tmp_path, mode, arg, run_dir, *extra, timeout=120):
     marker = tmp_path / "marker"
     proc = subprocess.Popen([sys.executable, "-c", RUNNER, mode, str(marker), str(arg),
                              "--config", "configs/tiny.yaml", *FAST, f"run_dir={run_dir}", *extra],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **env})
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + timeout
     while not marker.exists():
         assert proc.poll() is None, proc.stderr.read()
@@ -161,22 +140,11 @@ def kill_at(tmp_path, mode, arg, run_dir, env, *extra, timeout=120):
     assert proc.wait() == -signal.SIGKILL
 
 
-def test_sigkill_between_saves_resumes_from_last_save(tmp_path, reference, compile_once):
-    run_dir = tmp_path / "run"
-    kill_at(tmp_path, "block_batch", "6:4", run_dir, compile_once)  # 5 steps logged, checkpoints 2 and 4
-    assert [s for s, _ in losses(run_dir)] == [1, 2, 3, 4, 5]
-    lines = []
-    train(make_cfg(run_dir), log=lines.append)
-    assert "resumed from checkpoint step 4" in "\n".join(lines)
-    assert losses(run_dir) == reference["losses"]  # step 5 (after the checkpoint) not duplicated
-    assert_states_equal(saved_state(run_dir), reference["final"])
-
-
-def test_sigkill_with_the_disk_tier_resumes_bit_exact(tmp_path, reference, compile_once):
+def test_sigkill_with_the_disk_tier_resumes_bit_exact(tmp_path, reference):
     """The disk tier's files are scratch: after a SIGKILL mid-run (files half-updated) the run
     resumes from its last checkpoint, rewrites them, and ends as the uninterrupted RAM-tier run."""
     run_dir, tier = tmp_path / "run", ["offload.tier=disk", f"offload.path={tmp_path / 'tier'}"]
-    kill_at(tmp_path, "block_batch", "6:4", run_dir, compile_once, *tier, timeout=300)
+    kill_at(tmp_path, "block_batch", "6:4", run_dir, *tier, timeout=300)
     assert [s for s, _ in losses(run_dir)] == [1, 2, 3, 4, 5]
     lines = []
     train(make_cfg(run_dir, *tier), log=lines.append)
@@ -193,13 +161,15 @@ def moment_dtypes(state) -> set:
             if np.issubdtype(x.dtype, np.floating) or x.dtype == jnp.bfloat16}
 
 
-def test_bf16_moments_resume_bit_exact_and_change_dtype_only_where_allowed(tmp_path, capsys,
-                                                                           compile_once):
+def test_bf16_moments_resume_bit_exact_and_change_dtype_only_where_allowed(tmp_path, capsys):
     """optimizer.state_dtype=bfloat16: the moments are saved in bf16, the dtype in the saved
-    config. Killed between saves (the train command, SIGKILL), the run resumes to the
-    uninterrupted run's losses and state, bit for bit (each rounding's random bits are a function
-    of the step, the leaf and the element). Going on with fp32 moments is refused by name unless
-    checkpoint.allow_changes names the key; allowed, the moments are read and cast to fp32."""
+    config. Killed between saves (the train command, SIGKILL, after step 5 with checkpoints 2 and
+    4), the run resumes from the last save, step 5 not duplicated, to the uninterrupted run's
+    losses and state, bit for bit (each rounding's random bits are a function of the step, the
+    leaf and the element). Going on with fp32 moments is refused by name unless
+    checkpoint.allow_changes names the key; allowed, the moments are read and cast to fp32.
+    (The RAM tier's SIGKILL between saves: this test; the disk tier's, with fp32 moments: the one
+    above.)"""
     bf16 = "optimizer.state_dtype=bfloat16"
     reference_dir = tmp_path / "reference"
     train(make_cfg(reference_dir, bf16), log=lambda *_: None)
@@ -211,7 +181,7 @@ def test_bf16_moments_resume_bit_exact_and_change_dtype_only_where_allowed(tmp_p
     manager.close()
 
     run_dir = tmp_path / "run"
-    kill_at(tmp_path, "block_batch", "6:4", run_dir, compile_once, bf16, timeout=300)
+    kill_at(tmp_path, "block_batch", "6:4", run_dir, bf16, timeout=300)
     assert [s for s, _ in losses(run_dir)] == [1, 2, 3, 4, 5]
     lines = []
     train(make_cfg(run_dir, bf16), log=lines.append)
@@ -232,9 +202,9 @@ def test_bf16_moments_resume_bit_exact_and_change_dtype_only_where_allowed(tmp_p
     assert moment_dtypes(saved_state(run_dir)) == {np.dtype(np.float32)}
 
 
-def test_sigkill_during_async_save_never_uses_the_torn_checkpoint(tmp_path, reference, compile_once):
+def test_sigkill_during_async_save_never_uses_the_torn_checkpoint(tmp_path, reference):
     run_dir = tmp_path / "run"
-    kill_at(tmp_path, "block_commit", 4, run_dir, compile_once)  # step 4's files written, not committed
+    kill_at(tmp_path, "block_commit", 4, run_dir)  # step 4's files written, not committed
     ckpt_dir = run_dir / "checkpoints"
     torn = [p for p in os.listdir(ckpt_dir) if p.startswith("4") and p != "4"]
     assert torn and not (ckpt_dir / "4").exists()  # the save really was cut in the middle

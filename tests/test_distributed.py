@@ -197,7 +197,9 @@ def test_two_processes_equal_one_lost_process_named_and_checkpoints_cross_proces
     process 0 stops naming it within 60 s and the launcher fails. 2 -> 1: one process resumes
     checkpoint 3 and finishes equal to the uninterrupted single-process run. Sharded (the host
     state split over the two processes): both save each checkpoint, each its rows (the
-    vocabulary's 257 rows padded to 258), and one replicated process resumes it."""
+    vocabulary's 257 rows padded to 258), and one replicated process resumes it.
+    distributed.timeout_s=10: the coordinator sees a process lost once its heartbeats have stopped
+    for that long (30 s by default), so the kill is named 10 s after it, not 30."""
     run_dir = tmp_path / "run"
     os.makedirs(run_dir / "checkpoints")
     shutil.copytree(os.path.join(reference, "checkpoints", "1"), run_dir / "checkpoints" / "1")
@@ -206,7 +208,8 @@ def test_two_processes_equal_one_lost_process_named_and_checkpoints_cross_proces
     runner.write_text(RUNNER)
     proc = subprocess.Popen(
         [sys.executable, "scripts/launch.py", "--nproc", "2", "--", str(runner), "1", "3",
-         str(marker), "--config", "configs/tiny.yaml", *FAST, f"run_dir={run_dir}", *layout],
+         str(marker), "--config", "configs/tiny.yaml", *FAST, f"run_dir={run_dir}",
+         "distributed.timeout_s=10", *layout],
         cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=400)
     assert marker.exists(), err[-3000:]

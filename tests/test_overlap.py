@@ -69,6 +69,20 @@ def record_step(monkeypatch, prefetch=1, num_micro=2, offload=False):
     return events, made
 
 
+@pytest.fixture(scope="module")
+def recorded():
+    """recorded(prefetch, offload): record_step's events and arrays, once per setting for the
+    module (the tests only read them)."""
+    steps = {}
+
+    def get(prefetch, offload=False):
+        if (prefetch, offload) not in steps:
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                steps[prefetch, offload] = record_step(monkeypatch, prefetch, offload=offload)
+        return steps[prefetch, offload]
+    return get
+
+
 def layer_waits(events, made):
     """[(index in events, pass, layer)] of every wait on a block's work."""
     out = []
@@ -80,9 +94,9 @@ def layer_waits(events, made):
 
 
 @pytest.mark.parametrize("prefetch,offload", [(1, False), (2, True)])
-def test_each_layer_is_dispatched_before_the_previous_one_is_waited_for(monkeypatch, prefetch,
+def test_each_layer_is_dispatched_before_the_previous_one_is_waited_for(recorded, prefetch,
                                                                         offload):
-    events, made = record_step(monkeypatch, prefetch=prefetch, offload=offload)
+    events, made = recorded(prefetch, offload)
     L = CFG.num_layers
     dispatched = {}  # (pass, layer) -> index of its first dispatch
     for k, e in enumerate(events):
@@ -99,10 +113,11 @@ def test_each_layer_is_dispatched_before_the_previous_one_is_waited_for(monkeypa
             f"queue drains at the layer boundary")
 
 
-def test_no_wait_on_a_gradients_host_copy_during_the_backward(monkeypatch):
+def test_no_wait_on_a_gradients_host_copy_during_the_backward(recorded):
     """A layer's gradient goes to the host while the next layer computes: the dispatching
-    thread never waits on an array outside the compute device's own memory."""
-    events, _ = record_step(monkeypatch, prefetch=1)
+    thread never waits on an array outside the compute device's own memory (in the step
+    recorded at prefetch 1, as the test above)."""
+    events, _ = recorded(1)
     compute = jax.devices("cpu")[COMPUTE]
     host_copies = [x for e in events if e[0] == "wait" for x in e[1]
                    if x.sharding.device_set != {compute} or x.sharding.memory_kind != "device"]
