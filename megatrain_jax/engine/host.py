@@ -102,10 +102,9 @@ class HostState:
         no_ring = bus_lib.why_not_ring(self.buses[1].is_params, disk_tier, data_parallel)
         if bus == bus_lib.RING and no_ring:
             raise ValueError(f"bus='ring' cannot run: {no_ring}")
-        self.bus_form, self.bus_why = bus_lib.RESIDENT, "asked for"
-        if bus == bus_lib.RESIDENT or (bus == "auto" and no_ring):
-            self.bus_why = f"auto: the ring cannot run ({no_ring})" if no_ring else "asked for"
-            bus = bus_lib.RESIDENT
+        self.bus_form, self.bus_why = bus_lib.RESIDENT, "asked for"  # until the units decide
+        if bus == "auto" and no_ring:
+            self.bus_why, bus = f"auto: the ring cannot run ({no_ring})", bus_lib.RESIDENT
         self._pinned_pool = pinned_pool
         self.failed = None  # why the state is unknown: a host update failed (see ready)
         self.on_update = None  # on_update(u), when set: the host thread starts unit u's update
