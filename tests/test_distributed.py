@@ -240,8 +240,10 @@ def test_bench_data_parallel_smoke(tmp_path):
     cleanly (exit 0, the coordinator leaving last), the engine's counters equal the predicted
     bytes per link, and sharded, each process holds half the engine state (plus padding rows)."""
     out = tmp_path / "bench.json"
+    small = ["model.num_layers=1", "model.hidden_size=32", "model.intermediate_size=48",
+             "model.num_heads=2", "model.num_kv_heads=1", "data.seq_len=16"]
     proc = subprocess.run([sys.executable, "scripts/bench_data_parallel.py", "--processes", "2",
-                           "--steps", "1", "--shard-optimizer", "--json", str(out)],
+                           "--steps", "1", "--shard-optimizer", "--json", str(out), *small],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     replicated, sharded = json.loads(out.read_text())
