@@ -5,9 +5,9 @@ import tempfile
 
 # One persistent compilation cache for the whole run, shared with the subprocesses the tests start
 # (the environment is inherited): engines of the same shapes, built again and again across tests
-# and CLI runs, compile each function once. It halves the suite's time on 2 cores. Fresh per run
-# and removed at exit, so no test depends on a previous run. A cache hit still counts as a
-# compilation for test_engine's compile counter (the event wraps compile-or-fetch).
+# and CLI runs, compile each function once. Fresh per run and removed at exit, so no test depends
+# on a previous run. A cache hit still counts as a compilation for test_engine's compile counter
+# (the event wraps compile-or-fetch).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="megatrain-jax-test-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
@@ -26,8 +26,8 @@ if not os.path.basename(os.environ.get("XDG_CACHE_HOME", "")).startswith(_XDG_PR
 # XLA:CPU compiles the tests' programs without LLVM's optimisation passes and with its older
 # loop emitters instead of the MLIR fusion emitters (here and in every subprocess a test starts):
 # compiling is most of the suite's time, those passes and emitters are most of a compile's, and
-# the tests' tiny programs run about as fast without them (a third of the suite's time, see
-# docs/benchmarks.md). What the tests compare does not depend on them: every comparison is
+# the tests' tiny programs run about as fast without them (docs/benchmarks.md, "The test
+# suite"). What the tests compare does not depend on them: every comparison is
 # between two programs compiled alike, or against a tolerance derived from an fp64 reference
 # (XLA:CPU does no fast math either way). Outside the tests (runs, benchmarks) XLA's defaults stay.
 for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
