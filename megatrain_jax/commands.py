@@ -288,7 +288,7 @@ def _step_time(cfg, machine, args) -> dict:
     if bench is not None:
         out["compare"] = step_time.compare(prediction, bench)
         c = out["compare"]
-        print(f"against bench.py's measurement of the same step: predicted / measured")
+        print("against bench.py's measurement of the same step: predicted / measured")
         for key, predicted in c["predicted"].items():
             measured = c["measured"][key]
             print(f"  {key:<23}{predicted:>10.4g} / " + ("n/a" if measured is None else

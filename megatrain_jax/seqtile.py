@@ -25,8 +25,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from megatrain_jax.attention import TileAttention
-
 
 @dataclasses.dataclass(frozen=True)
 class TileFns:

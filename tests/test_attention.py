@@ -136,7 +136,7 @@ def test_blockwise_visits_no_skipped_block(window):
     # NaN in a block that must be skipped: visiting it, even fully masked, spreads the NaN through
     # 0 * NaN in the matmuls, so the outputs and gradients that must not depend on it stay finite
     # only if the forward and backward loops really skip it.
-    T, bs, nb = 48, 8, 6
+    T, bs = 48, 8
     q, k, v, r = _qkvr(1, T, 4, 2, 8)
     attn = jax.jit(lambda q, k, v: blockwise_attention(q, k, v, window=window, block_size=bs))
     # Forward and dq: key block 5 (causal) or key block 0 (window 5: query blocks >= 2 are past it).

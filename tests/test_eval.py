@@ -198,7 +198,7 @@ def test_training_with_eval_equals_training_without(tmp_path, monkeypatch):
     plain = run_train(tmp_path / "plain", monkeypatch)
     evaluated = run_train(tmp_path / "eval", monkeypatch, f"data.eval_path={held_out}", "train.eval_every=2",
                           "train.eval_batches=2")
-    (h0, r0, lines0, state0), (h1, r1, lines1, state1) = plain, evaluated
+    (_, r0, lines0, state0), (h1, r1, lines1, state1) = plain, evaluated
     assert [r["loss"] for r in r0] == [r["loss"] for r in r1]  # bit for bit
     assert [r["grad_norm"] for r in r0] == [r["grad_norm"] for r in r1]
     for x, y in zip(jax.tree.leaves(state0), jax.tree.leaves(state1), strict=True):

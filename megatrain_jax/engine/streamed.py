@@ -298,7 +298,7 @@ class StreamedEngine:
         inputs, targets, contexts = self._put_batch(inputs, targets, context)
         try:
             return schedule(self._step_parts(), inputs, targets, contexts)
-        except BaseException as e:
+        except BaseException:
             self.activations.clear()
             self._broken = self.host.failure()
             raise
