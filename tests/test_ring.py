@@ -4,10 +4,12 @@ copies forms and prefetch depths (and under the debug guard); a slot refilled on
 computation that read it is done, without holding back a dispatch; no layer bus copy written by
 the update; the key refused with one line where it cannot run."""
 
+import ctypes
 import dataclasses
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -82,6 +84,63 @@ def test_without_the_kernel_the_rings_numpy_cast_gives_the_same_bits(resident, m
     finally:
         built.close()
     assert losses == resident[0][:3]
+
+
+class _Raised(Exception):
+    pass
+
+
+@pytest.mark.parametrize("copies,phase", [("eager", "backward"), ("jit", "forward")])
+def test_after_a_step_that_raised_the_ring_trains_the_resident_bits(resident, copies, phase):
+    """A step that raises midway (at layer 1 of a pass) leaves slots whose readers never retired:
+    the next fills write into fresh buffers, and the run goes on to the uninterrupted resident
+    run's losses and state, bit for bit (a step that raises changes nothing)."""
+    built = engine("ring", copies)
+
+    def boom(at, layer=None):
+        if at == phase and layer == 1:
+            raise _Raised
+
+    try:
+        losses = [float(built.train_step(t[..., :-1], t[..., 1:])["loss"]) for t in TOKENS[:2]]
+        built.on_phase = boom
+        with pytest.raises(_Raised):
+            built.train_step(TOKENS[2][..., :-1], TOKENS[2][..., 1:])
+        built.on_phase = None
+        losses += [float(built.train_step(t[..., :-1], t[..., 1:])["loss"]) for t in TOKENS[2:]]
+        assert built.host.ring.fresh > 0
+        state = jax.tree.map(np.array, built.state())
+    finally:
+        built.close()
+    assert losses == resident[0]
+    for a, b in zip(jax.tree.leaves(resident[1]), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_fresh_slot_is_written_once_its_making_is_done():
+    """A fill into a fresh buffer writes through the buffer's pointers, which do not wait for the
+    computation that makes it: the ring waits for it first, or that computation, landing after
+    the write, would overwrite the cast with what it made."""
+    n = 1 << 22
+    make = jax.jit(lambda: jnp.cumsum(jnp.ones((n,), jnp.float32)).astype(jnp.bfloat16) * 0,
+                   out_shardings=jax.sharding.SingleDeviceSharding(CPU[1]))
+
+    written = []
+
+    def write_through_pointer(leaves, master):
+        out, = leaves
+        ptr = out.unsafe_buffer_pointer()
+        view = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint16)), (n,))
+        view[:] = master[0].view(np.uint32)[:n] >> 16  # bf16 of the master: its top 16 bits
+        written.append(out)
+
+    ring = bus_lib.Ring(lambda: [make()], size=1, write=write_through_pointer, debug=False)
+    master = [np.full((n,), 1.5, np.float32)]
+    ring.fill(1, master)  # the slot's buffer made at construction
+    ring.fill(1, master)  # its reader never retired: a fresh buffer
+    assert ring.fresh == 1
+    for out in written:
+        np.testing.assert_array_equal(np.asarray(out, np.float32), 1.5)
 
 
 @pytest.mark.parametrize("copies,prefetch", [("eager", 1), ("jit", 2)])

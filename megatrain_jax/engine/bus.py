@@ -197,13 +197,18 @@ class Ring:
 
     def __init__(self, make, size: int, write, debug: bool):
         self.make, self.size, self.write, self.debug = make, size, write, debug
-        self.slots = [_Slot(make()) for _ in range(size)]
+        self.slots = [_Slot(self._new()) for _ in range(size)]
         self.next = 0  # the slot the next fill takes: the least recently filled
         self.serial = 0  # fills made so far (a reader's id)
         self.holds = {}  # unit -> (its latest fill's slot, that fill's serial)
         self.fresh = 0  # fills written into a fresh buffer (a reader that never retired)
         self.on_fill = None  # on_fill(unit, slot), when set: each fill, before it writes
         self._mark = jax.jit(lambda leaves: [jnp.ravel(x)[:1] for x in leaves])
+
+    def _new(self):
+        """A slot's buffer, ready: `write` writes through its pointers, which do not wait for the
+        computation that makes it (written before it lands, the write would be overwritten)."""
+        return jax.block_until_ready(self.make())
 
     def fill(self, u: int, master: list):
         """Unit u's bus copy in the next slot, from `master` (its fp32 leaves, numpy), once the
@@ -217,7 +222,7 @@ class Ring:
             elif slot.fetches and not any(x.is_deleted() for x in slot.fetches):
                 jax.block_until_ready(slot.fetches)  # a copy's output is ready once it is done
             else:
-                slot.bus, slot.fetches = self.make(), []
+                slot.bus, slot.fetches = self._new(), []
                 self.fresh += 1
         if self.debug:
             copying = [x for x in slot.fetches if not x.is_deleted() and not x.is_ready()]
