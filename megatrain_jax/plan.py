@@ -253,8 +253,6 @@ def _largest_compiled(ok: Callable[[int], bool], quantum: int, guess: int) -> in
     time, then bisected until a length that fits and one that does not are that close (or one
     quantum apart). Where one quantum does not fit, the same below it in halved quanta (a length
     under one attention block still trains); 0 if not even one token fits."""
-    if not ok(quantum):
-        return _largest_compiled(ok, quantum // 2, quantum // 2) if quantum > 1 else 0
     down = lambda n: max(quantum, n // quantum * quantum)
     lo = hi = down(guess)
     step = LARGEST_SEQ_TOLERANCE
@@ -264,7 +262,9 @@ def _largest_compiled(ok: Callable[[int], bool], quantum: int, guess: int) -> in
             lo, hi = (up, up) if ok(up) else (lo, up)
             step *= 2
     else:
-        while lo == hi:  # one quantum fits (checked above): the bracket ends there at the latest
+        while lo == hi:
+            if hi == quantum:  # not one quantum: compiled only where the search comes down to it
+                return _largest_compiled(ok, quantum // 2, quantum // 2) if quantum > 1 else 0
             below = down(int(hi / (1 + step)))
             lo, hi = (below, hi) if ok(below) else (below, below)
             step *= 2
