@@ -280,7 +280,9 @@ def memory_estimate(jax, engine, tokens) -> dict:
     stage_leaves = [abstract(p, cdt) for p in jax.tree.leaves(engine.param_shapes()["stages"])]
     w_first = engine.parts.take("first", stage_leaves)
     w_last = engine.parts.take("last", stage_leaves)
-    x = jax.eval_shape(f.embed, w_first, inputs)
+    stacked = jax.ShapeDtypeStruct((1, *tokens.shape), jnp.int32)  # a step of one micro-batch
+    xs = jax.eval_shape(f.embed, w_first, stacked)
+    x = jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype)
     to32 = lambda tree: jax.tree.map(lambda p: abstract(p, f32), tree)
 
     def analyse(fn, *shapes):
@@ -295,7 +297,7 @@ def memory_estimate(jax, engine, tokens) -> dict:
                 "compile_s": time.perf_counter() - t0}
 
     return {"block_bwd": analyse(f.block_bwd, layer, x, None, x, to32(layer)),
-            "head": analyse(f.head, w_last, x, inputs, to32(w_last))}
+            "head": analyse(f.head, w_last, xs, stacked)}
 
 
 def print_table(r):

@@ -118,15 +118,15 @@ def test_final_logit_softcapping_matches_transformers_logits(tmp_path):
 
 
 def test_one_streamed_adamw_step_equals_torch_adamw_in_one_compiled_block(gemma_dir):
-    """The step equals torch's; the layer's kind is data, so one compiled block forward and one
+    """The step equals torch's; the layer's kind is data, so one compiled layer forward and one
     backward serve the local and the global layer."""
     model = make_gemma()
     cfg, engine = adamw_engine(gemma_dir)
     inputs, targets = batch(seed=2)
     loss = float(engine.train_step(inputs[None], targets[None])["loss"])
     params = engine.params()
-    assert engine.functions.block_fwd._cache_size() == 1
-    assert engine.functions.block_bwd._cache_size() == 1
+    assert engine.functions.layer_fwd._cache_size() == 1
+    assert engine.functions.layer_bwd._cache_size() == 1
     # the layers' kinds are constants: Adam left them exactly as they were
     assert [float(p["sliding"]) for p in params["layers"]] == [1.0, 0.0]
     before, ref_loss, after = assert_adamw_step_equals_torch(cfg, engine, model, inputs, targets,

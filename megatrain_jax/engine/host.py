@@ -24,6 +24,7 @@ from megatrain_jax.engine import store as store_lib
 from megatrain_jax.engine import tier as tier_lib
 from megatrain_jax.engine import transfer
 from megatrain_jax.engine import update as update_lib
+from megatrain_jax.engine.schedule import UPDATE_WAIT
 
 log = logging.getLogger(__name__)
 DEBUG_BUS = "MEGATRAIN_DEBUG_BUS"
@@ -493,6 +494,7 @@ class HostState:
         if unit.pending is not None:
             t0 = time.perf_counter()
             future, unit.pending = unit.pending, None
+            waits = not future.done()  # (a finished update is no wait: not counted as one)
             try:
                 future.result()  # re-raises anything the host thread raised
             except NotRun as e:
@@ -501,7 +503,8 @@ class HostState:
             except BaseException as e:
                 self.failed = self._failure(u, e)
                 raise
-            self.counters.host_wait_s += time.perf_counter() - t0
+            if waits:
+                self.counters.synced(UPDATE_WAIT, time.perf_counter() - t0)
         return unit
 
     def failure(self):

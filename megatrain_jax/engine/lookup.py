@@ -21,14 +21,14 @@ out, the global norm and the scale: an EmbedBackward).
 
 import concurrent.futures
 import dataclasses
+import time
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from megatrain_jax.engine import stage_units, transfer
-from megatrain_jax.engine.functions import norm_and_scale
-from megatrain_jax.engine.stream import delete
+from megatrain_jax.engine import schedule, stage_units, transfer
+from megatrain_jax.engine.schedule import FIRST_STAGE_WAIT
 
 
 def serves(data_parallel: bool, parts, unit0) -> str:
@@ -93,10 +93,11 @@ def unit0_gradient(acc: list, first: tuple, held_leaves: tuple, grad_dtype) -> l
 class HostBackward:
     """Unit 0's gradient, the global norm and the scale, made on the host thread by the first
     update that asks (unit 0's, queued first), from: the step's parts `sp` (step.StepParts), the
-    first stage's bus leaves `w` (host), the micro-batches' inputs (host), the rows' gradient (a
-    transfer.Parcel of a list, one per micro-batch) and the device's scalars (the layers' total
-    sum of squares, the last unit's per leaf, the total loss weight). `grads`, `norm` and `scale` are what HostState.submit takes;
-    `result()` waits for (norm, stages' sum of squares) on the calling thread."""
+    first stage's bus leaves `w` (host), the micro-batches' inputs (host, stacked), the rows'
+    gradient (a transfer.Parcel of the micro-batches', stacked) and the device's scalars (the
+    layers' total sum of squares, the last unit's per leaf, the total loss weight). `grads`,
+    `norm` and `scale` are what HostState.submit takes; `result()` waits for (norm, stages' sum
+    of squares) on the calling thread."""
 
     def __init__(self, sp, w, inputs, rows_grad, scalars):
         self.sp, self.w, self.inputs = sp, w, inputs
@@ -117,14 +118,13 @@ class HostBackward:
         dxs = self.rows_grad.arrive(on_host)
         layers_sq, last_sq, weight = transfer.arrive(self.scalars, on_host)
         acc = [jnp.zeros(x.shape, jnp.float32, device=host.host_device) for x in self.w]
-        for x, dx in zip(self.inputs, dxs):
-            acc = f.host_embed_bwd(self.w, x, dx, acc)
+        acc = f.host_embed_bwd(self.w, self.inputs, dxs, acc)
         leaves = unit0_gradient(acc, parts.first, held(host, 0), host.grad_dtype)
         # the stages' sum of squares, leaf by leaf in the order the device's sum_squares adds them
         squares = dict(zip(host.stage_leaves(0), f.leaf_squares(leaves)))
         squares.update(zip(host.stage_leaves(host.last), last_sq))
         stages_sq = f.total([squares[i] for i in sorted(squares)])
-        norm, scale = norm_and_scale([layers_sq], stages_sq, weight)
+        norm, scale = f.norm_and_scale([layers_sq], stages_sq, weight)
         return stage_units.fill(host.stage_units[0][0], leaves), norm, scale, stages_sq
 
     def grads(self):
@@ -135,6 +135,9 @@ class HostBackward:
 
     def scale(self):
         return self._compute()[2]
+
+    def done(self) -> bool:
+        return self._done.done()
 
     def result(self) -> tuple:
         """(global norm, the stages' sum of squares), host scalars, once the host thread made
@@ -147,14 +150,13 @@ class HostBackward:
 class EmbedBackward:
     """The embed backward's outcome: unit 0's and the last unit's gradients, the norm and the
     scale, as HostState.submit_all takes them; layer 0's gradient Parcel when it went out here
-    (the jit form) else None; the total loss weight; `totals()` (global norm, stages' sum of
-    squares), to call once the update is queued."""
+    (the jit form) else None; `totals()` (global norm, stages' sum of squares), to call once the
+    update is queued."""
     first_out: object
     last_out: object
     norm: object
     scale: object
     layer0: object
-    total_weight: object
     totals: Callable[[], tuple]
 
 
@@ -170,10 +172,10 @@ def _stage_shapes(sp) -> tuple:
 class DeviceFirst:
     """The first stage on the device, from its fetched weights; its gradient merged with the last
     stage's on the device (the stages' gradient), where the global norm is taken."""
-    def forward(self, sp, inputs) -> list:
+    def forward(self, sp, inputs):
         w = sp.fetch_stage("first")
-        xs = [sp.functions.embed(w, x) for x in inputs]
-        delete(sp.fetched(w))
+        xs = sp.functions.embed(w, inputs)
+        sp.delete(sp.fetched(w))
         return xs
 
     def last_gradient(self, sp, last_grads):
@@ -181,61 +183,64 @@ class DeviceFirst:
 
     def backward(self, sp, inputs, head, layer_sq, leaving) -> EmbedBackward:
         """`head` a step.Head; `leaving` (layer 0's unit, gradient, device arrays to free once it
-        is out) to send out beside the first micro-batch's compute, or None."""
+        is out) to send out beside the embedding backward's compute, or None. In the jit form
+        the stages' gradient and the scalars are made in pinned host memory (DeviceFunctions
+        .stages), so nothing is copied here."""
         f, host = sp.functions, sp.host
         w = sp.fetch_stage("first")
-        acc, layer0 = f.zeros(w), None
-        for m, (x, dx) in enumerate(zip(inputs, head.dxs)):
-            if m == 0 and leaving is not None:  # layer 0's gradient out beside this compute
-                acc, _, layer0 = sp.carried_call(f.embed_bwd_carry, (w, x, dx, acc),
-                                                 grads=leaving[1])
-                delete(leaving[2])
-            else:
-                acc = f.embed_bwd(w, x, dx, acc)
-        delete(sp.fetched(w))
-        total_weight = f.total(head.weights)
+        first_grads, _, layer0 = sp.call(f.embed_bwd, (w, inputs, head.dxs),
+                                         grads=leaving and leaving[1])
+        sp.delete((sp.fetched(w), head.dxs, leaving and leaving[2]))
         held_leaves, sharding = _stage_shapes(sp)
-        stage_grads = stage_units.gradient(f.reduce(acc), head.last, sp.parts.first,
-                                           sp.parts.last, held_leaves, host.grad_dtype, sharding)
-        stages_sq = f.sum_squares(stage_grads)  # the whole gradient's, on the devices
-        grad_norm, scale = norm_and_scale(layer_sq, stages_sq, total_weight)
-        norm, scale_out = sp.transfers.scalars_out((grad_norm, scale))
-        first_out, last_out = (sp.out(stage_units.like(stage_grads, host.stage_units[u][0]))[0]
-                               for u in (0, host.last))
-        return EmbedBackward(first_out, last_out, norm, scale_out, layer0, total_weight,
-                             lambda: (grad_norm, stages_sq))
+        stage_grads, scalars, stages_sq = f.stages(first_grads, head.last, layer_sq, head.weight,
+                                                   held_leaves, sharding)
+        sp.delete((first_grads, head.last))  # the parts' fp32 sums, once merged
+        if sp.copies == schedule.JIT:
+            norm, scale = scalars
+            first_out, last_out = (sp.transfers.made_out(stage_units.like(
+                stage_grads, host.stage_units[u][0])) for u in (0, host.last))
+        else:
+            norm, scale = sp.transfers.scalars_out(scalars)
+            first_out, last_out = (sp.out(stage_units.like(stage_grads, host.stage_units[u][0]))[0]
+                                   for u in (0, host.last))
+        return EmbedBackward(first_out, last_out, norm, scale, layer0,
+                             lambda: (scalars[0], stages_sq))
 
 
 class HostFirst:
     """The host lookup: the first stage on the host, on unit 0's bus copy; only its rows cross.
     The last unit's gradient goes out as soon as the loss is done; the first stage's backward
     and the global norm run on the host thread (HostBackward)."""
-    def forward(self, sp, inputs) -> list:
+    def forward(self, sp, inputs):
         w = sp.host.stage_bus(sp.parts.first)
-        return sp.transfers.rows_in([sp.functions.host_embed(w, x) for x in inputs])
+        return sp.transfers.rows_in(sp.functions.host_embed(w, inputs))
 
     def last_gradient(self, sp, last_grads) -> tuple:
         """Nothing to merge it with: (the last unit's gradient on its way out, its sums of
         squares per leaf)."""
         host = sp.host
-        leaves = stage_units.gradient([], last_grads, (), sp.parts.last, held(host, host.last),
-                                      host.grad_dtype, None)
-        squares = sp.functions.leaf_squares(leaves)
+        leaves, squares = sp.functions.last_unit(last_grads, held(host, host.last))
         parcel = sp.out(stage_units.fill(host.stage_units[host.last][0], leaves))[0]
-        delete(last_grads)  # its fp32 sum; the cast leaves are freed once they are out
+        sp.delete(last_grads)  # its fp32 sum; the cast leaves are freed once they are out
         return parcel, squares
 
     def backward(self, sp, inputs, head, layer_sq, leaving) -> EmbedBackward:
         """As DeviceFirst.backward, on the host thread, from the rows' gradient."""
         f, transfers = sp.functions, sp.transfers
         last_out, last_squares = head.last
-        total_weight = f.total(head.weights)
-        scalars = (f.total(layer_sq), last_squares, total_weight)
+        scalars = (f.total(layer_sq), last_squares, head.weight)
         layer0 = None
         if leaving is not None:  # no device function runs after it: layer 0's gradient goes out now
-            layer0 = transfers.grads_out(leaving[1])
-            delete(leaving[2])
+            layer0 = transfers.grads_out(leaving[1], layer=True)
+            sp.delete(leaving[2])
         backward = HostBackward(sp, sp.host.stage_bus(sp.parts.first), inputs,
                                 transfers.grads_out(head.dxs), transfers.scalars_out(scalars))
+
+        def totals():
+            t0, waits = time.perf_counter(), not backward.done()
+            made = backward.result()
+            if waits:  # (made already: no wait)
+                sp.host.counters.synced(FIRST_STAGE_WAIT, time.perf_counter() - t0)
+            return made
         return EmbedBackward(backward.grads, last_out, backward.norm, backward.scale, layer0,
-                             total_weight, backward.result)
+                             totals)

@@ -38,6 +38,14 @@ the next forward needs them: the first stage's unit (embedding), layer 0, 1, ...
 stage's unit (final norm, head), which the next step fetches only after every layer.
 """
 
+# The waits the dispatching thread may make, by kind (stream.Counters counts them): a retire's
+# wait for a layer's device work; a host read of a device array's values (a copy to the host
+# waited for); a fetch's wait for its unit's pending host update; the wait for the first stage's
+# host backward (the host lookup, engine/lookup.py)
+RETIRE_WAIT, HOST_READ, UPDATE_WAIT, FIRST_STAGE_WAIT = (
+    "block_until_ready", "np.asarray", "update wait", "first stage wait")
+SYNCS = (RETIRE_WAIT, HOST_READ, UPDATE_WAIT, FIRST_STAGE_WAIT)
+
 FETCH, DISPATCH, RETIRE, RELEASE = "fetch", "dispatch", "retire", "release"
 CARRY, DROP = "carry", "drop"  # the jit form's: a fetch made by the next dispatch; a free after it
 EAGER, JIT = "eager", "jit"

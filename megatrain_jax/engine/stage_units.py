@@ -83,7 +83,7 @@ def gradient(first, last, first_idx, last_idx, held, dtype, out_sharding):
             if i in idx:
                 leaf = leaf + part[idx.index(i)].astype(jnp.float32)
         leaf = leaf.astype(dtype)
-        if out_sharding is not None:  # the sharded layout: as the reducer leaves a gradient
+        if out_sharding is not None:  # the sharded layout: as Placement.reduce leaves a gradient
             leaf = jax.lax.with_sharding_constraint(leaf, out_sharding)
         leaves.append(leaf)
     return leaves

@@ -3,6 +3,7 @@ state)."""
 
 import logging
 import math
+import threading
 from typing import Callable, Optional
 
 import jax
@@ -130,8 +131,9 @@ class StreamedEngine:
             raise ValueError(f"grad_dtype must be a floating dtype, got {jnp.dtype(grad_dtype)}")
         self.num_layers = num_layers
         self.prefetch = prefetch
+        self.counters = Counters()
         self.placement = Placement(compute_devices or [compute_device or jax.local_devices()[0]],
-                                   shard=shard_host_state)
+                                   shard=shard_host_state, put=self.counters.put)
         self.compute_device = self.placement.local_devices[0]
         self.host_device = host_device or jax.local_devices(backend="cpu")[0]
         if self.placement.data_parallel and self.host_device in self.placement.devices:
@@ -139,7 +141,6 @@ class StreamedEngine:
                              f"compute devices; give the host state a device of its own")
         self.compute = self.placement.weights  # where fetched weights go
         self.host_sharding = jax.sharding.SingleDeviceSharding(self.host_device)
-        self.counters = Counters()
         self.transfers = Transfers(self.placement, self.host_device, self.counters)
         self.copies = transfer.copies_form(
             copies, accelerator=self.transfers.accelerator,
@@ -214,19 +215,21 @@ class StreamedEngine:
             self.parts = stage_parts(self._stages_def, stages, inputs, targets)
             self.functions = DeviceFunctions(self._stages_def, jax.tree.structure(stages),
                                              self.parts, self._block_def, self.host.grad_dtype,
-                                             self.aux_loss, self.placement)
+                                             self.aux_loss, self.placement, self.counters,
+                                             self.copies)
         return self.functions
 
-    def _choose_lookup(self, micro_batch, num_micro: int):
+    def _choose_lookup(self, inputs):
         """Whether the first stage runs on the host (engine/lookup.py), for the whole run, from
-        the shapes of its first step (lookup.why_off: the plan's rule too)."""
+        the shapes of its first step's inputs (jax.ShapeDtypeStruct, the micro-batches stacked;
+        lookup.why_off: the plan's rule too)."""
         host, first = self.host, self.parts.first
         weights = [jax.ShapeDtypeStruct(host.shapes[0][i], host.compute_dtype) for i in first]
-        rows = jax.eval_shape(self.functions.host_embed, weights, micro_batch)
+        rows = jax.eval_shape(self.functions.host_embed, weights, inputs)
         why = lookup.why_off(
             self._host_lookup, lookup.serves(self.placement.data_parallel, self.parts,
                                              host.stage_leaves(0)),
-            rows_bytes=num_micro * rows.size * rows.dtype.itemsize,
+            rows_bytes=rows.size * rows.dtype.itemsize,
             table=sum(math.prod(host.shapes[0][i]) for i in first),
             compute_bytes=host.compute_dtype.itemsize, grad_bytes=host.grad_dtype.itemsize)
         self.host_lookup = not why
@@ -291,10 +294,11 @@ class StreamedEngine:
         self.transfers.on_event = self.on_event and (lambda kind, what: self.on_event(kind, what,
                                                                                       None))
         self.host.on_update = self.on_event and self._update_event
+        self.counters.dispatcher = threading.get_ident()  # what it counts is this thread's
         shape = lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype)  # of a micro-batch
         self.device_functions(shape(inputs), jax.tree.map(shape, targets))
         if self.host_lookup is None:
-            self._choose_lookup(shape(inputs), len(inputs))
+            self._choose_lookup(jax.ShapeDtypeStruct(np.shape(inputs), inputs.dtype))
         inputs, targets, contexts = self._put_batch(inputs, targets, context)
         try:
             return schedule(self._step_parts(), inputs, targets, contexts)
@@ -317,18 +321,16 @@ class StreamedEngine:
             self.on_event("update", "layer", u - 1)
 
     def _put_batch(self, inputs, targets, context):
-        """(inputs, targets, contexts) as per-micro-batch lists on the compute device."""
-        num_micro = len(inputs)
+        """(inputs, targets, contexts), the micro-batches stacked, on the compute device (with
+        the host lookup, the inputs on the host device); contexts None without a context."""
         rows, devices = np.shape(inputs)[1], self.placement.size // jax.process_count()
         if rows % devices:
             raise ValueError(f"a micro-batch of {rows} rows does not split over this process's "
                              f"{devices} compute devices")
-        put = self.transfers.batch_in
-        contexts = ([None] * num_micro if context is None else
-                    [put(jax.tree.map(lambda c: c[m], context)) for m in range(num_micro)])
-        targets = [put(jax.tree.map(lambda t: t[m], targets)) for m in range(num_micro)]
-        put_inputs = self.transfers.batch_to_host if self.host_lookup else put
-        return [put_inputs(x) for x in inputs], targets, contexts
+        put = self.transfers.batch_in  # one copy of them all
+        if self.host_lookup:
+            return (self.transfers.batch_to_host(inputs), *put((targets, context)))
+        return put((inputs, targets, context))
 
     def nonfinite_units(self) -> list:
         """Units whose gradient in the last step was not finite: "stages" or a layer index."""
