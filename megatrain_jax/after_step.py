@@ -71,11 +71,12 @@ class Metrics:
         self._sinks.write(record)
 
 
-def skipped(run: Run, step: int):
-    """The line of a step with a non-finite gradient; the run stops after train.max_bad_steps of
-    them in a row (TrainingError)."""
+def skipped(run: Run, step: int, nonfinite: list):
+    """The line of a step with a non-finite gradient (in the units `nonfinite`, the engine's
+    nonfinite_units of it); the run stops after train.max_bad_steps of them in a row
+    (TrainingError)."""
     bad, limit = run.bad_steps, run.cfg.train.max_bad_steps
-    where = ", ".join(map(str, run.engine.nonfinite_units())) or "the loss"
+    where = ", ".join(map(str, nonfinite)) or "the loss"
     run.log(f"step {step:5d} | non-finite gradient (in {where}): skipped, weights and optimizer "
             f"state unchanged ({bad} of train.max_bad_steps={limit} in a row)")
     if bad >= limit:

@@ -8,19 +8,21 @@ The simulation replays the engine's schedule (engine/schedule.py's passes, engin
 them, host.py's updates) on five resources, each doing one thing at a time in the order it was
 given work:
 
-  dispatch     the Python thread: every jitted call or device_put costs `dispatch_us`, and it
-               blocks where the engine blocks: a fetch waits for the unit's host update
-               (`HostState.bus`); a pass's retire of layer pos - 1 waits, after layer pos has
-               been dispatched, until layer pos - 1's work is done on the device (never for a
-               gradient's or an activation's copy out); the bench reads each step's loss.
+  dispatch     the Python thread: every jitted call or device_put costs `dispatch_us` (a
+               layer's call per pass takes every micro-batch), and it blocks where the engine
+               blocks: a fetch waits for the unit's host update (`HostState.bus`); a pass's
+               retire of layer pos - 1 waits, after layer pos has been dispatched, until layer
+               pos - 1's work is done on the device (never for a gradient's or an activation's
+               copy out); the bench reads each step's loss, made at its head, once the next
+               step is dispatched.
   h2d, d2h     the bus, each way: weights and offloaded activations in; gradients (in
                train.grad_dtype) and offloaded activations out. A copy runs beside the
                device's compute, but hides only the measured fraction of its time (the
                overlap, per direction and form, bench_transfer.py's: 1 - overlap of it the device
                loses, "copy not hidden"). Eager copies (a `device_put` of their own) start at
-               their dispatch; in the jit form (engine/step.py: a layer's fetch inside the first
-               call `prefetch` layers before it, its gradient out inside the next layer's first
-               backward call) a copy starts with the call that makes it.
+               their dispatch; in the jit form (engine/step.py: a layer's fetch inside the call
+               `prefetch` layers before it, its gradient out inside the next layer's backward
+               call) a copy starts with the call that makes it.
   device       block forward (2 FLOPs / parameter / token + causal attention over the keys each
                query sees: windows and layer types counted), block backward (the block's
                recompute and its gradients: 6 / parameter / token + 3.5x the forward's
@@ -328,9 +330,8 @@ def _stream(t: _Timeline, order, fetch, body, prefetch, copies):
 def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
     """One step; `updates[u]` is unit u's pending host update (None: none). Returns the step's
     end: the Python thread after reading the loss. Replaces `updates` with this step's."""
-    M = s.micro_batches
-    for _ in range(2 * M):  # inputs and targets of each micro-batch
-        t.call("put batch")
+    M = s.micro_batches  # every call takes them all, stacked
+    t.call("put batch")  # inputs and targets, one copy
 
     def fill(u):  # the bus ring: HostState.bus casts a layer's master into a ring buffer
         if s.ring_fill_bytes and 1 <= u <= s.layers:
@@ -345,8 +346,7 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
     # host from unit 0's bus copy, once its update has finished, and put on the device
     w = (t.h2d("rows in", s.rows_bytes, after=[updates[0]] if updates[0] else [])
          if s.host_lookup else fetch(0, s.first_bytes))
-    for _ in range(M):
-        t.compute("embed", 0, [w])
+    t.compute("embed", 0, [w])
 
     def carry(u):  # the jit form: HostState.bus waits for the unit's update before the call
         t.op("dispatch", f"carry unit {u}", 0, [updates[u]] if updates[u] else [])
@@ -356,22 +356,22 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
     def forward(i, w, ahead):
         if ahead is not None:
             carry(1 + ahead)
-        ys = [t.compute(f"forward {i}", s.layer_fwd_flops, [w]) for _ in range(M)]
+        y = t.compute(f"forward {i}", M * s.layer_fwd_flops, [w])
         copy = (None if ahead is None else
-                t.beside("h2d", f"fetch unit {1 + ahead}", s.layer_bytes, ys[0]))
-        for y in ys if s.act_bytes else []:
-            t.d2h(f"save activations {i}", s.act_bytes / M, [y])
-        return ys, copy
+                t.beside("h2d", f"fetch unit {1 + ahead}", s.layer_bytes, y))
+        if s.act_bytes:
+            t.d2h(f"save activations {i}", s.act_bytes, [y])
+        return [y], copy
 
     _stream(t, range(s.layers), lambda i: fetch(1 + i, s.layer_bytes), forward, s.prefetch,
             s.copies)
 
     # loss: the head's gradient stays on the device until the embedding's backward
     w = fetch(s.layers + 1, s.last_bytes)
-    heads = [t.compute("loss head", s.head_flops, [w]) for _ in range(M)]
+    loss = t.compute("loss head", M * s.head_flops, [w])  # the loss made here, read a step later
     grads = {}
     if s.host_lookup:  # nothing to merge it with: the last unit's gradient goes out now
-        last_sq = t.compute("last stage's squares", 0, [heads[-1]])
+        last_sq = t.compute("last stage's squares", 0, [loss])
         grads[s.layers + 1] = t.d2h("last stage's gradient", s.stages_grad_bytes, [last_sq])
 
     # backward: each layer retires on its sum of squares; its gradient's copy out overlaps the
@@ -380,9 +380,7 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
 
     def fetch_back(i):
         w = fetch(1 + i, s.layer_bytes)
-        acts = [t.h2d(f"load activations {i}", s.act_bytes / M)
-                for _ in range(M)] if s.act_bytes else []
-        return [w, *acts]
+        return [w, t.h2d(f"load activations {i}", s.act_bytes)] if s.act_bytes else [w]
 
     def gradient_out(u, copy):
         grads[u] = copy
@@ -399,20 +397,21 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
     def backward(i, inputs, ahead):
         if ahead is not None:
             carry(1 + ahead)
-        dxs = [t.compute(f"backward {i}", s.layer_bwd_flops, inputs) for _ in range(M)]
+        # (its gradient zeroed, accumulated, its sum of squares and cast: all in the call)
+        call = t.compute(f"backward {i}", M * s.layer_bwd_flops, inputs)
         copies = None
-        if ahead is not None:  # its weights and offloaded inputs, inside the first call
-            copies = [t.beside("h2d", f"fetch unit {1 + ahead}", s.layer_bytes, dxs[0])]
-            copies += ([t.beside("h2d", f"load activations {ahead}", s.act_bytes, dxs[0])]
+        if ahead is not None:  # its weights and offloaded inputs, inside the call
+            copies = [t.beside("h2d", f"fetch unit {1 + ahead}", s.layer_bytes, call)]
+            copies += ([t.beside("h2d", f"load activations {ahead}", s.act_bytes, call)]
                        if s.act_bytes else [])
         if leaving:
-            send(dxs[0])
-        squares.append(t.compute(f"sum squares {i}", 0))
+            send(call)
+        squares.append(call)
         if s.copies == "jit":
-            leaving.append((1 + i, dxs[-1]))
+            leaving.append((1 + i, call))
         else:
-            gradient_out(1 + i, t.d2h(f"gradient {i}", s.layer_grad_bytes, [dxs[-1]]))
-        return [squares[-1]], copies
+            gradient_out(1 + i, t.d2h(f"gradient {i}", s.layer_grad_bytes, [call]))
+        return [call], copies
 
     _stream(t, reversed(range(s.layers)), fetch_back, backward, s.prefetch, s.copies)
 
@@ -429,14 +428,14 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
     else:  # the embed backward; the stages' gradient merged and its sum of squares, the global
         # norm, on the device; the stages' gradient and the norm go out
         w = fetch(0, s.first_bytes)
-        embed_bwd = [t.compute("embed backward", 0, [w]) for _ in range(M)]
-        if leaving:  # layer 0's gradient, out inside the first call
-            send(embed_bwd[0])
-        merged = t.compute("stages' gradient", 0, [embed_bwd[-1]])
-        norm = t.d2h("global norm", 0, [t.compute("global norm", 0, [merged, *squares])])
+        embed_bwd = t.compute("embed backward", 0, [w])
+        if leaving:  # layer 0's gradient, out inside the call
+            send(embed_bwd)
+        # one call: the stages' gradient merged, its sum of squares, the global norm
+        merged = t.compute("stages' gradient and the global norm", 0, [embed_bwd, *squares])
+        norm = t.d2h("global norm", 0, [merged])
         grads[0] = grads[s.layers + 1] = t.d2h("stages' gradient", s.stages_grad_bytes,
                                                [merged])
-    loss = t.compute("loss total", 0)
 
     # update, on the host thread, in the order the next forward needs them: the first stage's
     # unit, the layers, the last stage's
@@ -448,7 +447,9 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
                               hops.get(u, s.layer_hop_bytes))
     if s.host_lookup:
         t.call("wait for the norm", after=[norm])
-    return t.call("read loss", after=[loss])  # the bench's float(loss): the step's sync point
+    # the bench's float(loss), the step's sync point: the loss, made at the head, read once the
+    # next step is dispatched (here: after this step's dispatching, which its retires bound)
+    return t.call("read loss", after=[loss])
 
 
 def simulate(shape: StepShape, rates: Rates, steps: int = 4) -> Prediction:

@@ -137,3 +137,50 @@ def test_a_step_waits_only_at_its_retires_and_counts_each_wait(host_lookup, monk
     assert sum(counted.values()) <= 2 * CFG.num_layers + 4
     float(result["loss"])
     engine.close()
+
+
+class Read(float):
+    """A step's output scalar that notes when the loop reads it (float())."""
+
+    def __new__(cls, value, note):
+        obj = super().__new__(cls, float(value))
+        obj.note = note
+        return obj
+
+    def __float__(self):
+        self.note()
+        return super().__float__()
+
+
+def test_the_training_loop_reads_a_step_once_the_next_is_dispatched(tmp_path, monkeypatch):
+    """Past the steps the advice times (and but where the weights are read or the run may end:
+    here the last step, with its checkpoint), step n's loss and gradient norm are read after step
+    n + 1 is dispatched, so the device is never left idle for that read; the records are those of
+    the run that reads each at once."""
+    from megatrain_jax.after_step import ADVICE_AFTER
+    from megatrain_jax.config import load_config
+    from megatrain_jax.train import train
+    steps = ADVICE_AFTER + 4
+    cfg = lambda run_dir: load_config("configs/tiny.yaml", [
+        "model.num_layers=2", "data.seq_len=32", "data.batch_size=2", f"train.steps={steps}",
+        "checkpoint.every=0", f"run_dir={run_dir}"])
+    reference = train(cfg(tmp_path / "reference"), log=lambda *_: None)
+
+    events, train_step = [], StreamedEngine.train_step
+
+    def noted(engine, *args, **kwargs):
+        out = train_step(engine, *args, **kwargs)
+        step = sum(e[0] == "dispatch" for e in events) + 1
+        events.append(("dispatch", step))
+        note = lambda: events.append(("read", step))
+        return {**out, "loss": Read(out["loss"], note), "grad_norm": Read(out["grad_norm"], note)}
+    monkeypatch.setattr(StreamedEngine, "train_step", noted)
+    history = train(cfg(tmp_path / "run"), log=lambda *_: None)
+    at = {e: k for k, e in reversed(list(enumerate(events)))}  # each event's first place
+    for step in range(1, steps + 1):
+        late = ADVICE_AFTER < step < steps
+        assert (at[("read", step)] > at[("dispatch", step + 1)]) if late else (
+            at[("read", step)] < at.get(("dispatch", step + 1), len(events))), step
+    keep = ("step", "loss", "grad_norm", "lr")
+    assert [{k: r[k] for k in keep} for r in history] == [{k: r[k] for k in keep}
+                                                         for r in reference]

@@ -332,11 +332,13 @@ class StreamedEngine:
             return (self.transfers.batch_to_host(inputs), *put((targets, context)))
         return put((inputs, targets, context))
 
-    def nonfinite_units(self) -> list:
-        """Units whose gradient in the last step was not finite: "stages" or a layer index."""
-        if self.unit_sq is None:
+    def nonfinite_units(self, unit_sq=None) -> list:
+        """Units whose gradient in the last step was not finite: "stages" or a layer index.
+        unit_sq: an earlier step's `unit_sq` (its units' sums of squares, kept as it ended)."""
+        unit_sq = self.unit_sq if unit_sq is None else unit_sq
+        if unit_sq is None:
             return []
-        bad = [u for u, sq in enumerate(self.unit_sq) if not jnp.isfinite(sq)]
+        bad = [u for u, sq in enumerate(unit_sq) if not jnp.isfinite(sq)]
         stages = {0, self.host.last} & set(bad)
         return ["stages"] * bool(stages) + [u - 1 for u in bad if u not in stages]
 
