@@ -18,6 +18,7 @@
 // on a persistent pool of one thread per core. The same loop is called two ways: as an XLA FFI
 // handler (FusedAdamw, FusedAdamwBus) inside a jit, and directly (megatrain_adamw, through
 // ctypes: engine/direct.py) on buffers the caller owns.
+#include <pthread.h>
 #include <sched.h>
 #include <unistd.h>
 
@@ -26,6 +27,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cmath>
 #include <cstdint>
@@ -243,9 +245,17 @@ void RunLeaf(const float* s, const Leaf& x, size_t lo, size_t hi) {
   x.loop(s, x.p, x.m, x.v, x.g, x.bus, lo, hi, x.key, x.first);
 }
 
-int Threads() {
+// The CPUs of the process's affinity, in order (one pool thread each).
+std::vector<int> Cpus() {
   cpu_set_t set;
-  return sched_getaffinity(0, sizeof(set), &set) == 0 ? std::max(1, CPU_COUNT(&set)) : 1;
+  std::vector<int> cpus;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if (CPU_ISSET(c, &set)) cpus.push_back(c);
+    }
+  }
+  if (cpus.empty()) cpus.push_back(-1);  // unknown: one thread, never pinned
+  return cpus;
 }
 
 // A position in the leaves laid end to end: leaf `leaf`, element `i` of it.
@@ -279,22 +289,35 @@ void RunRange(const float* s, const std::vector<Leaf>& leaves, Cut from, Cut to)
 // one of them): a thread spawned per call costs page faults and tens of microseconds a unit.
 // One job at a time (the host-update thread and XLA's FFI calls may both submit). A child process
 // made by fork() has no workers: it builds a pool of its own on first use.
+//
+// Limit(k) runs every later job on k threads (optimizer.host_threads), worker t then pinned to
+// the t-th CPU of the affinity, so the CPUs past k stay free for the thread that dispatches the
+// device's work (the caller, t = 0, is pinned by its owner: engine/host.py).
 class Pool {
  public:
   static Pool& Get() {
     static std::mutex made;
     static Pool* pool = nullptr;
     std::lock_guard<std::mutex> lock(made);
-    if (pool == nullptr || pool->pid_ != getpid()) pool = new Pool(Threads());  // never freed
+    if (pool == nullptr || pool->pid_ != getpid()) pool = new Pool(Cpus());  // never freed
     return *pool;
   }
 
-  int size() const { return n_; }
+  int size() const { return limit_.load(); }
+  int cores() const { return n_; }
+
+  // Returns the limit taken: k clamped to [1, cores()].
+  int Limit(int k) {
+    std::lock_guard<std::mutex> job(job_);  // between jobs
+    limit_ = std::max(1, std::min(k, n_));
+    ++placement_;
+    return limit_;
+  }
 
   // fn(t) for t in [0, k), k <= size(); the calling thread runs t = 0.
   void Run(int k, const std::function<void(int)>& fn) {
     std::lock_guard<std::mutex> job(job_);
-    k = std::max(1, std::min(k, n_));
+    k = std::max(1, std::min(k, limit_.load()));
     if (k > 1) {
       std::lock_guard<std::mutex> lock(m_);
       task_ = &fn;
@@ -311,12 +334,26 @@ class Pool {
   }
 
  private:
-  explicit Pool(int n) : n_(n), pid_(getpid()) {
+  explicit Pool(std::vector<int> cpus)
+      : n_(int(cpus.size())), pid_(getpid()), cpus_(std::move(cpus)), limit_(n_) {
     for (int t = 1; t < n_; ++t) std::thread([this, t] { Work(t); }).detach();
   }
 
+  // Worker t on its own CPU while the pool is limited, else on any of the affinity's.
+  void Place(int t) {
+    if (cpus_[0] < 0) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (limit_.load() < n_) {
+      CPU_SET(cpus_[t], &set);
+    } else {
+      for (int c : cpus_) CPU_SET(c, &set);
+    }
+    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+  }
+
   void Work(int t) {
-    uint64_t seen = 0;
+    uint64_t seen = 0, placed = 0;
     for (;;) {
       const std::function<void(int)>* task;
       {
@@ -326,6 +363,10 @@ class Pool {
         if (t >= k_) continue;
         task = task_;
       }
+      if (placed != placement_.load()) {
+        placed = placement_.load();
+        Place(t);
+      }
       (*task)(t);
       std::lock_guard<std::mutex> lock(m_);
       if (--pending_ == 0) finished_.notify_one();
@@ -334,6 +375,9 @@ class Pool {
 
   const int n_;
   const pid_t pid_;
+  const std::vector<int> cpus_;
+  std::atomic<int> limit_;
+  std::atomic<uint64_t> placement_{0};
   std::mutex job_, m_;
   std::condition_variable cv_, finished_;
   const std::function<void(int)>* task_ = nullptr;
@@ -487,7 +531,21 @@ void megatrain_to_bf16(uint16_t* dst, const float* src, uint64_t n) {
   });
 }
 
+// dst[0, nbytes) = 0, spread over the pool (a persistent buffer cleared where it lies).
+void megatrain_zero(void* dst, uint64_t nbytes) {
+  InRanges(nbytes, size_t(1) << 20, 64, [&](size_t lo, size_t hi) {
+    std::memset(static_cast<char*>(dst) + lo, 0, hi - lo);
+  });
+}
+
+// The threads a job runs on (optimizer.host_threads; every CPU of the affinity by default).
 int megatrain_threads() { return Pool::Get().size(); }
+
+// The CPUs of the process's affinity: the most threads a job can run on.
+int megatrain_cores() { return Pool::Get().cores(); }
+
+// Every later job on k threads (clamped to [1, cores]); returns the number taken.
+int megatrain_set_threads(int k) { return Pool::Get().Limit(k); }
 
 }  // extern "C"
 

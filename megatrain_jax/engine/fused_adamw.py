@@ -156,8 +156,27 @@ def kernel():
     dll.megatrain_copy.restype = None
     dll.megatrain_to_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
     dll.megatrain_to_bf16.restype = None
+    dll.megatrain_zero.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+    dll.megatrain_zero.restype = None
     dll.megatrain_threads.restype = ctypes.c_int
+    dll.megatrain_cores.restype = ctypes.c_int
+    dll.megatrain_set_threads.argtypes = [ctypes.c_int]
+    dll.megatrain_set_threads.restype = ctypes.c_int
     return dll
+
+
+def use_threads(lib, threads) -> list:
+    """Runs the kernel's later jobs on `threads` threads (None: one per CPU of the process's
+    affinity); returns the CPUs the update's own thread is to be pinned to ([]: none, every CPU
+    is the pool's). With fewer threads than CPUs the pool's workers are pinned to the first CPUs
+    and the rest stay free for the thread that dispatches the device's work. One ValueError line
+    for a count outside [1, the CPUs]."""
+    cores = lib.megatrain_cores()
+    if threads is not None and not (isinstance(threads, int) and 1 <= threads <= cores):
+        raise ValueError(f"host_threads must be an integer from 1 to the {cores} CPUs of this "
+                         f"process's affinity, got {threads!r}")
+    lib.megatrain_set_threads(cores if threads is None else threads)
+    return [] if threads is None or threads == cores else sorted(os.sched_getaffinity(0))[:1]
 
 
 @functools.cache

@@ -69,7 +69,8 @@ class HostState:
                  compute_dtype, grad_dtype, compute_device, host_device, counters, num_blocks: int,
                  disk_tier: Optional[tier_lib.DiskTierOptions] = None, shards=None,
                  host_update: str = "auto", bus: str = bus_lib.RESIDENT, prefetch: int = 1,
-                 data_parallel: bool = False, pinned_pool: Optional[int] = None):
+                 data_parallel: bool = False, pinned_pool: Optional[int] = None,
+                 host_threads: Optional[int] = None):
         """stages: the stages' params (param_split((first, last))); blocks: an iterable of the
         blocks' params (with the disk tier, one in RAM at a time); bus: bus_lib.FORMS' RESIDENT
         (every unit's bus copy kept all step), RING (the layer units' in a ring of
@@ -82,7 +83,8 @@ class HostState:
         self.update, why = update_lib.choose(
             optimizer, max_grad_norm, host_update, disk_tier, compute_dtype=compute_dtype,
             grad_dtype=grad_dtype, host_device=host_device, counters=counters)
-        log.info("host update: %s", why)
+        pinned, threads = update_lib.threads(self.update, host_threads)
+        log.info("host update: %s", f"{why} ({threads})" if threads else why)
         self.optimizer = optimizer
         self.compute_dtype = jnp.dtype(compute_dtype)
         self.grad_dtype = jnp.dtype(grad_dtype)
@@ -139,7 +141,10 @@ class HostState:
         except BaseException:
             self.store.close()  # the disk tier's open files, made with the first block
             raise
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-optim")
+        # the update's thread runs the kernel's share t = 0: on its CPU when the pool is pinned
+        self._thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="host-optim",
+            initializer=(lambda: os.sched_setaffinity(0, pinned)) if pinned else None)
 
     def _build(self, first, blocks, last, to_host, shards, host_device):
         """The jitted updates, and every unit made from its weights (into the store)."""

@@ -92,6 +92,11 @@ class StreamedEngine:
         written in place), else a jitted update per unit; "direct": the direct update or an error
         saying why it cannot run; "jit": a jitted update per unit (the kernel through jax.ffi, or
         optax). The log says which. The direct and jit paths give the same bits.
+      host_threads: the fused AdamW kernel's threads (None, default: one per CPU of the process's
+        affinity, as measured fastest for the update alone). Fewer are pinned to the first CPUs,
+        the update's own thread among them, so the rest stay free for the thread that dispatches
+        the device's work. A process has one kernel pool: the last engine built sets it. Outside
+        [1, the CPUs], or where the kernel does not run: a ValueError line.
       copies: how a layer's weights come in and its gradient goes out (engine/step.py). "eager":
         each a `device_put` of its own between the jitted calls; "jit": made inside the jitted
         calls, beside their compute (the next layer's fetch inside this layer's first call, the
@@ -121,7 +126,8 @@ class StreamedEngine:
                  offload_activations: bool = False, aux_loss: Optional[Callable] = None,
                  disk_tier: Optional[DiskTierOptions] = None, compute_devices=None,
                  shard_host_state: bool = False, host_lookup: Optional[bool] = None,
-                 host_update: str = "auto", copies: str = "auto", bus: str = "auto"):
+                 host_update: str = "auto", copies: str = "auto", bus: str = "auto",
+                 host_threads: Optional[int] = None):
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         if prefetch < 0:
@@ -184,7 +190,8 @@ class StreamedEngine:
                               pinned_pool=(bus_lib.pinned_pool_bytes()
                                            if self.compute_device.platform == "gpu"
                                            and self.transfers.out_kind == transfer.PINNED
-                                           else None))
+                                           else None),
+                              host_threads=host_threads)
         del stages
         self.bus = self.host.bus_form
         ring = self.host.ring

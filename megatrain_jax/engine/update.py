@@ -66,6 +66,24 @@ def why_not_direct(optimizer, disk_tier) -> Optional[str]:
     return None
 
 
+def threads(update, host_threads) -> tuple:
+    """The kernel's threads for `update` (a strategy of `choose`): host_threads of them (None:
+    every CPU of the process's affinity), fused_adamw.use_threads. Returns (the CPUs the update's
+    own thread is pinned to, [] for none; the log's words). host_threads where the kernel does
+    not run (optax, or no compiler): one ValueError line, as it could not be honoured."""
+    lib = (update.lib if update.kind == "direct" else
+           fused_adamw.kernel() if update.kind == "ffi" and update.native else None)
+    if lib is None:
+        if host_threads is not None:
+            raise ValueError(f"host_threads={host_threads!r} sets the fused AdamW kernel's "
+                             f"threads, and the kernel does not run here ({update.kind} update)")
+        return [], ""
+    pinned = fused_adamw.use_threads(lib, host_threads)
+    n = lib.megatrain_threads()
+    return pinned, (f"{n} threads, pinned to the first {n} CPUs of {lib.megatrain_cores()}"
+                    if pinned else f"{n} threads")
+
+
 def prepare(grads, grad_norm, scale, max_grad_norm):
     """The gradient of the mean loss, clipped exactly as optax.clip_by_global_norm."""
     grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
@@ -139,7 +157,7 @@ def choose(optimizer: optax.GradientTransformation, max_grad_norm, host_update: 
     if why is None:
         lib = fused_adamw.kernel()
         return (direct_lib.DirectAdamW(hyper, max_grad_norm, host_device, counters, lib),
-                f"the fused AdamW kernel, called directly ({lib.megatrain_threads()} threads)")
+                "the fused AdamW kernel, called directly")
     if hyper is None:
         return (OptaxInJit(optimizer, max_grad_norm, compute_dtype, grad_dtype),
                 f"a jitted update per unit ({why})")
