@@ -197,13 +197,18 @@ def devices_assumed(cfg: Config, machine: Machine) -> str:
             f"--devices or set distributed.local_devices")
 
 
-def host_lookup(c: Counts, tokens: int) -> bool:
-    """Whether the engine runs the first stage on the host (engine/lookup.py) for micro-batches
-    of `tokens` tokens: the engine's own rule (lookup.why_off) on the config's shapes and its
-    train.host_lookup."""
+def host_lookup_off(c: Counts, tokens: int) -> str:
+    """Why the engine runs the first stage on the device ('' where it runs it on the host,
+    engine/lookup.py) for micro-batches of `tokens` tokens: the engine's own rule
+    (lookup.why_off) on the config's shapes, copies form and train.host_lookup."""
     rows = c.micro_batches * tokens * c.hidden * c.compute  # every micro-batch's, one way
-    return not lookup.why_off(c.lookup_setting, c.lookup_serves, rows, c.first, c.compute,
-                              c.grad)
+    return lookup.why_off(c.lookup_setting, c.lookup_serves, rows, c.first, c.compute, c.grad,
+                          in_calls=c.copies == "jit")
+
+
+def host_lookup(c: Counts, tokens: int) -> bool:
+    """Whether the engine runs the first stage on the host (host_lookup_off)."""
+    return not host_lookup_off(c, tokens)
 
 
 def tokens_to_hide(model: ModelConfig, counts: Counts, seq: int, machine: Machine,

@@ -108,3 +108,22 @@ def test_by_default_only_where_it_moves_fewer_bytes(caplog):
         assert engine.host_lookup == expected
     assert "host lookup off: its rows and their gradient (65,536 bytes a step) outweigh" in (
         caplog.text)
+
+
+def test_copies_in_the_calls_keep_the_device_path_by_default(caplog):
+    """On the accelerator path (copies made inside the jitted calls) auto keeps the first stage on
+    the device even where the host lookup moves fewer bytes (the step above's 2 x 2 x 16 tokens):
+    the host backward would end every step with the device idle; the log says so. host_lookup=True
+    still takes it, and both train the same bits."""
+    toks = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 2, 17), np.int32)
+    out = {}
+    for on in (None, True):
+        engine = engine_for(CFG, compute_dtype=jnp.bfloat16, host_lookup=on, copies="jit")
+        with caplog.at_level(logging.INFO, logger="megatrain_jax.engine.streamed"):
+            out[on] = [float(engine.train_step(toks[..., :-1], toks[..., 1:])["loss"])
+                       for _ in range(2)]
+        engine.close()
+        assert engine.host_lookup == bool(on)
+    assert out[None] == out[True]
+    assert ("host lookup off: copies in the calls: the device path's copies of the first stage "
+            "cross beside compute") in caplog.text

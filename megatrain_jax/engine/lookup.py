@@ -55,16 +55,28 @@ def costs_more(rows_bytes: int, table: int, compute_bytes: int, grad_bytes: int)
             f"stage's weights fetched twice and their gradient ({table_bytes:,})")
 
 
+IN_CALLS = ("copies in the calls: the device path's copies of the first stage cross beside "
+            "compute, while the host lookup's backward (a table-sized gradient made on the host) "
+            "would end every step with the device idle")
+
+
 def why_off(setting, serves_why: str, rows_bytes: int, table: int, compute_bytes: int,
-            grad_bytes: int) -> str:
+            grad_bytes: int, in_calls: bool = False) -> str:
     """Why the first stage does not run on the host ('' when it does): the one rule that the
     engine (StreamedEngine._choose_lookup) and the plan and step-time model (flops.host_lookup)
-    follow. `setting`: host_lookup (False: never; True: wherever it serves; None: where it also
-    moves fewer bytes a step); `serves_why`: serves()'s answer; the rest as costs_more's."""
+    follow, by the time each way puts on the step's path. `setting`: host_lookup (False: never;
+    True: wherever it serves; None: where it also costs the step less); `serves_why`: serves()'s
+    answer; `in_calls`: the layers' copies are made inside the jitted calls (an accelerator,
+    engine/transfer.py), where the device path's bytes overlap compute and the host backward's
+    time does not, so auto keeps the device path (host_lookup=True takes the host lookup where a
+    measurement shows it faster: the GPU checklist's A/B); else (eager copies, which serialise
+    with compute) the way that moves fewer bytes a step (costs_more's, the rest its arguments)."""
     if setting is False:
         return "host_lookup=False"
     if serves_why or setting:
         return serves_why
+    if in_calls:
+        return IN_CALLS
     return costs_more(rows_bytes, table, compute_bytes, grad_bytes)
 
 

@@ -82,9 +82,11 @@ class StreamedEngine:
       host_lookup: run the first stage on the host device when it shares no variable with the
         last (an untied embedding) and there is one compute device (engine/lookup.py): the
         embedding's rows cross, its table never does, and only the rows' gradient comes back.
-        None (default): where that moves fewer bytes a step than the table's two fetches and its
-        gradient (decided at the first step, from its shapes); True: wherever it serves; False:
-        never. Where it does not run the first stage runs on the device, and the log says why.
+        None (default): never with copies made inside the jitted calls (`copies`: the device's
+        copies of the table then ride beside compute, while the host backward would end every
+        step with the device idle), else where it moves fewer bytes a step than the table's two
+        fetches and its gradient (decided at the first step, from its shapes: lookup.why_off);
+        True: wherever it serves; False: never. Where it does not run the first stage runs on the device, and the log says why.
         Training equals the device path.
       host_update: how the host update runs. "auto" (default): with fused_adamw.adamw (the
         project's AdamW) and its kernel built, the kernel called directly on numpy state the
@@ -235,7 +237,8 @@ class StreamedEngine:
                                              host.stage_leaves(0)),
             rows_bytes=num_micro * rows.size * rows.dtype.itemsize,
             table=sum(math.prod(host.shapes[0][i]) for i in first),
-            compute_bytes=host.compute_dtype.itemsize, grad_bytes=host.grad_dtype.itemsize)
+            compute_bytes=host.compute_dtype.itemsize, grad_bytes=host.grad_dtype.itemsize,
+            in_calls=self.copies == transfer.JIT)
         self.host_lookup = not why
         self.first_stage = lookup.HostFirst() if self.host_lookup else lookup.DeviceFirst()
         if self.host_lookup:
