@@ -90,6 +90,60 @@ _gradient_in_place = jax.jit(stage_units.gradient, static_argnums=(2, 3, 4, 5, 6
                              donate_argnums=(0,))
 
 
+class TableGradient:
+    """The first stage's gradient on the host (the table's, for an embedding), in buffers kept
+    from step to step: a fresh table-sized buffer is page-faulted in by one thread every step
+    (docs/benchmarks.md, "The host lookup's backward on the CPU"), a kept one is cleared where it
+    lies by the fused kernel's pool. `zeros` gives the fp32 accumulator (last step's gradient
+    leaves, cleared, or new ones the first time and wherever a buffer was taken: donated by a jit
+    update, or the kernel not built); `cast` makes unit 0's gradient in the gradient dtype from
+    lookup.unit0_gradient's fp32 leaves, a bf16 one cast by the pool into a kept buffer too (the
+    update reads it in place), rounded as XLA rounds (to nearest even). Runs on the host
+    thread, after the previous step's updates have read the buffers."""
+
+    def __init__(self, lib):
+        self.lib = lib  # fused_adamw.kernel(), or None: fresh buffers and XLA's cast
+        self._fp32, self._out = None, None
+
+    @staticmethod
+    def _kept(leaves, shapes, dtype) -> bool:
+        return leaves is not None and [(x.shape, x.dtype) for x in leaves] == [
+            (tuple(s), dtype) for s in shapes] and not any(x.is_deleted() for x in leaves)
+
+    def zeros(self, shapes: list, device) -> list:
+        kept, self._fp32 = self._fp32, None
+        if self.lib is None or not self._kept(kept, shapes, jnp.float32):
+            return [jnp.zeros(s, jnp.float32, device=device) for s in shapes]
+        jax.block_until_ready(kept)  # (done long since: last step's update read them)
+        for x in kept:
+            self.lib.megatrain_zero(x.unsafe_buffer_pointer(), x.nbytes)
+        return kept
+
+    def cast(self, leaves: list, grad_dtype) -> list:
+        """Unit 0's gradient in grad_dtype from its fp32 leaves (kept for the next step's
+        accumulator)."""
+        self._fp32 = leaves
+        grad_dtype = jnp.dtype(grad_dtype)
+        if grad_dtype == jnp.float32:
+            return leaves
+        if self.lib is None or grad_dtype != jnp.bfloat16:
+            return _cast(leaves, grad_dtype)
+        shapes = [x.shape for x in leaves]
+        if not self._kept(self._out, shapes, grad_dtype):
+            device = next(iter(leaves[0].sharding.device_set))
+            self._out = [jnp.zeros(s, grad_dtype, device=device) for s in shapes]
+        # the pool reads and writes through pointers: the leaves' computation done, and the
+        # buffer's (made, or read by the last step's squares)
+        jax.block_until_ready(leaves + self._out)
+        for out, x in zip(self._out, leaves):
+            self.lib.megatrain_to_bf16(out.unsafe_buffer_pointer(), x.unsafe_buffer_pointer(),
+                                       x.size)
+        return self._out
+
+
+_cast = jax.jit(lambda leaves, dtype: [x.astype(dtype) for x in leaves], static_argnums=(1,))
+
+
 def unit0_gradient(acc: list, first: tuple, held_leaves: tuple, grad_dtype) -> list:
     """Unit 0's gradient leaves in `grad_dtype` from the first stage's fp32 accumulator `acc`
     (its leaves at stages indices `first`; `held_leaves` as held()'s), as stage_units.gradient
@@ -110,8 +164,8 @@ class HostBackward:
     sum of squares, the last unit's per leaf, the total loss weight). `grads`, `norm` and `scale` are what HostState.submit takes;
     `result()` waits for (norm, stages' sum of squares) on the calling thread."""
 
-    def __init__(self, sp, w, inputs, rows_grad, scalars):
-        self.sp, self.w, self.inputs = sp, w, inputs
+    def __init__(self, sp, table, w, inputs, rows_grad, scalars):
+        self.sp, self.table, self.w, self.inputs = sp, table, w, inputs
         self.rows_grad, self.scalars = rows_grad, scalars
         self._done = concurrent.futures.Future()
 
@@ -128,10 +182,11 @@ class HostBackward:
         on_host = host.host
         dxs = self.rows_grad.arrive(on_host)
         layers_sq, last_sq, weight = transfer.arrive(self.scalars, on_host)
-        acc = [jnp.zeros(x.shape, jnp.float32, device=host.host_device) for x in self.w]
+        acc = self.table.zeros([x.shape for x in self.w], host.host_device)
         for x, dx in zip(self.inputs, dxs):
             acc = f.host_embed_bwd(self.w, x, dx, acc)
-        leaves = unit0_gradient(acc, parts.first, held(host, 0), host.grad_dtype)
+        leaves = self.table.cast(unit0_gradient(acc, parts.first, held(host, 0), jnp.float32),
+                                 host.grad_dtype)
         # the stages' sum of squares, leaf by leaf in the order the device's sum_squares adds them
         squares = dict(zip(host.stage_leaves(0), f.leaf_squares(leaves)))
         squares.update(zip(host.stage_leaves(host.last), last_sq))
@@ -221,7 +276,11 @@ class DeviceFirst:
 class HostFirst:
     """The host lookup: the first stage on the host, on unit 0's bus copy; only its rows cross.
     The last unit's gradient goes out as soon as the loss is done; the first stage's backward
-    and the global norm run on the host thread (HostBackward)."""
+    and the global norm run on the host thread (HostBackward), into the table's gradient
+    buffers kept from step to step (TableGradient)."""
+
+    def __init__(self, lib=None):
+        self.table = TableGradient(lib)
     def forward(self, sp, inputs) -> list:
         w = sp.host.stage_bus(sp.parts.first)
         return sp.transfers.rows_in([sp.functions.host_embed(w, x) for x in inputs])
@@ -247,7 +306,7 @@ class HostFirst:
         if leaving is not None:  # no device function runs after it: layer 0's gradient goes out now
             layer0 = transfers.grads_out(leaving[1])
             delete(leaving[2])
-        backward = HostBackward(sp, sp.host.stage_bus(sp.parts.first), inputs,
+        backward = HostBackward(sp, self.table, sp.host.stage_bus(sp.parts.first), inputs,
                                 transfers.grads_out(head.dxs), transfers.scalars_out(scalars))
         return EmbedBackward(backward.grads, last_out, backward.norm, backward.scale, layer0,
                              total_weight, backward.result)

@@ -13,7 +13,7 @@ from flax import nnx
 
 from megatrain_jax.engine import bus as bus_lib
 from megatrain_jax.engine import evaluate as evaluate_lib
-from megatrain_jax.engine import lookup
+from megatrain_jax.engine import fused_adamw, lookup
 from megatrain_jax.engine import step, transfer
 from megatrain_jax.engine.functions import DeviceFunctions, stage_parts
 from megatrain_jax.engine.host import HostState
@@ -240,7 +240,8 @@ class StreamedEngine:
             compute_bytes=host.compute_dtype.itemsize, grad_bytes=host.grad_dtype.itemsize,
             in_calls=self.copies == transfer.JIT)
         self.host_lookup = not why
-        self.first_stage = lookup.HostFirst() if self.host_lookup else lookup.DeviceFirst()
+        self.first_stage = (lookup.HostFirst(fused_adamw.kernel()) if self.host_lookup
+                            else lookup.DeviceFirst())
         if self.host_lookup:
             self.host.keep_bus_on_host(0)
         elif self._host_lookup:  # asked for: said where the user sees it
