@@ -39,7 +39,7 @@ DEVICE_KINDS = ("inputs", "weights", "gradients", "activations", "cotangents", "
 
 @functools.lru_cache(maxsize=8)
 def _device_functions(model: ModelConfig, execution: Execution, grad_dtype: str):
-    stages_def, stages, block_def, _, parts = abstract_units(model, execution)
+    stages_def, stages, block_def, _, _, parts = abstract_units(model, execution)
     return DeviceFunctions(stages_def, jax.tree.structure(stages), parts, block_def,
                            jnp.dtype(grad_dtype))
 
@@ -54,7 +54,7 @@ def workspace_bytes(model: ModelConfig, execution: Execution, compute_dtype: str
     On XLA:CPU, LLVM's optimisation level does not change buffer assignment: it is turned off,
     halving the compile time; so is loop-invariant code motion unless `hoisting` (the bf16
     estimate, see _HOISTING_PASS)."""
-    _, stages, _, block, parts = abstract_units(model, execution)
+    _, stages, _, block, constants, parts = abstract_units(model, execution)
     f = _device_functions(model, execution, grad_dtype)
     sharding = jax.sharding.SingleDeviceSharding(device)
     sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -64,11 +64,11 @@ def workspace_bytes(model: ModelConfig, execution: Execution, compute_dtype: str
     first, last = parts.take("first", leaves), parts.take("last", leaves)
     tokens, x = sds((batch, seq), jnp.int32), sds((batch, seq, model.hidden_size), c)
     context = {"segment_ids": tokens, "positions": tokens} if document_mask else None
-    w = like(block, c)
+    layer = (like(block, c), jax.tree.map(lambda k: sds(k.shape, k.dtype), constants))
     calls = {"embed": (f.embed, (like(first, c), tokens)),
-             "forward": (f.block_fwd, (w, x, context)),
+             "forward": (f.block_fwd, (layer, x, context)),
              "loss": (f.head, (like(last, c), x, tokens, like(last, jnp.float32))),
-             "backward": (f.block_bwd, (w, x, context, x, like(block, jnp.float32))),
+             "backward": (f.block_bwd, (layer, x, context, x, like(block, jnp.float32))),
              "embed backward": (f.embed_bwd, (like(first, c), tokens, x, like(first, jnp.float32))),
              # the last unit's leaves: the last stage's (untied, where the lookup serves)
              LOSS_SQUARES: (f.leaf_squares, (like(last, jnp.dtype(grad_dtype)),))}

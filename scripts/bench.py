@@ -275,13 +275,14 @@ def measure_resident_compute(jax, engine, batch, step_s, on_gpu) -> dict:
     stage_leaves = jax.tree.leaves(cast(params["stages"]))  # each part as the step fetches it
     w_first, w_last = (engine.parts.take(part, stage_leaves) for part in ("first", "last"))
     w_layer = cast(params["layers"][0])
+    layer_0 = (w_layer, jax.device_put(engine.block_constants[0], dev))
     xs = jax.block_until_ready([f.embed(w_first, x) for x in inputs])
 
     def layer():  # forward of all micro-batches, then backward (recompute + vjp), as in a step
         dw = f.zeros(w_layer)
-        dys = [f.block_fwd(w_layer, x, None)[0] for x in xs]  # (y, aux)
+        dys = [f.block_fwd(layer_0, x, None)[0] for x in xs]  # (y, aux)
         for i, x in enumerate(xs):
-            dys[i], dw = f.block_bwd(w_layer, x, None, dys[i], dw)
+            dys[i], dw = f.block_bwd(layer_0, x, None, dys[i], dw)
         return dys, f.sum_squares(dw)
 
     def stages():  # embedding forward, loss head (value and grad), embedding backward

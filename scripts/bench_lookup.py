@@ -54,7 +54,7 @@ from megatrain_jax.recipes import execution_for, load_config  # noqa: E402
 cfg = load_config(args.config, args.overrides)
 cpu = jax.devices("cpu")[0]
 execution, _ = execution_for(cfg, "cpu")
-stages_def, stages, block_def, _, parts = abstract_units(cfg.model, execution)
+stages_def, stages, block_def, _, _, parts = abstract_units(cfg.model, execution)
 grad_dtype, compute = jnp.dtype(cfg.train.grad_dtype), jnp.dtype(cfg.train.compute_dtype)
 f = DeviceFunctions(stages_def, jax.tree.structure(stages), parts, block_def, grad_dtype)
 leaves = jax.tree.leaves(stages)

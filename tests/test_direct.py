@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(fused_adamw.kernel() is None, reason="no C++ com
 
 CPU = jax.devices("cpu")
 D, V, L = 32, 11, 3
-SHAPES = {"one_leaf": [(1000,)], "mixed": [(64, 96), (96,), (1,), (33, 7), (3000,)]}
+SHAPES = {"one_leaf": [(1000,)], "mixed": [(64, 96), (96,), (1,), (33, 7), (), (3000,)]}
 
 
 def unit(shapes, rng, count, schedule, state_dtype="float32"):

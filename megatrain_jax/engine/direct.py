@@ -93,7 +93,8 @@ class UnitArrays:
                                       moments)
         for kind, leaves in zip((arrays.p, arrays.m, arrays.v), sources):
             for dst, src in zip(kind, leaves, strict=True):
-                src = np.ascontiguousarray(np.asarray(src, dst.dtype))
+                # (not np.ascontiguousarray: it makes a 0-d leaf 1-d)
+                src = np.asarray(src, dst.dtype, order="C")
                 if src.shape != dst.shape:
                     raise ValueError(f"a leaf shaped {src.shape} where the unit has {dst.shape}")
                 lib.megatrain_copy(dst.ctypes.data, src.ctypes.data, dst.nbytes)

@@ -32,7 +32,8 @@ def _forward(sp: StepParts, inputs, contexts) -> list:
     stream = LayerStream(range(sp.num_layers), lambda i: sp.fetch_unit(1 + i), sp.prefetch,
                          on_retire=sp.read())
     for i, w in stream:
-        ys = [f.block_fwd(w, x, c)[0] for x, c in zip(xs, contexts)]  # aux: not evaluated
+        layer = (w, sp.constants[i])
+        ys = [f.block_fwd(layer, x, c)[0] for x, c in zip(xs, contexts)]  # aux: not evaluated
         kept = {id(y) for y in ys}  # a jitted identity may hand its input back
         stream.done(ys, (sp.fetched(w), [x for x in xs if id(x) not in kept]))
         xs = ys

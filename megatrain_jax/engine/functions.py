@@ -113,8 +113,9 @@ class DeviceFunctions:
 
     Stage weights come as flat leaf lists of one part (StageParts): `embed` and `embed_bwd` take
     the `first` part, `head` and `head_loss` (the loss without gradients, for evaluation) the
-    `last` part. Accumulators are fp32 and donated; with several devices they hold one partial sum
-    per device until `reduce` (parallel.py)."""
+    `last` part; `block_fwd` and `block_bwd` a layer as (its weights, its Constants).
+    Accumulators are fp32 and donated; with several devices they hold one partial sum per device
+    until `reduce` (parallel.py)."""
 
     def __init__(self, stages_def, stages_treedef, parts: StageParts, block_def, grad_dtype,
                  aux_loss=None, placement: Placement | None = None):
@@ -153,20 +154,24 @@ class DeviceFunctions:
             _, vjp = jax.vjp(lambda w: embed(w, inputs), w32)
             return tree_add(acc, vjp(dx.astype(jnp.float32))[0])
 
-        def block_fwd(w, x, context):
-            """(y, aux): aux None for a block that returns y alone."""
-            block = nnx.merge(block_def, w)
+        def block_fwd(layer, x, context):
+            """(y, aux): aux None for a block that returns y alone. layer: (its weights, its
+            Constants, stage_units.py; {} where it has none)."""
+            w, constants = layer
+            block = nnx.merge(block_def, w, constants)
             out = block(x) if context is None else block(x, context)
             return tuple(out) if isinstance(out, (tuple, list)) else (out, None)
 
-        def block_fwd_total(w, x, context):
-            y, aux = block_fwd(w, x, context)
+        def block_fwd_total(layer, x, context):
+            y, aux = block_fwd(layer, x, context)
             return y, everywhere(aux)
 
-        def block_bwd(w, x, context, dy, acc, daux=None):
-            # Recompute the block from its saved input, then differentiate it. Each device's aux
-            # is its rows' part of the total, so its cotangent is the total's: daux as given.
-            (_, aux), vjp = jax.vjp(lambda w, x: block_fwd(w, x, context), w, x)
+        def block_bwd(layer, x, context, dy, acc, daux=None):
+            # Recompute the block from its saved input, then differentiate it (its weights, not
+            # its Constants). Each device's aux is its rows' part of the total, so its cotangent
+            # is the total's: daux as given.
+            w, constants = layer
+            (_, aux), vjp = jax.vjp(lambda w, x: block_fwd((w, constants), x, context), w, x)
             if daux is None:  # e.g. compiled alone for its memory: a zero cotangent
                 daux = jax.tree.map(jnp.zeros_like, aux)
             dw, dx = vjp((dy, daux))

@@ -65,8 +65,9 @@ class StepParts:
     """What a step (and an evaluation, engine/evaluate.py) reads: the host state, the transfers,
     the jitted device functions, the placement, the stage parts (functions.StageParts), the saved
     activations, the prefetch depth, the copies' form (schedule.EAGER or JIT), the first stage's
-    way (engine/lookup.py: DeviceFirst or HostFirst) and the hooks (StreamedEngine's on_phase,
-    on_event; None: none)."""
+    way (engine/lookup.py: DeviceFirst or HostFirst), each layer's Constants on the compute
+    device (stage_units.Constant) and the hooks (StreamedEngine's on_phase, on_event; None:
+    none)."""
     host: object
     transfers: object
     functions: object
@@ -77,6 +78,7 @@ class StepParts:
     prefetch: int
     copies: str
     first: object
+    constants: list
     on_phase: Optional[Callable] = None
     on_event: Optional[Callable] = None
 
@@ -188,12 +190,13 @@ def _forward(sp: StepParts, xs: list, contexts: list) -> tuple:
     stream = LayerStream(range(sp.num_layers), lambda i: sp.fetch_unit(1 + i), sp.prefetch,
                          sp.events("forward"), carry, sp.read(), sp.host.counters)
     for i, w in stream:
-        outs, ahead = [], None
+        outs, ahead, layer = [], None, (w, sp.constants[i])
         for m, (x, c) in enumerate(zip(xs, contexts)):
             if m == 0 and stream.carry is not None:  # the layer ahead's copy beside this compute
-                made, (ahead, _), _ = sp.carried_call(f.block_fwd_carry, (w, x, c), stream.carry)
+                made, (ahead, _), _ = sp.carried_call(f.block_fwd_carry, (layer, x, c),
+                                                      stream.carry)
             else:
-                made = f.block_fwd(w, x, c)
+                made = f.block_fwd(layer, x, c)
             outs.append(made)
         ys = [y for y, _ in outs]
         auxs += [aux for _, aux in outs if aux is not None]
@@ -245,7 +248,7 @@ def _backward(sp: StepParts, dxs: list, contexts: list, head: Head) -> tuple:
     for i, (w, xs) in stream:
         dw, ahead = f.zeros(w), None
         for m in range(len(dxs)):
-            args = (w, xs[m], contexts[m], dxs[m], dw, head.daux)
+            args = ((w, sp.constants[i]), xs[m], contexts[m], dxs[m], dw, head.daux)
             if m == 0 and (stream.carry is not None or leaving is not None):
                 (dxs[m], dw), (w_ahead, xs_ahead), parcel = sp.carried_call(
                     f.block_bwd_carry, args, stream.carry, leaving and leaving[1])

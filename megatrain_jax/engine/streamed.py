@@ -18,7 +18,7 @@ from megatrain_jax.engine import step, transfer
 from megatrain_jax.engine.functions import DeviceFunctions, stage_parts
 from megatrain_jax.engine.host import HostState
 from megatrain_jax.engine.parallel import Placement
-from megatrain_jax.engine.stage_units import param_split
+from megatrain_jax.engine.stage_units import param_split, stages_split
 from megatrain_jax.engine.stream import Activations, Counters
 from megatrain_jax.engine.tier import DiskTierOptions
 from megatrain_jax.engine.transfer import Transfers
@@ -40,7 +40,9 @@ class StreamedEngine:
       make_block: `make_block(i) -> nnx.Module`, layer i's block, all of one structure, called as
         `block(x)`, or `block(x, context)` when `train_step` is given a context. Called once per
         layer at construction, under the host device, so the stack is never built whole on the
-        accelerator. Blocks (and stages) may hold only `nnx.Param` state. A block may return
+        accelerator. Blocks (and stages) may hold only `nnx.Param` state, and blocks per-layer
+        `Constant`s (stage_units.py: data beside the weights that no optimizer sees, e.g. a
+        layer's kind; `block_constants`). A block may return
         `(x, aux)`, aux a pytree of per-layer fp32 statistics that add up over tokens (e.g. a
         mixture of experts' router counts): then `aux_loss` is required.
       aux_loss: `aux_loss(total) -> scalar`, total the sum of every layer's aux over the layers
@@ -169,17 +171,19 @@ class StreamedEngine:
         self.on_event = None
 
         with jax.default_device(self.host_device):
-            self._stages_def, stages = param_split((first, last), "the first/last stages")
+            self._stages_def, stages = stages_split((first, last))
+        self.block_constants = []  # per layer: its Constants, a pure dict (empty: none)
 
         def blocks():  # one at a time: the disk tier never holds the whole model in RAM
             with jax.default_device(self.host_device):
                 for i in range(num_layers):
-                    graphdef, params = param_split(make_block(i), f"block {i}")
+                    graphdef, params, constants = param_split(make_block(i), f"block {i}")
                     if i == 0:
                         self._block_def, structure = graphdef, jax.tree.structure(params)
                     elif graphdef != self._block_def or jax.tree.structure(params) != structure:
                         raise ValueError(f"block {i} differs in structure from block 0; all "
                                          "streamed blocks must share one structure")
+                    self.block_constants.append(constants)
                     yield params
 
         self.host = HostState(stages, blocks(), optimizer, max_grad_norm=max_grad_norm,
@@ -195,6 +199,9 @@ class StreamedEngine:
                                            else None),
                               host_threads=host_threads)
         del stages
+        # kept on the compute device for the run (a few numbers a layer), each passed beside its
+        # layer's weights
+        self._constants_on_device = [self.placement.put_weights(c) for c in self.block_constants]
         self.bus = self.host.bus_form
         ring = self.host.ring
         log.info("bus copies: %s (%s)", f"the layers' in a ring of {len(ring.slots)} buffers, the "
@@ -319,7 +326,8 @@ class StreamedEngine:
             host=self.host, transfers=self.transfers, functions=self.functions,
             placement=self.placement, parts=self.parts, activations=self.activations,
             num_layers=self.num_layers, prefetch=self.prefetch, copies=self.copies,
-            first=self.first_stage, on_phase=self.on_phase, on_event=self.on_event)
+            first=self.first_stage, constants=self._constants_on_device,
+            on_phase=self.on_phase, on_event=self.on_event)
 
     def _update_event(self, u: int):
         if u in (0, self.host.last):
@@ -366,6 +374,8 @@ class StreamedEngine:
 
     @property
     def block_graphdef(self):
+        """`nnx.merge(engine.block_graphdef, params["layers"][i], engine.block_constants[i])`
+        gives back layer i's block (its Constants are no parameters: `block_constants`)."""
         return self._block_def
 
     def params(self) -> dict:
