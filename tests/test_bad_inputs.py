@@ -319,19 +319,33 @@ def test_resume_refuses_a_changed_run_names_key_old_new(copy_run, tmp_path, env,
 
 
 def test_resume_refuses_a_corpus_edited_in_place_unless_allowed(tmp_path, capsys):
-    """The checkpoint records its data files' identity (size, a hash of the head): a corpus cut
-    short in place between a run and its resume is refused, naming the file, unless allowed."""
+    """The checkpoint records its data files' identity (size, mtime, a hash of the head): a
+    corpus edited in place between a run and its resume is refused, naming the file, unless
+    allowed: an edit past its first MiB at the same size (which the token cache rebuilt for,
+    while the resume went on), then the corpus cut short."""
     corpus = tmp_path / "corpus.txt"
-    shutil.copy(os.path.join(ROOT, "megatrain_jax", "texts", "devils_dictionary.txt"), corpus)
+    corpus.write_bytes(open(os.path.join(ROOT, "megatrain_jax", "texts", "devils_dictionary.txt"),
+                            "rb").read() * 3)  # 1.15 MB
     run_dir = str(tmp_path / "run")
-    args = [*FAST, "checkpoint.every=2", f"data.path={corpus}", f"run_dir={run_dir}"]
+    args = [*FAST, "checkpoint.every=2", f"data.path={corpus}", f"run_dir={run_dir}",
+            f"data.cache_dir={tmp_path}/cache"]
     train(load_config(TINY, [*args, "train.steps=2"]), log=lambda *a: None)
-    corpus.write_bytes(corpus.read_bytes()[:60_000])  # 383 KB cut to 60 KB, same name
     before = files(run_dir)
-    proc = in_process(commands.train, train_args(*args, "train.steps=3",
-                                                 "checkpoint.allow_changes=[train.steps]"), capsys)
-    assert_one_error_line(proc, 2, "checkpoint step 2", "was trained on other data", str(corpus),
-                          "60,000 bytes", "checkpoint.allow_changes=[data.path]")
+    resume = train_args(*args, "train.steps=3", "checkpoint.allow_changes=[train.steps]")
+    mtime = corpus.stat().st_mtime_ns + 10**9  # a write within the clock's tick would keep it
+    with open(corpus, "r+b") as f:  # 1.1 MB in: past the first MiB, the same size
+        f.seek(1_100_000)
+        f.write(b"EDITED")
+    os.utime(corpus, ns=(mtime, mtime))
+    assert_one_error_line(in_process(commands.train, resume, capsys), 2, "checkpoint step 2",
+                          "was trained on other data", f"{corpus}: its mtime is ",
+                          "the same size and first 1,048,576 bytes: an edit past them",
+                          "checkpoint.allow_changes=[data.path]")
+    assert files(run_dir) == before
+    corpus.write_bytes(corpus.read_bytes()[:60_000])  # cut to 60 KB, same name
+    assert_one_error_line(in_process(commands.train, resume, capsys), 2, "checkpoint step 2",
+                          "was trained on other data", str(corpus), "60,000 bytes",
+                          "checkpoint.allow_changes=[data.path]")
     assert files(run_dir) == before
     lines = []
     train(load_config(TINY, [*args, "train.steps=3",
