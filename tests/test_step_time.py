@@ -196,8 +196,11 @@ def test_every_local_device_predicts_as_the_engine_runs():
         False, False, False]
     on_host = "the first stage on the host (the host lookup"
     assumed = "gives no device count: planned for 1 a process"
-    for devices, lookup in ([], True), (["--devices", "4"], False):
-        proc = plan_cli("--config", "configs/bench_1b.yaml", *overrides, "--step-time", *devices)
+    # (a batch of 1 does not split over 4 devices: refused, as train refuses it)
+    for batch, devices, lookup in (([], [], True),
+                                   (["data.batch_size=4"], ["--devices", "4"], False)):
+        proc = plan_cli("--config", "configs/bench_1b.yaml", *overrides, *batch, "--step-time",
+                        *devices)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert (on_host in proc.stdout) == lookup and (assumed in proc.stdout) == lookup
     proc = plan_cli("--config", "configs/bench_1b.yaml", *overrides[:2])
@@ -361,11 +364,11 @@ def test_measured_rates_come_from_the_engines_own_paths(tmp_path):
     other = dataclasses.replace(s, tokens_per_step=65)
     rates, sources, bench = measured_rates(str(tmp_path), other)
     assert bench is None and "matmul" in sources["device_tflops"]
-    # a folder with nothing in it keeps every default
+    # a folder with no rate in it is refused: a prediction "from measured rates" of the defaults
     empty = tmp_path / "empty"
     empty.mkdir()
-    rates, sources, _ = measured_rates(str(empty), s)
-    assert dataclasses.asdict(rates) == DEFAULTS and set(sources.values()) == {"default"}
+    with pytest.raises(ValueError, match=r"^no rate in it \(0 JSON files, none a result of "):
+        measured_rates(str(empty), s)
 
 
 def plan_cli(*args):

@@ -18,6 +18,7 @@ host reads it (the host lookup, engine/lookup.py).
 """
 
 import dataclasses
+import math
 import os
 from typing import Any, Optional
 
@@ -283,7 +284,10 @@ def pinned_pool_bytes() -> int:
     try:
         gib = float(value) if value else POOL_DEFAULT_GIB
     except ValueError:
-        raise ValueError(f"{POOL_VARIABLE}={value!r} is not a number of GiB") from None
+        gib = math.nan
+    if not 0 < gib < math.inf:
+        raise ValueError(f"{POOL_VARIABLE}={value!r} is not a number of GiB > 0 (XLA's pinned "
+                         f"host pool); set it to one, e.g. {POOL_DEFAULT_GIB}, or unset it")
     return int(gib * 2**30)
 
 

@@ -219,6 +219,7 @@ class StreamedEngine:
         self.first_stage = None  # lookup.HostFirst or DeviceFirst, with host_lookup
         self.unit_sq = None
         self._broken = None
+        self._closed = False
         self.aux_loss = aux_loss
 
     # ----------------------------------------------------------------- one step
@@ -304,6 +305,7 @@ class StreamedEngine:
         the saved activations are dropped and the state is as before (or, raised after the
         step's updates were queued, as after it: they are queued all or none); a host update
         that failed leaves the engine unusable, saying which."""
+        self._check_open()
         if self._broken:
             raise RuntimeError(f"the engine is unusable: {self._broken}")
         self.transfers.on_event = self.on_event and (lambda kind, what: self.on_event(kind, what,
@@ -360,6 +362,7 @@ class StreamedEngine:
     # ----------------------------------------------------------------- reading state
     def wait(self):
         """Blocks until every pending host update has finished."""
+        self._check_open()
         try:
             self.host.wait()
         except BaseException as e:
@@ -442,10 +445,23 @@ class StreamedEngine:
     def load_unit(self, which, unit_state: dict):
         """Replaces one unit's state, `{"params", "opt_state"}`: which is "stages" or a layer
         index. Restoring unit by unit keeps the extra host memory to one unit's state."""
+        self._check_open()
         if which == "stages":
             self.host.load_stages(unit_state)
         else:
             self.host.load_unit(1 + which, unit_state)
 
     def close(self):
-        self.host.close()
+        """Waits for the pending updates and ends the host thread (and the disk tier): every
+        later call that steps or touches the state raises, saying the engine is closed."""
+        if self._closed:
+            return
+        try:
+            self.host.close()
+        finally:
+            self._closed = True
+
+    def _check_open(self):
+        if self._closed:  # its thread is gone, the disk tier's files too: nothing to step or read
+            raise RuntimeError("the engine is closed (close() was called): it cannot step nor "
+                               "give or take state; build a new engine")
