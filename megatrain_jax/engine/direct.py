@@ -18,18 +18,22 @@ on the device's one stream, by the compute of the next step's gradient. So no co
 is in flight. In debug mode (`MEGATRAIN_DEBUG_BUS=1`) the engine keeps every fetch until the
 unit's update and refuses to write while one is still copying (HostState.fetched).
 
-**Readers of the state.** `view` hands out the state as jax arrays over read-only views of the
-unit's buffers (no copy). While anything references them (a checkpoint being written in the
-background, a caller's `engine.params()`), the unit's update would change them under the reader:
-its owner buffer's reference count says so, and the update then copies the unit into fresh
-buffers first (copy-on-write, counted in `host_snapshot_bytes`) and leaves the old ones to the
-reader, as XLA does for a donated buffer that a numpy view still references.
+**Readers of the state.** `lend` hands out the state (`params()`, `state()`, a checkpoint's
+save) as jax arrays over read-only views of the unit's buffers (no copy), each view made from a
+lease of its own (`_Lease`): every array that can reach those bytes, the jax arrays, numpy
+arrays taken of them, slices of those, holds it, so it lives exactly as long as a reader can read
+them. While a lease of a unit lives, its update copies the unit into fresh buffers first
+(copy-on-write, counted in `host_snapshot_bytes`) and leaves the old ones to the reader; once its
+leases are gone (the reader dropped the last of them, a save wrote and let go of its last leaf),
+updates are in place again. The engine's own views (`trees`) and any other reference to its
+buffers are no reader: they never make a copy.
 """
 
 import ctypes
 import dataclasses
 import mmap
-import sys
+import threading
+import weakref
 from typing import Any, Optional
 
 import jax
@@ -73,7 +77,9 @@ class UnitArrays:
     lr_count: Optional[int]
     params_def: Any
     opt_def: Any  # (adam state, decay state, schedule state) with None leaves
-    baseline: int = 0
+    # the leases of the views handed out (`lend`): weak references, dead once nothing reads them
+    leases: list = dataclasses.field(default_factory=list)
+    _lock: Any = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     @staticmethod
     def of(params, opt_state, lib) -> "UnitArrays":
@@ -97,7 +103,6 @@ class UnitArrays:
                 if src.shape != dst.shape:
                     raise ValueError(f"a leaf shaped {src.shape} where the unit has {dst.shape}")
                 lib.megatrain_copy(dst.ctypes.data, src.ctypes.data, dst.nbytes)
-        arrays.settle()
         return arrays
 
     @staticmethod
@@ -122,17 +127,13 @@ class UnitArrays:
                                    self.count, self.lr_count, self.moments)
         for dst, src in zip(new.p + new.m + new.v, self.p + self.m + self.v):
             lib.megatrain_copy(dst.ctypes.data, src.ctypes.data, dst.nbytes)
-        new.settle()
         return new
 
-    def settle(self):
-        """Records the references the engine itself holds to the allocation: any more are a
-        reader's (`lent`)."""
-        self.baseline = sys.getrefcount(self.owner)
-
     def lent(self) -> bool:
-        """Whether something besides the engine references the unit's buffers."""
-        return sys.getrefcount(self.owner) > self.baseline
+        """Whether a view handed out by `lend` may still be read."""
+        with self._lock:  # (lend runs on the caller's thread, lent on the host thread)
+            self.leases = [lease for lease in self.leases if lease() is not None]
+            return bool(self.leases)
 
     @property
     def moments(self) -> np.dtype:
@@ -144,11 +145,25 @@ class UnitArrays:
         return sum(x.nbytes for x in self.p + self.m + self.v)
 
     def trees(self, wrap) -> tuple:
-        """(params, opt_state) as optax.adamw's trees, each leaf `wrap(read-only view)`."""
+        """(params, opt_state) as optax.adamw's trees, each leaf `wrap(read-only view)`: the
+        engine's own (its bus copy when that is the weights), never a reader's."""
+        return self._trees(wrap, lambda x: x.view())
+
+    def lend(self, wrap) -> tuple:
+        """`trees` for a reader: each view leased (the module's docstring), so that the update
+        copies the unit while the reader can still read it."""
+        def leased(x):
+            lease = _Lease(x)
+            with self._lock:
+                self.leases.append(weakref.ref(lease))
+            return np.asarray(lease).view(x.dtype).reshape(x.shape)
+        return self._trees(wrap, leased)
+
+    def _trees(self, wrap, view) -> tuple:
         def ro(x):
-            view = x.view()
-            view.flags.writeable = False
-            return wrap(view)
+            x = view(x)
+            x.flags.writeable = False
+            return wrap(x)
         params = jax.tree.unflatten(self.params_def, [ro(x) for x in self.p])
         mu = jax.tree.unflatten(self.params_def, [ro(x) for x in self.m])
         nu = jax.tree.unflatten(self.params_def, [ro(x) for x in self.v])
@@ -158,6 +173,19 @@ class UnitArrays:
         if self.lr_count is not None:
             lr_state = lr_state._replace(count=wrap(np.asarray(self.lr_count, np.int32)))
         return params, (adam, decay_state, lr_state)
+
+
+class _Lease:
+    """The bytes of one leaf as a buffer of their own (numpy's array interface): a numpy array
+    made from it has it as its base, and so do its views and whatever aliases them (a jax array
+    over it, numpy arrays of that), where a view of the unit's own array would have the unit's
+    allocation as its base. Its lifetime is therefore its readers'. Keeps the allocation alive."""
+    __slots__ = ("__array_interface__", "owner", "__weakref__")
+
+    def __init__(self, x: np.ndarray):
+        self.owner = x
+        self.__array_interface__ = {"shape": (x.nbytes,), "typestr": "|u1", "version": 3,
+                                    "data": (x.ctypes.data, True)}  # read-only
 
 
 class DirectAdamW:

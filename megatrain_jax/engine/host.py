@@ -177,7 +177,8 @@ class HostState:
             self.units.append(self._new_unit(params, in_ring and u not in (0, self.last)))
             self.store.add(self.units)  # the disk tier: the state to its file
         if in_ring:  # its buffers made like a bus copy of layer 0's weights (then rewritten)
-            self.ring = bus_lib.Ring(lambda: self.make_bus(self.unit_state(1)[0], 1),
+            layer_0 = lambda: self.store.view(1, self.units[1])[0]
+            self.ring = bus_lib.Ring(lambda: self.make_bus(layer_0(), 1),
                                      bus_lib.ring_size(prefetch), self._write_slot, debug)
         for u in (0, 1, self.last):  # one per structure (pinned bus copies only)
             if self.direct is None and not self.in_ring(u):
@@ -230,7 +231,6 @@ class HostState:
             unit.bus = self.make_bus(self.store.view(u, unit)[0], u)
         else:
             self.direct.write_bus(unit.arrays, jax.tree.leaves(unit.bus))
-        unit.arrays.settle()
 
     @property
     def direct(self) -> Optional[direct_lib.DirectAdamW]:
@@ -275,7 +275,7 @@ class HostState:
         do while it updates)."""
         if self.tier is not None:
             self.wait()
-        return self.store.view(u, self.ready(u))
+        return self.store.lend(u, self.ready(u))
 
     # ----------------------------------------------------------------- bus copies
     def make_bus(self, params, u: int):
@@ -381,7 +381,6 @@ class HostState:
                 unit.arrays = arrays
                 if params_bus:
                     self._direct_bus(u, unit, fresh=True)
-                arrays.settle()
         t2 = time.perf_counter()
         self.counters.host_compute_s += t2 - t1
         self.counters.host_update_s += t2 - t0

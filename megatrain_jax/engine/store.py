@@ -5,9 +5,10 @@ updates, only its bus copy in RAM). HostState chooses one at construction (`choo
 
 Each store: `add(units)` at construction, as each unit is made; `expect(u)` when u's update is
 queued; `load(u, unit)` and `store(u, unit)` around the update, on the host thread;
-`put(u, unit, params, opt_state)` a loaded state; `view(u, unit)` (params, opt_state) to read;
-`flush()`, `close()`. `donate`: the update's arguments it may donate (params 0, optax state 1, the
-old bus copy 3).
+`put(u, unit, params, opt_state)` a loaded state; `view(u, unit)` (params, opt_state) for the
+engine to read, `lend(u, unit)` the same for a reader outside it (the direct store tracks those:
+direct.py, "Readers of the state"); `flush()`, `close()`. `donate`: the update's arguments it
+may donate (params 0, optax state 1, the old bus copy 3).
 """
 
 from megatrain_jax.engine import direct as direct_lib
@@ -37,6 +38,9 @@ class RamStore:
 
     def view(self, u: int, unit) -> tuple:
         return unit.params, unit.opt_state
+
+    def lend(self, u: int, unit) -> tuple:
+        return self.view(u, unit)
 
     def flush(self):
         pass
@@ -94,6 +98,9 @@ class DiskStore:
         """Read-only numpy arrays mapped from its file."""
         return self.tier.view(u)
 
+    def lend(self, u: int, unit) -> tuple:
+        return self.view(u, unit)
+
     def flush(self):
         self.tier.flush()
 
@@ -116,6 +123,10 @@ class DirectStore(RamStore):
 
     def view(self, u: int, unit) -> tuple:
         return unit.arrays.trees(self.update.wrap)
+
+    def lend(self, u: int, unit) -> tuple:
+        """Leased views: the unit's update copies it while they may be read."""
+        return unit.arrays.lend(self.update.wrap)
 
 
 def choose(disk_tier, num_units: int, last_shapes, host, direct=None):

@@ -361,11 +361,14 @@ class StreamedEngine:
         """fp32 master weights on the host: {"stages": tree, "layers": [tree, ...]}.
 
         A view, not a copy. With the host update called directly (engine/direct.py, the fused
-        AdamW with its kernel built) it stays the state of this moment: while anything holds it,
-        each unit's update first copies the unit (slower steps), so drop it or copy what you keep
-        (`jax.tree.map(np.array, ...)`). Otherwise it is valid until the next `train_step`, which
-        updates these buffers in place (reading one afterwards raises "Array has been deleted"). `nnx.merge(engine.stages_graphdef, params["stages"])`
-        gives back (first, last)."""
+        AdamW with its kernel built) it stays the state of this moment for as long as anything
+        can read it (any of its arrays, a numpy array or a slice taken of one): each unit it
+        reaches is copied once, at its next update, and left to it (counted in
+        `counters.host_snapshot_bytes`), so drop what you do not keep, or copy it
+        (`jax.tree.map(np.array, ...)`). With the jitted update it is valid until the next
+        `train_step`, which updates these buffers in place (reading one afterwards raises "Array
+        has been deleted"). `nnx.merge(engine.stages_graphdef, params["stages"])` gives back
+        (first, last)."""
         self.wait()
         layers = [self.host.unit_state(1 + i)[0] for i in range(self.num_layers)]
         return {"stages": self.host.stages_state()[0], "layers": layers}
@@ -397,8 +400,9 @@ class StreamedEngine:
         return self.placement.shards
 
     def state(self) -> dict:
-        """The full training state (params and optax state per unit), host-resident; a view
-        valid until the next `train_step`, like `params()`."""
+        """The full training state (params and optax state per unit), host-resident: a view
+        that stays the state of this moment, or is valid until the next `train_step`, as
+        `params()` says."""
         self.wait()
         unit = lambda state: dict(zip(("params", "opt_state"), state))
         return {"stages": unit(self.host.stages_state()),
