@@ -122,9 +122,10 @@ class HostState:
         del stages
         # the stages' units' shapes of params and optax state (load_stages splits a checkpoint's
         # stages unit by them); the last unit's layout, for the tier's files (made before it is)
-        shape = lambda params: (jax.eval_shape(lambda p: p, params),
-                                jax.eval_shape(optimizer.init, params))
-        self.stage_units = {0: shape(first), self.last: shape(last)}
+        layout = lambda params: (jax.eval_shape(lambda p: p, params),
+                                 jax.eval_shape(optimizer.init, params))
+        self.stage_units = {0: layout(first), self.last: layout(last)}
+        self.block_layout = None  # a block unit's, made with the first
         # Debug mode (MEGATRAIN_DEBUG_BUS=1): every fetch of a unit's bus copy is kept until the
         # unit's update, which refuses to write the copy while one of them is still copying
         # (direct.py: when the bus copy may be written)
@@ -135,13 +136,13 @@ class HostState:
         self.store = store_lib.choose(disk_tier, self.last + 1, self.stage_units[self.last],
                                       self.host, self.direct)
         try:
-            self._build(first, blocks, last, to_host, shards, host_device)
+            self._build(first, blocks, last, to_host, shards, host_device, layout)
         except BaseException:
             self.store.close()  # the disk tier's open files, made with the first block
             raise
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-optim")
 
-    def _build(self, first, blocks, last, to_host, shards, host_device):
+    def _build(self, first, blocks, last, to_host, shards, host_device, layout):
         """The jitted updates, and every unit made from its weights (into the store)."""
         if self.direct is None:
             # Donating (store.donate) params, optax state and the old bus copy makes the update
@@ -159,7 +160,10 @@ class HostState:
             for params in blocks:
                 params = to_host(params)
                 self.shapes.setdefault(1, [tuple(p.shape) for p in jax.tree.leaves(params)])
-                yield shards.cut(params) if shards is not None else params
+                params = shards.cut(params) if shards is not None else params
+                if self.block_layout is None:
+                    self.block_layout = layout(params)
+                yield params
 
         bus, prefetch, debug = self._ring_args
         size = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
@@ -258,12 +262,28 @@ class HostState:
         first, last = self.unit_state(0), self.unit_state(self.last)
         return tuple(stage_units.merge(a, b) for a, b in zip(first, last))
 
+    def layout(self, which) -> tuple:
+        """(params, opt_state) of unit `which` (an index, or "stages": the whole stages, as a
+        checkpoint holds them) as jax.ShapeDtypeStruct trees: what a loaded state must match."""
+        if which == "stages":
+            return tuple(stage_units.merge(a, b) for a, b in zip(self.stage_units[0],
+                                                                 self.stage_units[self.last]))
+        return self.stage_units.get(which, self.block_layout)
+
+    def check_load(self, which, unit_state: dict) -> tuple:
+        """(params, opt_state) of `unit_state` if unit `which` (as `layout`) can take it, else
+        one ValueError line naming the unit and the leaf (store.check)."""
+        what = "the stages" if which in ("stages", 0, self.last) else f"layer {which - 1}"
+        return store_lib.check(unit_state, self.layout(which), what)
+
     def load_stages(self, unit_state: dict):
-        """Replaces the stages' state with `unit_state` (whole: {"params", "opt_state"})."""
+        """Replaces the stages' state with `unit_state` (whole: {"params", "opt_state"}), checked
+        first (check_load), its dtypes the units' (store.cast)."""
+        whole = store_lib.cast(self.check_load("stages", unit_state), self.layout("stages"))
         taken = set()  # scalar optax state (a count) goes to both units: each gets its own
         for u, (params, opt_state) in self.stage_units.items():
-            part = {"params": stage_units.like(unit_state["params"], params),
-                    "opt_state": stage_units.like(unit_state["opt_state"], opt_state)}
+            part = {"params": stage_units.like(whole[0], params),
+                    "opt_state": stage_units.like(whole[1], opt_state)}
             part = jax.tree.map(lambda x: x.copy() if id(x) in taken else x, part)
             taken |= {id(x) for x in jax.tree.leaves(part)}
             self.load_unit(u, part)
@@ -524,17 +544,20 @@ class HostState:
         self.store.flush()
 
     def load_unit(self, u: int, unit_state: dict):
-        """Replaces unit u's state with `unit_state` ({"params", "opt_state"}), once every
-        pending update has finished (with the disk tier, the file is written on this thread)."""
+        """Replaces unit u's state with `unit_state` ({"params", "opt_state"}), checked first
+        (check_load), its dtypes the unit's (store.cast: the moments of another state dtype), once
+        every pending update has finished (with the disk tier, the file is written on this
+        thread)."""
+        params, opt_state = store_lib.cast(self.check_load(u, unit_state), self.layout(u))
         self.wait()
         unit = self.ready(u)
         if self.direct is not None:
-            self.store.put(u, unit, unit_state["params"], unit_state["opt_state"])
+            self.store.put(u, unit, params, opt_state)
             if not self.in_ring(u):
                 self._direct_bus(u, unit, fresh=False)
             return
-        params = jax.device_put(unit_state["params"], self.host)
-        opt_state = jax.device_put(unit_state["opt_state"], self.host)
+        params = jax.device_put(params, self.host)
+        opt_state = jax.device_put(opt_state, self.host)
         self.store.put(u, unit, params, opt_state)
         unit.bus = None if self.in_ring(u) else self.make_bus(params, u)
 

@@ -414,17 +414,31 @@ class StreamedEngine:
         return self.host.tier
 
     def load_state(self, state: dict):
-        """Replaces the training state with `state` (same structure as `state()`).
+        """Replaces the training state with `state` (same structure as `state()`), unit by unit,
+        once every unit is checked (structure, shapes, kinds of dtype: one ValueError line naming
+        the unit and the leaf, nothing replaced). The Adam moments take the engine's dtype.
 
         The engine takes the arrays over: later steps update them in place (donation), so do
         not keep using them."""
+        layers = state["layers"]
+        if len(layers) != self.num_layers:
+            raise ValueError(f"cannot load a state of {len(layers)} layers into an engine of "
+                             f"{self.num_layers}")
+        self.host.check_load("stages", state["stages"])
+        for i, layer in enumerate(layers):
+            self.host.check_load(1 + i, layer)
         self.load_unit("stages", state["stages"])
-        for i, layer in enumerate(state["layers"]):
+        for i, layer in enumerate(layers):
             self.load_unit(i, layer)
 
     def load_unit(self, which, unit_state: dict):
         """Replaces one unit's state, `{"params", "opt_state"}`: which is "stages" or a layer
-        index. Restoring unit by unit keeps the extra host memory to one unit's state."""
+        index. Restoring unit by unit keeps the extra host memory to one unit's state. Checked
+        and cast as in `load_state`."""
+        layer = isinstance(which, (int, np.integer)) and not isinstance(which, bool)
+        if which != "stages" and not (layer and 0 <= which < self.num_layers):
+            raise ValueError(f"load_unit: which must be 'stages' or a layer index (0 to "
+                             f"{self.num_layers - 1}), got {which!r}")
         if which == "stages":
             self.host.load_stages(unit_state)
         else:
