@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from toy_model import Embed, Head
+from toy_model import Embed, Head, Residual
 
 from megatrain_jax import StreamedEngine
 from megatrain_jax.config import OptimizerConfig
@@ -21,21 +21,12 @@ PATHS = ["direct", "jit"]
 TOKENS = np.random.default_rng(3).integers(0, V, size=(3, 2, 2, 9))
 
 
-class Block(nnx.Module):
-    def __init__(self, rngs):
-        self.w = nnx.Param(jax.random.normal(rngs.params(), (D, 3 * D)) * 0.1)
-        self.b = nnx.Param(jnp.zeros((3 * D,)))
-        self.out = nnx.Param(jax.random.normal(rngs.params(), (3 * D, D)) * 0.1)
-
-    def __call__(self, x):
-        return x + jnp.tanh(x @ self.w[...] + self.b[...]) @ self.out[...]
-
-
 def make(path, state_dtype="float32", seed=0):
     if path == "direct" and fused_adamw.kernel() is None:
         pytest.skip("no C++ compiler: no direct update")
     return StreamedEngine(first=Embed(V, D, nnx.Rngs(seed)), last=Head(D, V, nnx.Rngs(seed + 1)),
-                          make_block=lambda i: Block(nnx.Rngs(seed + 10 + i)), num_layers=L,
+                          make_block=lambda i: Residual(D, 3 * D, nnx.Rngs(seed + 10 + i)),
+                          num_layers=L,
                           optimizer=build_optimizer(OptimizerConfig(state_dtype=state_dtype), 10),
                           max_grad_norm=1.0, compute_dtype=jnp.bfloat16, compute_device=CPU[1],
                           host_device=CPU[0], host_update=path)
