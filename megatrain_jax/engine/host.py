@@ -505,21 +505,25 @@ class HostState:
 
     def ready(self, u: int) -> Unit:
         """Unit u once its pending update has finished. An update that failed (re-raised here)
-        leaves that unit's state unknown: every later call refuses."""
+        leaves that unit's state unknown: every later call refuses. Only what the update's
+        future carries is its failure: an exception raised in the waiting thread itself (a
+        Ctrl-C while it waits) leaves the update pending, to be waited for again."""
         if self.failed:
             raise RuntimeError(f"the engine is unusable: {self.failed}")
         unit = self.units[u]
         if unit.pending is not None:
             t0 = time.perf_counter()
-            future, unit.pending = unit.pending, None
             try:
-                future.result()  # re-raises anything the host thread raised
-            except NotRun as e:
-                self.failed = str(e)
-                raise RuntimeError(f"the engine is unusable: {self.failed}") from None
-            except BaseException as e:
-                self.failed = self._failure(u, e)
-                raise
+                error = unit.pending.exception()  # waits
+            except concurrent.futures.CancelledError as e:  # (by close)
+                error = e
+            unit.pending = None
+            if isinstance(error, NotRun):
+                self.failed = str(error)
+                raise RuntimeError(f"the engine is unusable: {self.failed}")
+            if error is not None:
+                self.failed = self._failure(u, error)
+                raise error
             self.counters.host_wait_s += time.perf_counter() - t0
         return unit
 

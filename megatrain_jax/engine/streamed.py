@@ -311,10 +311,13 @@ class StreamedEngine:
             first=self.first_stage, on_phase=self.on_phase, on_event=self.on_event)
 
     def _update_event(self, u: int):
+        on_event = self.on_event  # (the caller may unset it while updates are still queued)
+        if on_event is None:
+            return
         if u in (0, self.host.last):
-            self.on_event("update", "first stage" if u == 0 else "last stage", None)
+            on_event("update", "first stage" if u == 0 else "last stage", None)
         else:
-            self.on_event("update", "layer", u - 1)
+            on_event("update", "layer", u - 1)
 
     def _put_batch(self, inputs, targets, context):
         """(inputs, targets, contexts) as per-micro-batch lists on the compute device."""
