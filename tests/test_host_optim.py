@@ -463,11 +463,14 @@ def test_a_step_interrupted_while_its_updates_are_queued_changes_nothing(path):
     reference = make_engine(tx(), DEVICES["staged"](), 1.0)
     step(reference, 0)
     step(reference, 1)
-    for x, y in zip(jax.tree.leaves(engine.state()), jax.tree.leaves(reference.state()),
-                    strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert_same_state(engine.state(), reference.state())
     engine.close()
     reference.close()
+
+
+def assert_same_state(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def late_copy(bus):
@@ -733,11 +736,8 @@ def test_ctrl_c_while_waiting_for_a_host_update_leaves_the_engine_usable(path, w
     reference = make()
     for k in range(2):
         step(reference, k)
-    for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(reference.state()), strict=True):
-        np.testing.assert_array_equal(x, np.asarray(y))
+    assert_same_state(state, reference.state())
     step(reference, 2)
-    for x, y in zip(jax.tree.leaves(engine.state()), jax.tree.leaves(reference.state()),
-                    strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert_same_state(engine.state(), reference.state())
     engine.close()
     reference.close()
