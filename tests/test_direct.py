@@ -76,7 +76,7 @@ def test_direct_kernel_equals_the_ffi_kernel_bit_for_bit(shapes, grad_dtype, max
     arrays = direct.UnitArrays.of(params, opt_state, lib)
     bus = [jnp.zeros(p.shape, jnp.bfloat16, device=CPU[0]) for p in jax.tree.leaves(params)]
     ffi = jax.jit(lambda p, o, g, b, norm: fused_adamw.update(
-        hyper, p, o, g, b, norm, jnp.float32(0.5), max_grad_norm, jnp.bfloat16, True))
+        hyper, p, o, g, b, norm, jnp.float32(0.5), max_grad_norm, jnp.bfloat16, True, unit=1))
     ffi_state = (params, opt_state)
     for step in range(2):
         grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), grad_dtype), params)

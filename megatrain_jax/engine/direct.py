@@ -202,9 +202,9 @@ class DirectAdamW:
         self.on_kernel = None  # on_kernel(u, ranges), when set: each call's ranges (for tests)
         self._decays = {}  # per params structure: the leaves' weight-decay flags
 
-        def scalars(count, lr_count, norm, scale):
+        def scalars(count, lr_count, norm, scale, unit):
             s, count, lr_count = fused_adamw.step_scalars(hyper, count, lr_count, norm, scale,
-                                                          max_grad_norm)
+                                                          max_grad_norm, unit)
             return jnp.stack([s[k] for k in fused_adamw.SCALARS]), count, lr_count
 
         self._scalars = jax.jit(scalars, out_shardings=self.host)
@@ -222,20 +222,23 @@ class DirectAdamW:
         return self._decays[key]
 
     def apply(self, u: int, arrays: UnitArrays, pieces: list, grad_norm, scale, bus: list,
-              what: str) -> UnitArrays:
+              what: str, firsts=None) -> UnitArrays:
         """One AdamW step of unit u in place (or, when a reader holds its state, in a copy, which
         is returned). pieces: per leaf, the gradient's pieces in row order (jax arrays in pinned
         or host memory, or numpy); bus: per leaf the bf16 (or f32) bus buffer to write, or None
-        (the weights are the bus copy). grad_norm, scale: scalars (jax or numpy)."""
+        (the weights are the bus copy). grad_norm, scale: scalars (jax or numpy). firsts: per
+        leaf, the index in the whole leaf of its first element here (the sharded host layout's
+        rows; None: all 0), which with u keys bf16 moments' rounding (fused_adamw.cc)."""
         if arrays.lent():
             arrays = arrays.copy(self.lib)
             self.counters.host_snapshot_bytes += arrays.nbytes
         vec, count, lr_count = self._scalars(
             np.int32(arrays.count), np.int32(arrays.lr_count or 0),
-            np.float32(grad_norm), np.float32(scale))
+            np.float32(grad_norm), np.float32(scale), np.int32(u))
         vec = np.ascontiguousarray(np.asarray(vec), np.float32)
         keep, ranges = [vec], []  # keep: what the pointer table points into, until the call returns
         decays = self.decays(arrays)
+        firsts = [0] * len(arrays.p) if firsts is None else firsts
         if len(pieces) != len(arrays.p):
             raise ValueError(f"{what}: a gradient of {len(pieces)} leaves for a unit of "
                              f"{len(arrays.p)}")
@@ -258,11 +261,11 @@ class DirectAdamW:
                 bus_at = None
                 if bus_ptr is not None and out.dtype == jnp.bfloat16:
                     bus_at = bus_ptr + 2 * offset
-                k = m.itemsize  # 4, or 2 for bf16 moments (rounded by (leaf i, element offset +)
+                k = m.itemsize  # 4, or 2 for bf16 moments
                 ranges.append(fused_adamw.Range(
                     p.ctypes.data + 4 * offset, m.ctypes.data + k * offset,
                     v.ctypes.data + k * offset, g.ctypes.data, bus_at, n, int(bf16),
-                    int(decays[i]), int(k == 2), i, offset))
+                    int(decays[i]), int(k == 2), i, firsts[i] + offset))
                 offset += n
             if offset != p.size:
                 raise ValueError(f"{what}: a gradient of {offset} elements for a leaf of {p.size}")

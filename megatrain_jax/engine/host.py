@@ -140,6 +140,9 @@ class HostState:
         except BaseException:
             self.store.close()  # the disk tier's open files, made with the first block
             raise
+        shapes = lambda u: [x.shape for x in jax.tree.leaves(self.layout(u)[0])]
+        self._firsts = {self._structure(u): shards.firsts(shapes(u)) if shards is not None else
+                        [0] * len(shapes(u)) for u in (0, 1, self.last)}
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-optim")
 
     def _build(self, first, blocks, last, to_host, shards, host_device, layout):
@@ -149,7 +152,7 @@ class HostState:
             # write in place. keep_unused: the old bus is never read, only donated; jit would
             # otherwise prune it.
             self._update = jax.jit(self.update.step, donate_argnums=self.store.donate,
-                                   static_argnums=(6,), keep_unused=True)
+                                   static_argnums=(8,), keep_unused=True)
             if self.update.prepare_first:
                 self._prepare_in_place = jax.jit(self.update.prepare, donate_argnums=(0,))
         # out_shardings: optax state that does not depend on the params (counts, zeros) would
@@ -269,6 +272,11 @@ class HostState:
             return tuple(stage_units.merge(a, b) for a, b in zip(self.stage_units[0],
                                                                  self.stage_units[self.last]))
         return self.stage_units.get(which, self.block_layout)
+
+    def firsts(self, u: int) -> list:
+        """Per leaf of unit u, the index in the whole leaf of the first element this process
+        holds (the sharded layout's rows; else 0): with u, what keys bf16 moments' rounding."""
+        return self._firsts[self._structure(u)]
 
     def check_load(self, which, unit_state: dict) -> tuple:
         """(params, opt_state) of `unit_state` if unit `which` (as `layout`) can take it, else
@@ -396,7 +404,7 @@ class HostState:
             what = "the stages' unit" if u in (0, self.last) else f"layer {u - 1}"
             self._check_fetches(u, what)
             arrays = self.direct.apply(u, unit.arrays, pieces, grad_norm,
-                                       np.float32(np.asarray(scale)), bus, what)
+                                       np.float32(np.asarray(scale)), bus, what, self.firsts(u))
             if arrays is not unit.arrays:  # copied: a reader holds the old state
                 unit.arrays = arrays
                 if params_bus:
@@ -434,8 +442,8 @@ class HostState:
             if self.update.prepare_first:
                 grads = self._prepare_in_place(grads, grad_norm, scale)
             unit.params, unit.opt_state, new_bus = self._update(
-                unit.params, unit.opt_state, grads, old_bus, grad_norm, scale,
-                bus.is_params or in_ring)
+                unit.params, unit.opt_state, grads, old_bus, grad_norm, scale, np.int32(u),
+                np.asarray(self.firsts(u), np.uint32), bus.is_params or in_ring)
             if not in_ring:
                 unit.bus = bus.after_update(unit, new_bus)
             if not bus.on_host and not in_ring:  # the refresh to the accelerator's pinned memory
