@@ -350,12 +350,14 @@ def test_a_deleted_bus_copy_is_one_line_naming_the_unit():
     engine.close()  # (the failed update is not run again)
 
 
-def test_debug_mode_refuses_to_write_a_bus_copy_a_fetch_still_reads(monkeypatch):
-    """MEGATRAIN_DEBUG_BUS=1: steps run as always (every fetch is done by its unit's update), and
+@pytest.mark.parametrize("path", ["direct", "jit"])
+def test_debug_mode_refuses_to_write_a_bus_copy_a_fetch_still_reads(monkeypatch, path):
+    """MEGATRAIN_DEBUG_BUS=1, on both update paths (the jit path's update writes the bus copy
+    into the donated old one): steps run as always (every fetch is done by its unit's update), and
     an update queued while a fetch of its unit is still copying (here: a fetch made inside a long
     computation, recorded as the step records its fetches) is refused, naming the unit."""
     monkeypatch.setenv("MEGATRAIN_DEBUG_BUS", "1")
-    engine = engine_on((CPU[1], CPU[0]))
+    engine = engine_on((CPU[1], CPU[0]), host_update=path)
     assert engine.host.fetches is not None
     losses = steps(engine, 2)
     engine.wait()
@@ -374,3 +376,20 @@ def test_debug_mode_refuses_to_write_a_bus_copy_a_fetch_still_reads(monkeypatch)
         engine.wait()
     assert not done.is_ready()  # the check ran while the fetch was in flight
     engine.close()  # (the failed update is not run again)
+
+
+@pytest.mark.parametrize("path", ["direct", "jit"])
+def test_debug_mode_keeps_no_more_fetches_than_are_in_flight(monkeypatch, path):
+    """MEGATRAIN_DEBUG_BUS=1 in an evaluation-only loop (no update ever comes to take the
+    recorded fetches): a fetch done copying is let go of when its unit is fetched again, so the
+    arrays alive stay as many as after one evaluation, however many follow."""
+    monkeypatch.setenv("MEGATRAIN_DEBUG_BUS", "1")
+    engine = engine_on((CPU[1], CPU[0]), host_update=path)
+    steps(engine, 1)
+    engine.wait()
+    live = []
+    for t in TOKENS:
+        float(engine.evaluate(t[..., :-1], t[..., 1:])["loss"])
+        live.append(len(jax.live_arrays()))
+    engine.close()
+    assert live[-1] == live[1], live

@@ -27,10 +27,11 @@ L = CFG.model.num_layers
 TOKENS = np.random.default_rng(0).integers(0, CFG.model.vocab_size, size=(STEPS, 2, 2, 33))
 
 
-def engine(bus, copies="eager", prefetch=1):
+def engine(bus, copies="eager", prefetch=1, **kwargs):
     """CPU device 1 standing for the accelerator, the state on device 0."""
     cfg = dataclasses.replace(CFG, train=dataclasses.replace(CFG.train, prefetch=prefetch))
-    built = build_engine(cfg, compute_device=CPU[1], host_device=CPU[0], copies=copies, bus=bus)
+    built = build_engine(cfg, compute_device=CPU[1], host_device=CPU[0], copies=copies, bus=bus,
+                         **kwargs)
     assert (built.copies, built.bus) == (copies, bus)
     return built
 
@@ -188,6 +189,32 @@ def test_each_slot_is_refilled_after_its_reader_and_no_dispatch_waits_for_it(cop
             for pos in range(1, L):
                 wait = [k for k, e in enumerate(events) if e == ("wait", phase, order[pos - 1])]
                 assert mine[pos] < wait[step], (step, phase, pos)
+
+
+@pytest.mark.parametrize("host_update", ["direct", "jit"])
+def test_the_debug_guard_has_every_refilled_slots_fetches_to_check(monkeypatch, host_update):
+    """MEGATRAIN_DEBUG_BUS=1, whichever path updates the state: each refill of a slot finds the
+    copies fetched from it still there for the guard to check (none deleted before it looks)."""
+    monkeypatch.setenv("MEGATRAIN_DEBUG_BUS", "1")
+    built = engine("ring", host_update=host_update)
+    if host_update == "direct" and built.host.direct is None:
+        built.close()
+        pytest.skip("the fused AdamW kernel could not be built")
+    ring, filled, seen = built.host.ring, set(), []
+
+    def on_fill(u, s):
+        if s in filled:
+            fetches = ring.slots[s].fetches
+            seen.append((len(fetches), sum(not x.is_deleted() for x in fetches)))
+        filled.add(s)
+
+    ring.on_fill = on_fill
+    try:
+        train(built, steps=2)
+    finally:
+        built.close()
+    assert len(seen) == 2 * 2 * L - len(ring.slots)
+    assert all(total > 0 and checkable == total for total, checkable in seen), seen
 
 
 def test_the_update_writes_no_layer_bus_copy_with_the_ring():

@@ -15,8 +15,9 @@ The engine writes unit u's bus copy only in u's update, which starts once u's gr
 Every fetch of u's bus copy in a step fed that gradient (the forward's through the loss, the
 backward's through u's backward); a fetch of another call (evaluation, generation) is followed,
 on the device's one stream, by the compute of the next step's gradient. So no copy that reads it
-is in flight. In debug mode (`MEGATRAIN_DEBUG_BUS=1`) the engine keeps every fetch until the
-unit's update and refuses to write while one is still copying (HostState.fetched).
+is in flight. In debug mode (`MEGATRAIN_DEBUG_BUS=1`, both update paths: the jit path's writes
+into the donated old copy) the engine keeps each fetch still copying until the unit's update and
+refuses to write while one still is (HostState.fetched); the bus ring's fills check theirs.
 
 **Readers of the state.** `lend` hands out the state (`params()`, `state()`, a checkpoint's
 save) as jax arrays over read-only views of the unit's buffers (no copy), each view made from a

@@ -126,11 +126,11 @@ class HostState:
                                  jax.eval_shape(optimizer.init, params))
         self.stage_units = {0: layout(first), self.last: layout(last)}
         self.block_layout = None  # a block unit's, made with the first
-        # Debug mode (MEGATRAIN_DEBUG_BUS=1): every fetch of a unit's bus copy is kept until the
-        # unit's update, which refuses to write the copy while one of them is still copying
-        # (direct.py: when the bus copy may be written)
+        # Debug mode (MEGATRAIN_DEBUG_BUS=1), on both update paths: the fetches of a unit's bus
+        # copy still copying are kept until the unit's update, which refuses to write the copy
+        # while one of them still is (direct.py: when the bus copy may be written)
         debug = os.environ.get(DEBUG_BUS) == "1"
-        self.fetches = {} if self.direct is not None and debug else None
+        self.fetches = {} if debug else None
         self._ring_args = (bus, prefetch, debug)
         # Where params and optax state live between updates (store.py): RAM or the disk tier.
         self.store = store_lib.choose(disk_tier, self.last + 1, self.stage_units[self.last],
@@ -351,9 +351,12 @@ class HostState:
 
     def fetched(self, u: int, copies):
         """Debug mode: `copies` (device arrays) are a fetch of unit u's bus copy, to be done before
-        u's update writes it."""
+        u's update writes it. The unit's earlier fetches already done are let go of (in a loop of
+        evaluations no update comes to take them: they would stay on the device)."""
         if self.fetches is not None:
-            self.fetches.setdefault(u, []).extend(jax.tree.leaves(copies))
+            copying = [x for x in self.fetches.get(u, ()) if not x.is_deleted()
+                       and not x.is_ready()]
+            self.fetches[u] = copying + jax.tree.leaves(copies)
         if self.in_ring(u):
             self.ring.fetched(u, copies)
 
@@ -401,7 +404,7 @@ class HostState:
             params_bus = self.buses[u].is_params
             # (the bus ring's units: no bus copy to write, the fills make it)
             bus = None if params_bus or self.in_ring(u) else jax.tree.leaves(unit.bus)
-            what = "the stages' unit" if u in (0, self.last) else f"layer {u - 1}"
+            what = self._name(u)
             self._check_fetches(u, what)
             arrays = self.direct.apply(u, unit.arrays, pieces, grad_norm,
                                        np.float32(np.asarray(scale)), bus, what, self.firsts(u))
@@ -428,6 +431,7 @@ class HostState:
         jax.block_until_ready((grads, grad_norm))  # arrival, not the update's work
         t1 = time.perf_counter()
         unit = self.units[u]
+        self._check_fetches(u, self._name(u))  # (the update writes into the old bus copy)
         self.store.load(u, unit)  # the disk tier: the state from its file (read ahead)
         in_ring = self.in_ring(u)  # no bus copy to write: the bus ring's fills make it
         old_bus = None if in_ring else bus.old_for_update(unit)
@@ -506,6 +510,9 @@ class HostState:
                 future.set_exception(e)
                 continue
             future.set_result(None)
+
+    def _name(self, u: int) -> str:
+        return "the stages' unit" if u in (0, self.last) else f"layer {u - 1}"
 
     def _failure(self, u: int, e: BaseException) -> str:
         name = "the stages'" if u in (0, self.last) else f"layer {u - 1}'s"
