@@ -120,3 +120,33 @@ def test_loaded_moments_take_the_engines_dtype(path, engine_dtype, state_dtype):
     assert np.isfinite(step(engine, 1))
     assert all(x.dtype == engine_dtype for x in moments(copied(engine)))
     engine.close()
+
+
+@jax.jit
+def _read_late(leaves):
+    """`leaves` again, each read only once a long loop has run (as a fetch still queued behind
+    the device's work reads its bus copy late); the loop's result, ready when they are."""
+    busy = jax.lax.fori_loop(0, 3_000_000, lambda i, c: c * 0.5 + 1.0, jnp.float32(0))
+    return busy, [x + (busy * 0).astype(x.dtype) for x in leaves]
+
+
+def test_a_load_never_writes_a_bus_copy_a_fetch_may_still_read():
+    """The direct update's bus copies are buffers the engine writes in place (the jit path makes
+    a new one on a load). load_unit while a read of the unit's bus copy is still to come (an
+    evaluation's last fetches may be when it returns): that read gets the bus copy as it was,
+    and the engine's next fetch the loaded weights."""
+    loaded = state_of("direct")["layers"][1]
+    engine = make("direct")
+    step(engine)
+    engine.load_unit(1, copied(engine)["layers"][1])  # (its first: what it compiles, compiled)
+    bus = jax.tree.leaves(engine.host.bus(2))  # layer 1's
+    before = [np.array(x) for x in bus]
+    busy, late = _read_late(bus)
+    engine.load_unit(1, loaded)
+    assert not busy.is_ready()  # the load was done before the read
+    for x, y in zip(late, before, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), y)
+    now = jax.tree.leaves(engine.host.bus(2))
+    for x, p in zip(now, jax.tree.leaves(loaded["params"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), p.astype(jnp.bfloat16))
+    engine.close()

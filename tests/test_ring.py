@@ -144,6 +144,38 @@ def test_a_fresh_slot_is_written_once_its_making_is_done():
         np.testing.assert_array_equal(np.asarray(out, np.float32), 1.5)
 
 
+class _FailedOutput:
+    """Stands for an output of a computation that failed on the device: waiting for it raises
+    that computation's error, as jax.block_until_ready does for such an array."""
+
+    def block_until_ready(self):
+        raise RuntimeError("INTERNAL: the reader's computation failed\n(its traceback)")
+
+
+def test_a_slot_whose_readers_computation_failed_makes_the_engine_unusable_once_named():
+    """Layer 0's last fill (released, its token not yet waited on) read by a computation that
+    failed: the step that refills the slot says in one line that the engine is unusable and why,
+    and every later step or evaluation says the same (not the old device error again at each
+    fill); the host state, which no update touched, is still read."""
+    built = engine("ring")
+    try:
+        losses, before = train(built, steps=1)
+        ring = built.host.ring
+        slot = ring.slots[ring.holds[1][0]]
+        assert slot.reader is not None and slot.token is not None  # released, not retired
+        slot.token = [_FailedOutput()]
+        unusable = (r"^the engine is unusable: a computation that read bus ring slot \d failed "
+                    r"\(RuntimeError: INTERNAL: the reader's computation failed\)$")
+        t = TOKENS[1]
+        for call in (built.train_step, built.train_step, built.evaluate):
+            with pytest.raises(RuntimeError, match=unusable):
+                call(t[..., :-1], t[..., 1:])
+        for a, b in zip(jax.tree.leaves(built.state()), jax.tree.leaves(before), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b)
+    finally:
+        built.close()
+
+
 @pytest.mark.parametrize("copies,prefetch", [("eager", 1), ("jit", 2)])
 def test_each_slot_is_refilled_after_its_reader_and_no_dispatch_waits_for_it(copies, prefetch):
     """The order of events over two steps: a slot is refilled only after the pass retired the

@@ -189,7 +189,8 @@ class Ring:
     i - 2), so a fill waits on nothing in steady state, and never before a dispatch on work the
     device has not been given. A fill whose slot's reader never retired nor released (a step that
     raised midway) writes into a fresh buffer instead (`fresh`, counted): the old one goes with
-    its reader.
+    its reader. A fill whose slot's token failed (its reader's computation did) raises
+    ReaderFailed: the engine names itself unusable, once, with that cause.
 
     `write(leaves, master)` writes the compute-dtype cast of the master leaves (numpy fp32)
     into the slot's leaves (jax arrays) through their pointers. `debug`: the fetches of each
@@ -218,7 +219,10 @@ class Ring:
         slot = self.slots[s]
         if slot.reader is not None:
             if slot.token is not None:
-                jax.block_until_ready(slot.token)
+                try:
+                    jax.block_until_ready(slot.token)
+                except Exception as e:
+                    raise ReaderFailed(s, e) from None
             elif slot.fetches and not any(x.is_deleted() for x in slot.fetches):
                 jax.block_until_ready(slot.fetches)  # a copy's output is ready once it is done
             else:
@@ -265,6 +269,17 @@ class Ring:
     @property
     def nbytes(self) -> int:
         return self.size * transfer.nbytes(self.slots[0].bus)
+
+
+class ReaderFailed(RuntimeError):
+    """The computation that read a ring slot failed (`cause`, one line): the device's work is in
+    an unknown state, the engine refuses to go on (StreamedEngine: unusable, once named)."""
+
+    def __init__(self, slot: int, e: Exception):
+        line = (str(e).strip().splitlines() or [""])[0]
+        self.cause = f"a computation that read bus ring slot {slot} failed ({type(e).__name__}: " \
+                     f"{line})"
+        super().__init__(f"the engine is unusable: {self.cause}")
 
 
 def ring_size(prefetch: int) -> int:

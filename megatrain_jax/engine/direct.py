@@ -309,13 +309,3 @@ class DirectAdamW:
             raise ValueError(f"{what}: its bus copy is {out.dtype}{out.shape}, not {p.shape} in "
                              f"bfloat16 or float32")
         return out.unsafe_buffer_pointer()
-
-    def write_bus(self, arrays: UnitArrays, bus: list):
-        """The bus copy made from the unit's weights, in place (construction, a loaded state)."""
-        for out, p in zip(bus, arrays.p):
-            ptr = self._bus_pointer(out, p, "a unit")
-            if out.dtype == jnp.bfloat16:
-                self.lib.megatrain_to_bf16(ptr, p.ctypes.data, p.size)
-            else:
-                self.lib.megatrain_copy(ptr, p.ctypes.data, p.nbytes)
-

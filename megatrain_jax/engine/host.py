@@ -200,7 +200,7 @@ class HostState:
         unit = Unit(None, None, arrays=direct_lib.UnitArrays.of(params, self._init(params),
                                                                 self.direct.lib))
         if not in_ring:
-            self._direct_bus(u, unit, fresh=True)
+            self._direct_bus(u, unit)
         return unit
 
     def in_ring(self, u: int) -> bool:
@@ -229,15 +229,13 @@ class HostState:
         """A bus copy of a layer unit, as the fetches take it (for Transfers.check)."""
         return self.ring.slots[0].bus if self.ring is not None else self.units[1].bus
 
-    def _direct_bus(self, u: int, unit: Unit, fresh: bool):
-        """The direct update's bus copy of unit u: the weights themselves (wrapped, ParamsBus), or
-        a persistent buffer per leaf, made (`fresh`) or rewritten in place from the weights."""
-        if self.buses[u].is_params:
-            unit.bus = self.store.view(u, unit)[0]
-        elif fresh or unit.bus is None:
-            unit.bus = self.make_bus(self.store.view(u, unit)[0], u)
-        else:
-            self.direct.write_bus(unit.arrays, jax.tree.leaves(unit.bus))
+    def _direct_bus(self, u: int, unit: Unit):
+        """A new bus copy of unit u for the direct update (which then rewrites it in place): the
+        weights themselves (wrapped, ParamsBus), or a buffer per leaf made from them. New, never
+        the old one rewritten: a fetch of the old one may still be copying (a load right after an
+        evaluation), and keeps it until it is done."""
+        view = self.store.view(u, unit)[0]
+        unit.bus = view if self.buses[u].is_params else self.make_bus(view, u)
 
     @property
     def direct(self) -> Optional[direct_lib.DirectAdamW]:
@@ -320,7 +318,7 @@ class HostState:
         self.buses[u] = self._on_host
         if self.direct is not None:
             unit.bus = None
-            self._direct_bus(u, unit, fresh=True)
+            self._direct_bus(u, unit)
             return
         unit.bus, unit.spare = self.make_bus(self.unit_state(u)[0], u), None
 
@@ -411,7 +409,7 @@ class HostState:
             if arrays is not unit.arrays:  # copied: a reader holds the old state
                 unit.arrays = arrays
                 if params_bus:
-                    self._direct_bus(u, unit, fresh=True)
+                    self._direct_bus(u, unit)
         t2 = time.perf_counter()
         self.counters.host_compute_s += t2 - t1
         self.counters.host_update_s += t2 - t0
@@ -573,7 +571,7 @@ class HostState:
         if self.direct is not None:
             self.store.put(u, unit, params, opt_state)
             if not self.in_ring(u):
-                self._direct_bus(u, unit, fresh=False)
+                self._direct_bus(u, unit)
             return
         params = jax.device_put(params, self.host)
         opt_state = jax.device_put(opt_state, self.host)

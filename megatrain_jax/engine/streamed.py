@@ -285,7 +285,8 @@ class StreamedEngine:
         (step.StepParts, made here: the hooks may change between calls). If it raises,
         the saved activations are dropped and the state is as before (or, raised after the
         step's updates were queued, as after it: they are queued all or none); a host update
-        that failed leaves the engine unusable, saying which."""
+        that failed leaves the engine unusable, saying which, as does a bus ring slot whose
+        reader's computation failed (its state can still be read)."""
         if self._broken:
             raise RuntimeError(f"the engine is unusable: {self._broken}")
         self.transfers.on_event = self.on_event and (lambda kind, what: self.on_event(kind, what,
@@ -298,9 +299,10 @@ class StreamedEngine:
         inputs, targets, contexts = self._put_batch(inputs, targets, context)
         try:
             return schedule(self._step_parts(), inputs, targets, contexts)
-        except BaseException:
+        except BaseException as e:
             self.activations.clear()
-            self._broken = self.host.failure()
+            self._broken = self.host.failure() or (
+                e.cause if isinstance(e, bus_lib.ReaderFailed) else None)
             raise
 
     def _step_parts(self) -> step.StepParts:
