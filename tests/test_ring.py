@@ -176,41 +176,74 @@ def test_a_slot_whose_readers_computation_failed_makes_the_engine_unusable_once_
         built.close()
 
 
+class _Waited:
+    """A token's array, saying whether it was waited for (jax.block_until_ready calls this)."""
+
+    def __init__(self, array):
+        self.array, self.waited = array, False
+
+    def block_until_ready(self):
+        self.waited = True
+        self.array.block_until_ready()
+        return self
+
+
 @pytest.mark.parametrize("copies,prefetch", [("eager", 1), ("jit", 2)])
 def test_each_slot_is_refilled_after_its_reader_and_no_dispatch_waits_for_it(copies, prefetch):
-    """The order of events over two steps: a slot is refilled only after the pass retired the
-    layer that read it, or, the pass's last layer (released without a wait), once the token the
-    ring made of its outputs is ready; and the fill (with the fetch right after it) of each layer
-    comes before the pass waits for the layer before it, so the device always has the next
-    layer's copy and compute queued while the host waits."""
+    """The order of events over two steps: a slot is rewritten only after the pass retired the
+    layer that read it, or, the pass's last layer (released without a wait), once the fill has
+    waited for the token the ring made of its outputs (seen at the fill's start, checked at its
+    write); and the fill (with the fetch right after it) of each layer comes before the pass
+    waits for the layer before it, so the device always has the next layer's copy and compute
+    queued while the host waits."""
     built = engine("ring", copies, prefetch)
-    events, holder, problems = [], {}, []
-    read = built.host.read
+    ring = built.host.ring
+    events, holder, problems, filling, released = [], {}, [], [], []
+    read, write = built.host.read, ring.write
 
     def on_read(u, token=None):
         events.append(("read", u, token is None))
         read(u, token)
 
-    def on_fill(u, s):
-        slot = built.host.ring.slots[s]
+    def retired(v, k):
+        """Whether unit v's fill at events[k] was read with no token before its next fill."""
+        for e in events[k + 1:]:
+            if e[:2] == ("fill", v):
+                return False
+            if e == ("read", v, True):
+                return True
+        return False
+
+    def on_fill(u, s):  # before the fill waits for anything
+        slot, token = ring.slots[s], None
         if s in holder:  # its reader: retired (read with no token), or released with a token
             v, k = holder[s]
-            retired = ("read", v, True) in events[k:]
-            ready = slot.token is not None and all(x.is_ready() for x in slot.token)
-            if not (retired or ready):
-                problems.append((u, s, v))
+            if not retired(v, k):
+                if slot.token is None:
+                    problems.append((u, s, v))
+                else:  # (the fill waits through these)
+                    token = slot.token = [_Waited(x) for x in slot.token]
+                    released.append(s)
         holder[s] = (u, len(events))
+        filling.append((u, s, token))
         events.append(("fill", u, s))
 
+    def on_write(leaves, master):
+        u, s, token = filling[-1]
+        if token is not None and not all(x.waited and x.array.is_ready() for x in token):
+            problems.append((u, s, "written before its reader's token was waited for"))
+        write(leaves, master)
+
+    ring.write = on_write
     built.host.read = on_read
-    built.host.ring.on_fill = on_fill
+    ring.on_fill = on_fill
     built.on_event = lambda kind, what, layer: (
         events.append((kind, what, layer)) if kind in ("dispatch", "wait") else None)
     try:
         train(built, steps=2)
     finally:
         built.close()
-    assert problems == []
+    assert problems == [] and released  # (some slots' readers were released)
     fills = [k for k, e in enumerate(events) if e[0] == "fill"]
     assert len(fills) == 2 * 2 * L  # each layer twice a step: its forward's, its backward's
     for step in range(2):

@@ -203,7 +203,7 @@ class Ring:
         self.serial = 0  # fills made so far (a reader's id)
         self.holds = {}  # unit -> (its latest fill's slot, that fill's serial)
         self.fresh = 0  # fills written into a fresh buffer (a reader that never retired)
-        self.on_fill = None  # on_fill(unit, slot), when set: each fill, before it writes
+        self.on_fill = None  # on_fill(unit, slot), when set: each fill, before it waits
         self._mark = jax.jit(lambda leaves: [jnp.ravel(x)[:1] for x in leaves])
 
     def _new(self):
@@ -217,6 +217,8 @@ class Ring:
         s = self.next
         self.next = (s + 1) % self.size
         slot = self.slots[s]
+        if self.on_fill is not None:
+            self.on_fill(u, s)
         if slot.reader is not None:
             if slot.token is not None:
                 try:
@@ -234,8 +236,6 @@ class Ring:
                 raise RuntimeError(f"bus ring slot {s} would be rewritten for layer {u - 1} while "
                                    f"{len(copying)} of the arrays fetched from it are still being "
                                    f"copied")
-        if self.on_fill is not None:
-            self.on_fill(u, s)
         self.serial += 1
         slot.reader, slot.token, slot.fetches = self.serial, None, []
         self.holds[u] = (s, self.serial)
