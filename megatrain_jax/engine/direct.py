@@ -153,6 +153,8 @@ class UnitArrays:
     def lend(self, wrap) -> tuple:
         """`trees` for a reader: each view leased (the module's docstring), so that the update
         copies the unit while the reader can still read it."""
+        self.lent()  # (drops the dead leases: a loop of reads with no update keeps none)
+
         def leased(x):
             lease = _Lease(x)
             with self._lock:
