@@ -8,8 +8,10 @@
 //
 // The moments are float32 (exact AdamW) or bfloat16 (optimizer.state_dtype): read as bf16,
 // computed in f32, written back stochastically rounded, each rounding's random bits a hash of
-// (the step's Adam count, the leaf's index in its unit, the element's index in its leaf) so that a
-// resumed run rounds as the uninterrupted one did.
+// (the step's Adam count, the unit's index, the leaf's index in its unit, the element's index in
+// the whole leaf): a resumed run rounds as the uninterrupted one did, two units' roundings are
+// independent however alike their values, and a process holding some rows of a leaf (the sharded
+// host layout) rounds them as a process holding all of it.
 //
 // One call per unit, not per leaf: XLA:CPU runs independent custom calls concurrently on its own
 // threads, so one call per leaf ran several leaves at once, each over its own threads, more
@@ -43,10 +45,13 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// The per-call scalars (engine/fused_adamw.py SCALARS), in this order; then one decay flag a leaf.
+// The per-call scalars (engine/fused_adamw.py SCALARS), in this order; then, in the FFI call, per
+// leaf its decay flag, then per leaf the index of its first element in the whole leaf (`first`,
+// mod 2^32) in two exact 16-bit halves: all the low halves, then all the high ones.
 enum {
   kScale, kClip, kNorm, kMaxNorm, kStep, kBc1, kBc2, kWd, kB1, kC1, kB2, kC2, kEps,
   kCountLo, kCountHi,  // the Adam count after this step, in two exact 16-bit halves
+  kUnit,  // the unit's index (exact in f32)
   kNumScalars
 };
 
@@ -75,10 +80,13 @@ inline uint32_t Mix(uint32_t x) {
   return x;
 }
 
-// The key of one leaf's roundings at one step; element i's random bits are Mix(key + i).
+// The key of one leaf's roundings at one step; element i's random bits are Mix(key + i), i its
+// index in the whole leaf.
 inline uint32_t LeafKey(const float* s, uint32_t leaf) {
   const uint32_t count = uint32_t(s[kCountLo]) | (uint32_t(s[kCountHi]) << 16);
-  return Mix(Mix(count * 0x9e3779b9u ^ 0x5bd1e995u) + leaf * 0x85ebca6bu);
+  const uint32_t unit = uint32_t(s[kUnit]);
+  return Mix(Mix(Mix(count * 0x9e3779b9u ^ 0x5bd1e995u) + unit * 0xc2b2ae35u) +
+             leaf * 0x85ebca6bu);
 }
 
 // f32 to bf16 rounded stochastically: up with probability (the dropped 16 bits) / 2^16, so the
@@ -92,7 +100,8 @@ inline uint16_t f32_to_bf16_stochastic(float f, uint32_t r) {
 
 // Elements [lo, hi) of a leaf: params and moments updated in place, the new weights' bf16 copy
 // written to out[i - lo] (kBus). M: the moments' type (float, or uint16_t for bf16); `key` and
-// `first` (the leaf index of element 0 of these pointers) give a bf16 moment's random bits. One
+// `first` (the index in the whole leaf of element 0 of these pointers) give a bf16 moment's
+// random bits. One
 // variant per (gradient type, moments' type, clip, decay, bus): no branch inside, so the compiler
 // vectorizes it.
 template <typename G, typename M, bool kClip, bool kDecay, bool kBus>
@@ -400,14 +409,15 @@ T* Data(ffi::AnyBuffer b) {
   return static_cast<T*>(b.untyped_data());
 }
 
-// Arguments: the scalars (SCALARS, then one decay flag per leaf), then per leaf in groups:
+// Arguments: the scalars (SCALARS, then per leaf its decay flag and its first element's index),
+// then per leaf in groups:
 // params, m, v (f32 or bf16, both alike), gradients (f32 or bf16)[, the old bf16 copy]. Results:
 // params, m, v[, bf16 copy], aliased to the matching arguments.
 ffi::Error Update(ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
                   ffi::RemainingRets rets, bool with_bus) {
   const size_t groups = with_bus ? 5 : 4, n_leaves = args.size() / groups;
   if (args.size() != groups * n_leaves || rets.size() != (groups - 1) * n_leaves ||
-      scalars.element_count() != kNumScalars + n_leaves) {
+      scalars.element_count() != kNumScalars + 3 * n_leaves) {
     return ffi::Error::InvalidArgument("fused_adamw: wrong number of arguments");
   }
   const float* s = scalars.typed_data();
@@ -437,6 +447,8 @@ ffi::Error Update(ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
       bus = Data<uint16_t>(b);
     }
     const bool clip = s[kClip] != 0.0f, decay = s[kNumScalars + l] != 0.0f;
+    const uint64_t first = uint32_t(s[kNumScalars + n_leaves + l]) |
+                           (uint32_t(s[kNumScalars + 2 * n_leaves + l]) << 16);
     Loop loop;
     if (in[3].element_count() != n) {
       return ffi::Error::InvalidArgument("fused_adamw: a gradient's size differs from its param's");
@@ -450,7 +462,7 @@ ffi::Error Update(ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
     leaves.push_back({Data<float>(out[0]), out[1].untyped_data(), out[2].untyped_data(),
                       Data<float>(in[0]), in[1].untyped_data(), in[2].untyped_data(),
                       in[3].untyped_data(), bus, n, loop, size_t(half ? 2 : 4),
-                      LeafKey(s, uint32_t(l)), 0});
+                      LeafKey(s, uint32_t(l)), first});
   }
   Parallel(s, leaves);
   return ffi::Error::Success();
@@ -495,8 +507,8 @@ struct MegatrainRange {
   int32_t grad_bf16;
   int32_t decay;
   int32_t moments_bf16;
-  uint32_t leaf;   // the leaf's index in its unit, and the index in the leaf of the range's
-  uint64_t first;  // first element: a bf16 moment's rounding (as the FFI call's whole leaf)
+  uint32_t leaf;   // the leaf's index in its unit, and the index in the whole leaf of the
+  uint64_t first;  // range's first element: a bf16 moment's rounding (as the FFI call's)
 };
 
 // scalars: SCALARS (engine/fused_adamw.py) without the decay flags. Returns 0, or -1 when a range

@@ -304,7 +304,8 @@ class StreamedEngine:
         (step.StepParts, made here: the hooks may change between calls). If it raises,
         the saved activations are dropped and the state is as before (or, raised after the
         step's updates were queued, as after it: they are queued all or none); a host update
-        that failed leaves the engine unusable, saying which."""
+        that failed leaves the engine unusable, saying which, as does a bus ring slot whose
+        reader's computation failed (its state can still be read)."""
         self._check_open()
         if self._broken:
             raise RuntimeError(f"the engine is unusable: {self._broken}")
@@ -318,9 +319,10 @@ class StreamedEngine:
         inputs, targets, contexts = self._put_batch(inputs, targets, context)
         try:
             return schedule(self._step_parts(), inputs, targets, contexts)
-        except BaseException:
+        except BaseException as e:
             self.activations.clear()
-            self._broken = self.host.failure()
+            self._broken = self.host.failure() or (
+                e.cause if isinstance(e, bus_lib.ReaderFailed) else None)
             raise
 
     def _step_parts(self) -> step.StepParts:
@@ -332,10 +334,13 @@ class StreamedEngine:
             on_phase=self.on_phase, on_event=self.on_event)
 
     def _update_event(self, u: int):
+        on_event = self.on_event  # (the caller may unset it while updates are still queued)
+        if on_event is None:
+            return
         if u in (0, self.host.last):
-            self.on_event("update", "first stage" if u == 0 else "last stage", None)
+            on_event("update", "first stage" if u == 0 else "last stage", None)
         else:
-            self.on_event("update", "layer", u - 1)
+            on_event("update", "layer", u - 1)
 
     def _put_batch(self, inputs, targets, context):
         """(inputs, targets, contexts) as per-micro-batch lists on the compute device."""
@@ -385,11 +390,14 @@ class StreamedEngine:
         """fp32 master weights on the host: {"stages": tree, "layers": [tree, ...]}.
 
         A view, not a copy. With the host update called directly (engine/direct.py, the fused
-        AdamW with its kernel built) it stays the state of this moment: while anything holds it,
-        each unit's update first copies the unit (slower steps), so drop it or copy what you keep
-        (`jax.tree.map(np.array, ...)`). Otherwise it is valid until the next `train_step`, which
-        updates these buffers in place (reading one afterwards raises "Array has been deleted"). `nnx.merge(engine.stages_graphdef, params["stages"])`
-        gives back (first, last)."""
+        AdamW with its kernel built) it stays the state of this moment for as long as anything
+        can read it (any of its arrays, a numpy array or a slice taken of one): each unit it
+        reaches is copied once, at its next update, and left to it (counted in
+        `counters.host_snapshot_bytes`), so drop what you do not keep, or copy it
+        (`jax.tree.map(np.array, ...)`). With the jitted update it is valid until the next
+        `train_step`, which updates these buffers in place (reading one afterwards raises "Array
+        has been deleted"). `nnx.merge(engine.stages_graphdef, params["stages"])` gives back
+        (first, last)."""
         self.wait()
         layers = [self.host.unit_state(1 + i)[0] for i in range(self.num_layers)]
         return {"stages": self.host.stages_state()[0], "layers": layers}
@@ -421,8 +429,9 @@ class StreamedEngine:
         return self.placement.shards
 
     def state(self) -> dict:
-        """The full training state (params and optax state per unit), host-resident; a view
-        valid until the next `train_step`, like `params()`."""
+        """The full training state (params and optax state per unit), host-resident: a view
+        that stays the state of this moment, or is valid until the next `train_step`, as
+        `params()` says."""
         self.wait()
         unit = lambda state: dict(zip(("params", "opt_state"), state))
         return {"stages": unit(self.host.stages_state()),
@@ -434,18 +443,32 @@ class StreamedEngine:
         return self.host.tier
 
     def load_state(self, state: dict):
-        """Replaces the training state with `state` (same structure as `state()`).
+        """Replaces the training state with `state` (same structure as `state()`), unit by unit,
+        once every unit is checked (structure, shapes, kinds of dtype: one ValueError line naming
+        the unit and the leaf, nothing replaced). The Adam moments take the engine's dtype.
 
         The engine takes the arrays over: later steps update them in place (donation), so do
         not keep using them."""
+        layers = state["layers"]
+        if len(layers) != self.num_layers:
+            raise ValueError(f"cannot load a state of {len(layers)} layers into an engine of "
+                             f"{self.num_layers}")
+        self.host.check_load("stages", state["stages"])
+        for i, layer in enumerate(layers):
+            self.host.check_load(1 + i, layer)
         self.load_unit("stages", state["stages"])
-        for i, layer in enumerate(state["layers"]):
+        for i, layer in enumerate(layers):
             self.load_unit(i, layer)
 
     def load_unit(self, which, unit_state: dict):
         """Replaces one unit's state, `{"params", "opt_state"}`: which is "stages" or a layer
-        index. Restoring unit by unit keeps the extra host memory to one unit's state."""
+        index. Restoring unit by unit keeps the extra host memory to one unit's state. Checked
+        and cast as in `load_state`."""
         self._check_open()
+        layer = isinstance(which, (int, np.integer)) and not isinstance(which, bool)
+        if which != "stages" and not (layer and 0 <= which < self.num_layers):
+            raise ValueError(f"load_unit: which must be 'stages' or a layer index (0 to "
+                             f"{self.num_layers - 1}), got {which!r}")
         if which == "stages":
             self.host.load_stages(unit_state)
         else:

@@ -8,8 +8,9 @@ its hyperparameters checked there.
     OptaxInJit          any other optax transform in one jitted call per unit
 
 The two in a jit give pure functions that HostState compiles with its store's donation:
-`step(params, opt_state, grads, old_bus, grad_norm, scale, bus_is_params)` -> (params, opt_state,
-the new bus copy or None) and, where `prepare_first`, `prepare(grads, grad_norm, scale)` run
+`step(params, opt_state, grads, old_bus, grad_norm, scale, unit, firsts, bus_is_params)` ->
+(params, opt_state, the new bus copy or None; unit and firsts: fused_adamw.update's, the keys of
+bf16 moments' rounding) and, where `prepare_first`, `prepare(grads, grad_norm, scale)` run
 before it on the gradient, in place. Each strategy's `kind` names it ("direct", "ffi", "optax").
 """
 
@@ -104,10 +105,11 @@ class FusedInJit:
         self.hyper, self.max_grad_norm, self.compute_dtype = hyper, max_grad_norm, compute_dtype
         self.native = fused_adamw.native()
 
-    def step(self, params, opt_state, grads, old_bus, grad_norm, scale, bus_is_params):
+    def step(self, params, opt_state, grads, old_bus, grad_norm, scale, unit, firsts,
+             bus_is_params):
         return fused_adamw.update(self.hyper, params, opt_state, grads, old_bus, grad_norm, scale,
                                   self.max_grad_norm, None if bus_is_params else self.compute_dtype,
-                                  self.native)
+                                  self.native, unit, firsts)
 
 
 class OptaxInJit:
@@ -128,8 +130,9 @@ class OptaxInJit:
     def prepare(self, grads, grad_norm, scale):
         return prepare(grads, grad_norm, scale, self.max_grad_norm)
 
-    def step(self, params, opt_state, grads, old_bus, grad_norm, scale, bus_is_params):
-        del old_bus  # donated: the new bus copy is written into its buffer
+    def step(self, params, opt_state, grads, old_bus, grad_norm, scale, unit, firsts,
+             bus_is_params):
+        del old_bus, unit, firsts  # old_bus donated: the new bus copy is written into its buffer
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)  # no-op in fp32
         if not self.prepare_first:
             grads = self.prepare(grads, grad_norm, scale)
