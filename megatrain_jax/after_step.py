@@ -149,12 +149,20 @@ def _last_checkpoint(manager) -> str:
 
 
 def resume_hint(run: Run) -> str:
-    """Where the run can go on from after non-finite steps, and how: the checkpoint kept from
-    before a loss spike when the finite losses before them were one."""
-    if run.spikes.spiking:
-        return run.spikes.advice()
-    manager = run.manager
+    """Where the run can go on from after non-finite steps, and how: the last checkpoint when its
+    weights gave a normal step, else the one kept from before (spikes.py): after a loss spike, or
+    where the last checkpoint holds weights an update diverged into."""
+    manager, spikes = run.manager, run.spikes
     step = manager.latest_step()
+    if spikes.spiking:
+        return spikes.advice()
+    if step is not None and step != spikes.healthy:
+        diverged = (f"the last checkpoint written before them, step {step}, holds weights that "
+                    f"gave no normal step (an update diverged into them)")
+        if spikes.healthy is None:
+            return (f"{diverged}, and no checkpoint of this run is known to give a normal loss: "
+                    f"start again with a lower optimizer.learning_rate, or check the data")
+        return f"{diverged}; {spikes.advice()}"
     if step is None:
         return ("no checkpoint was written before them: start again with a lower "
                 "optimizer.learning_rate, or check the data")

@@ -42,7 +42,7 @@ DEVICE_KINDS = ("inputs", "weights", "gradients", "activations", "cotangents", "
 
 @functools.lru_cache(maxsize=8)
 def _device_functions(model: ModelConfig, execution: Execution, grad_dtype: str):
-    stages_def, stages, block_def, _, parts = abstract_units(model, execution)
+    stages_def, stages, block_def, _, _, parts = abstract_units(model, execution)
     return DeviceFunctions(stages_def, jax.tree.structure(stages), parts, block_def,
                            jnp.dtype(grad_dtype))
 
@@ -58,7 +58,7 @@ def workspace_bytes(model: ModelConfig, execution: Execution, compute_dtype: str
     backward. On XLA:CPU, LLVM's optimisation level does not change buffer assignment: it is
     turned off, halving the compile time; so is loop-invariant code motion unless `hoisting` (the
     bf16 estimate, see _HOISTING_PASS)."""
-    _, stages, _, block, parts = abstract_units(model, execution)
+    _, stages, _, block, constants, parts = abstract_units(model, execution)
     f = _device_functions(model, execution, grad_dtype)
     sharding = jax.sharding.SingleDeviceSharding(device)
     sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -69,14 +69,14 @@ def workspace_bytes(model: ModelConfig, execution: Execution, compute_dtype: str
     stacked = (micro_batches, batch, seq)
     tokens, x = sds(stacked, jnp.int32), sds(stacked + (model.hidden_size,), c)
     context = {"segment_ids": tokens, "positions": tokens} if document_mask else None
-    w = like(block, c)
+    layer = (like(block, c), jax.tree.map(lambda k: sds(k.shape, k.dtype), constants))
     scalar = sds((), jnp.float32)
     # the stages' leaves as one unit holds them: every leaf (the device path); the last's alone
     held = lambda indices: tuple((i, tuple(leaves[i].shape)) for i in indices)
     calls = {"embed": (f.embed, (like(first, c), tokens)),
-             "forward": (f.layer_fwd, (None, None, w, x, context)),
+             "forward": (f.layer_fwd, (None, None, layer, x, context)),
              "loss": (f.head, (like(last, c), x, tokens)),
-             "backward": (f.layer_bwd, (None, None, w, x, context, x, None)),
+             "backward": (f.layer_bwd, (None, None, layer, x, context, x, None)),
              "embed backward": (f.embed_bwd, (None, None, like(first, c), tokens, x)),
              # the last unit's leaves: the last stage's (untied, where the lookup serves)
              LOSS_SQUARES: (f.last_unit, (like(last, jnp.float32), held(parts.last))),

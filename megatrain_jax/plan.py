@@ -23,7 +23,7 @@ from typing import Callable
 from megatrain_jax.config import Config, ConfigError, DiskTier
 from megatrain_jax.engine import bus as bus_lib
 from megatrain_jax.flops import (ASSUMED_MFU, Counts, counts, devices_assumed, flops_per_token,
-                                  host_lookup, local_devices, tokens_to_hide, with_layers)
+                                  host_lookup_off, local_devices, tokens_to_hide, with_layers)
 from megatrain_jax.machines import GB, Machine
 from megatrain_jax.memory_model import (compile_device, device_bytes, fits, host_bytes,
                                         host_bytes_on_disk, peak_bytes, pinned_bytes,
@@ -67,10 +67,11 @@ def plan(cfg: Config, machine: Machine) -> Plan:
                      f"before its fetch (6 B/param of host memory traffic a fetch, two fetches a "
                      f"step); the stages' are resident")
     notes += [n for n in [devices_assumed(cfg, machine)] if n]
-    if host_lookup(c, B * T):
-        notes.append("the first stage runs on the host (the host lookup, engine/lookup.py: its "
-                     "rows cross, not its weights, and their gradient comes back); unit 0's bus "
-                     "copy stays in host memory")
+    lookup_off = host_lookup_off(c, B * T)
+    notes.append(f"the first stage runs on the device ({lookup_off})" if lookup_off else
+                 "the first stage runs on the host (the host lookup, engine/lookup.py: its rows "
+                 "cross, not its weights, and their gradient comes back); unit 0's bus copy "
+                 "stays in host memory")
     disk_bytes = 4 * c.params + c.optimizer
     return Plan(host=host, device=device, bus=c.bus, bus_reason=bus_reason,
                 offload_activations=offload, offload_reason=offload_reason,

@@ -579,7 +579,8 @@ def measured_rates(path: str, shape: StepShape = None) -> tuple:
     host-update seconds per step less the hop's time. hop: the slower of bench_transfer.py's two
     numpy-view rows between the clients (HOP_PATHS). dispatch: bench_transfer.py's tiny jitted
     op to completion. overlaps: bench_transfer.py's overlap rows (TRANSFER_OVERLAPS), or the
-    host-path check's (HOST_PATH_OVERLAPS)."""
+    host-path check's (HOST_PATH_OVERLAPS). Raises ValueError where no rate comes from `path`:
+    a prediction that said it used measured rates would be of the defaults."""
     values, sources, bench = dict(DEFAULTS), {k: "default" for k in DEFAULTS}, None
     results = _load_results(path)
     for f, r in results:
@@ -648,6 +649,11 @@ def measured_rates(path: str, shape: StepShape = None) -> tuple:
             sources["host_update_gbps"] = (
                 f"{bench[0]}: the host update's own work per step (in the run)" if own else
                 f"{bench[0]}: host update seconds per step (in the run), less the hop's")
+    if all(source == "default" for source in sources.values()):
+        raise ValueError(f"no rate in it ({len(results)} JSON file{'s' * (len(results) != 1)}, "
+                         f"none a result of the GPU checklist's benchmarks nor a step-time "
+                         f"prediction with rates): give the folder scripts/gpu_checklist.py "
+                         f"wrote, or leave --rates out for the defaults")
     return Rates(**values), sources, bench[1] if bench else None
 
 

@@ -312,11 +312,12 @@ def measure_resident_compute(jax, engine, batch, step_s, on_gpu) -> dict:
     stage_leaves = jax.tree.leaves(cast(params["stages"]))  # each part as the step fetches it
     w_first, w_last = (engine.parts.take(part, stage_leaves) for part in ("first", "last"))
     w_layer = cast(params["layers"][0])
+    layer_0 = (w_layer, jax.device_put(engine.block_constants[0], dev))
     xs = jax.block_until_ready(f.embed(w_first, inputs))
 
     def layer():  # forward of all micro-batches, then backward (recompute + vjp), as in a step
-        (ys, _), _, _ = f.layer_fwd(None, None, w_layer, xs, None)
-        (dxs, _, sq), _, _ = f.layer_bwd(None, None, w_layer, xs, None, ys, None)
+        (ys, _), _, _ = f.layer_fwd(None, None, layer_0, xs, None)
+        (dxs, _, sq), _, _ = f.layer_bwd(None, None, layer_0, xs, None, ys, None)
         return dxs, sq
 
     def stages():  # embedding forward, loss head (value and grad), embedding backward

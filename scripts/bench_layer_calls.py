@@ -39,11 +39,12 @@ def bench(args):
     cfg = load_config(args.config, args.overrides)
     dev = jax.devices()[0]
     execution, _ = execution_for(cfg, dev.platform)
-    stages_def, stages, block_def, block, parts = abstract_units(cfg.model, execution)
+    stages_def, stages, block_def, block, constants, parts = abstract_units(cfg.model, execution)
     M, B, T, D = (cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len,
                   cfg.model.hidden_size)
     c = jnp.dtype(cfg.train.compute_dtype)
-    w = jax.tree.map(lambda p: jnp.full(p.shape, 0.01, c), block)
+    w = (jax.tree.map(lambda p: jnp.full(p.shape, 0.01, c), block),  # a layer, and its Constants
+         jax.tree.map(lambda k: jnp.zeros(k.shape, k.dtype), constants))
     xs = jax.random.normal(jax.random.key(0), (M, B, T, D), c)
     n = 4096 if dev.platform == "gpu" else 256
     a = jnp.ones((n, n), c)

@@ -296,7 +296,8 @@ def memory_estimate(jax, engine, tokens) -> dict:
                 "alias_bytes": alias, "total_bytes": arg + out + temp - alias,
                 "compile_s": time.perf_counter() - t0}
 
-    return {"block_bwd": analyse(f.block_bwd, layer, x, None, x, to32(layer)),
+    constants = jax.tree.map(abstract, engine.block_constants[0])
+    return {"block_bwd": analyse(f.block_bwd, (layer, constants), x, None, x, to32(layer)),
             "head": analyse(f.head, w_last, xs, stacked)}
 
 

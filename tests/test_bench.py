@@ -303,7 +303,8 @@ def test_bench_lookup_tiny(tmp_path):
                         "table_is_an_input": False}
     assert r["table"] == [257, 128] and [x["micro_batches"] for x in r["runs"]] == [1, 2]
     for x in r["runs"]:
-        assert set(x["pieces"]) == {"zero", "scatter", "gradient", "squares", "gradient, a copy"}
+        assert set(x["pieces"]) == {"zero", "scatter", "gradient", "squares", "zero, fresh",
+                                    "gradient, a copy"}
         assert all(positive(p["s"]) for p in x["pieces"].values())
     proc = run("bench_lookup.py", *tiny, "model.tie_embeddings=true")
     assert proc.returncode == 2 and "tied embeddings" in proc.stderr.strip().splitlines()[-1]

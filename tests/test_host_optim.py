@@ -4,7 +4,10 @@ store (`grad_dtype`)."""
 
 import os
 import resource
+import signal
+import sys
 import threading
+import time
 import warnings
 
 import jax
@@ -460,11 +463,14 @@ def test_a_step_interrupted_while_its_updates_are_queued_changes_nothing(path):
     reference = make_engine(tx(), DEVICES["staged"](), 1.0)
     step(reference, 0)
     step(reference, 1)
-    for x, y in zip(jax.tree.leaves(engine.state()), jax.tree.leaves(reference.state()),
-                    strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert_same_state(engine.state(), reference.state())
     engine.close()
     reference.close()
+
+
+def assert_same_state(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def late_copy(bus):
@@ -661,3 +667,77 @@ def test_fused_adamw_is_one_kernel_call_per_unit(bus_dtype):
         tx.hyper, p, s, g, b, jnp.float32(1), jnp.float32(1), None, bus_dtype, True))
     text = update.lower(params, tx.init(params), params, bus).as_text()
     assert text.count("@megatrain_FusedAdamw") == 1, text
+
+
+def _interrupt_when_waiting(main: int, stop: threading.Event, gate: threading.Event):
+    """SIGINT to thread `main` once it waits in HostState.ready for a host update (its stack
+    read until then), as a Ctrl-C there would; gives up when `stop` is set, or after a minute
+    (then opens `gate`, which holds the update: the test fails instead of hanging)."""
+    deadline = time.monotonic() + 60
+    while not stop.is_set():
+        if time.monotonic() > deadline:
+            gate.set()
+            return
+        frame, names = sys._current_frames().get(main), []
+        while frame is not None:
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        if "ready" in names and names[0] == "wait":  # blocked in the future's condition
+            signal.pthread_kill(main, signal.SIGINT)
+            return
+        stop.wait(0.01)
+
+
+@pytest.mark.parametrize("path", ["direct", "jit"])
+@pytest.mark.parametrize("where", ["engine.wait", "a fetch"])
+def test_ctrl_c_while_waiting_for_a_host_update_leaves_the_engine_usable(path, where):
+    """A real SIGINT while the main thread waits for a host update (the host thread held at the
+    update's start): in engine.wait(), or in the next step's first fetch. The KeyboardInterrupt
+    is the caller's, no update failed: the engine then waits, reads its state and trains on, and
+    equals an uninterrupted run bit for bit."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    tx = lambda: build_optimizer(OptimizerConfig(), 10) if path == "direct" else optax.adam(1e-2)
+    # (no host lookup: its step waits for the host thread's first update, held here)
+    make = lambda: make_engine(tx(), DEVICES["staged"](), 1.0, host_lookup=False)
+    engine = make()
+    if path == "direct" and engine.host.direct is None:
+        pytest.skip("no C++ compiler: no direct update")
+    tokens = np.random.default_rng(8).integers(0, V, size=(3, 1, 2, 9))
+    step = lambda e, k: e.train_step(tokens[k, ..., :-1], tokens[k, ..., 1:])
+    step(engine, 0)
+    engine.wait()  # the hook below holds step 1's first update, not one of these
+    gate, stop, held = threading.Event(), threading.Event(), []
+
+    def hold_the_first_update(kind, what, layer):
+        if kind == "update" and not held:
+            held.append((what, layer))
+            gate.wait()
+
+    engine.on_event = hold_the_first_update
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    main = threading.get_ident()
+    timer = threading.Thread(target=_interrupt_when_waiting, args=(main, stop, gate))
+    try:
+        step(engine, 1)  # its updates queued, the first held
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            engine.wait() if where == "engine.wait" else step(engine, 2)
+    finally:
+        stop.set()
+        gate.set()
+        timer.join()
+        signal.signal(signal.SIGINT, previous)
+    engine.on_event = None
+    assert held == [("first stage", None)]
+    engine.wait()
+    state = jax.tree.map(np.array, engine.state())
+    step(engine, 2)
+    reference = make()
+    for k in range(2):
+        step(reference, k)
+    assert_same_state(state, reference.state())
+    step(reference, 2)
+    assert_same_state(engine.state(), reference.state())
+    engine.close()
+    reference.close()

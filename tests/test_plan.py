@@ -438,8 +438,9 @@ def test_the_largest_model_is_the_deepest_that_fits():
 def test_the_120b_config_takes_16_bytes_a_parameter_and_does_not_fit_1500_gb():
     """configs/dense_120b.yaml: 118.7B parameters; on --device h200 --host-memory-gb 1500 its
     host RAM is 1,906 GB, 16.05 B/param (master 4, AdamW 8, bus 2, bf16 gradients 2.05; the direct
-    host update writes its bus copies in place, with no staging buffers: 0.04 B/param more, 1,911
-    GB, on the jit path): it does not fit. The host figures need no compile: from the counts
+    host update writes its bus copies in place, with no staging buffers: 0.07 B/param more, 1,914
+    GB, on the jit path, one staging buffer per structure, the first stage's among them as it runs
+    on the device with copies in the calls): it does not fit. The host figures need no compile: from the counts
     (memory_model)."""
     from megatrain_jax.config import load_config
     from megatrain_jax.flops import counts
@@ -452,7 +453,7 @@ def test_the_120b_config_takes_16_bytes_a_parameter_and_does_not_fit_1500_gb():
                optimizer=build_optimizer(cfg.optimizer, cfg.train.steps))
     M, B, T = cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len
     assert M * B * T == 8192 and round(c.params / 1e8) == 1187
-    for direct, staging, total in ((True, 0, 1906), (False, 0.04, 1911)):
+    for direct, staging, total in ((True, 0, 1906), (False, 0.07, 1914)):
         host = host_bytes(dataclasses.replace(c, direct=direct), B * T, offload=False)
         per_param = {kind: round(v / c.params, 2) for kind, v in host.items()}
         assert per_param == {"master": 4, "optimizer": 8, "bus": 2, "gradients": 2.05,

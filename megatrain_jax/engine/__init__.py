@@ -25,14 +25,16 @@ Modules, by concern:
   functions.py  the jitted device functions
   parallel.py   placement: one device, or data parallel over a mesh of devices and processes
   shard.py      the sharded host layout: which rows of every leaf a process keeps
-  stage_units.py  the stages' two units, split from and merged into a checkpoint's one
+  stage_units.py  the stages' two units, split from and merged into a checkpoint's one; what a
+                streamed module holds: its params, and a block's Constants
   lookup.py     the first stage's way, chosen once: on the device, or the host lookup (an untied
                 embedding's rows gathered on the host, its table never crossing; the rows'
                 gradient scatter-added into the table's there)
 """
 
 from megatrain_jax.engine.decode import StreamedDecoder
+from megatrain_jax.engine.stage_units import Constant
 from megatrain_jax.engine.stream import Counters
 from megatrain_jax.engine.streamed import StreamedEngine
 
-__all__ = ["Counters", "StreamedDecoder", "StreamedEngine"]
+__all__ = ["Constant", "Counters", "StreamedDecoder", "StreamedEngine"]

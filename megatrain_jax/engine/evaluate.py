@@ -33,8 +33,8 @@ def _forward(sp: StepParts, inputs, contexts):
     stream = LayerStream(range(sp.num_layers), lambda i: sp.fetch_unit(1 + i), sp.prefetch,
                          on_retire=sp.read(), counters=sp.host.counters)
     for i, w in stream:
-        (ys, _), _, _ = sp.call(f.layer_fwd, (w, xs, contexts))  # aux: not evaluated
-        # (a jitted identity may hand its input back)
+        (ys, _), _, _ = sp.call(f.layer_fwd, ((w, sp.constants[i]), xs, contexts))  # aux: not
+        # evaluated (a jitted identity may hand its input back)
         stream.done(ys, (sp.fetched(w), () if ys is xs else xs))
         xs = ys
     return xs

@@ -140,8 +140,10 @@ class DeviceFunctions:
     the `first` part, `head` and `head_loss` (the loss without gradients, for evaluation) the
     `last` part. `block_fwd` and `block_bwd` are one micro-batch's block alone on one device
     (what a layer's call computes per micro-batch; a long-context bench reads their workspace,
-    tests call them one micro-batch at a time). counters
-    (stream.Counters): each function's calls on the dispatching thread counted there."""
+    tests call them one micro-batch at a time). A layer comes to `block_*` and `layer_*` as
+    (its weights, its Constants: stage_units.py; {} where it has none); only the weights are
+    differentiated. counters (stream.Counters): each function's calls on the dispatching thread
+    counted there."""
 
     def __init__(self, stages_def, stages_treedef, parts: StageParts, block_def, grad_dtype,
                  aux_loss=None, placement: Placement | None = None, counters=None,
@@ -210,36 +212,41 @@ class DeviceFunctions:
                        (inputs, dxs))[0]
             return on.reduce(acc)[0]
 
-        def block_fwd(w, x, context):
-            """(y, aux): aux None for a block that returns y alone."""
-            block = nnx.merge(block_def, w)
+        def block_fwd(layer, x, context):
+            """(y, aux): aux None for a block that returns y alone. layer: (its weights, its
+            Constants, stage_units.py; {} where it has none)."""
+            w, constants = layer
+            block = nnx.merge(block_def, w, constants)
             out = block(x) if context is None else block(x, context)
             return tuple(out) if isinstance(out, (tuple, list)) else (out, None)
 
-        def block_fwd_total(w, x, context):
-            y, aux = block_fwd(w, x, context)
+        def block_fwd_total(layer, x, context):
+            y, aux = block_fwd(layer, x, context)
             return y, everywhere(aux)
 
-        def block_bwd(w, x, context, dy, acc, daux=None):
-            # Recompute the block from its saved input, then differentiate it. Each device's aux
-            # is its rows' part of the total, so its cotangent is the total's: daux as given.
-            (_, aux), vjp = jax.vjp(lambda w, x: block_fwd(w, x, context), w, x)
+        def block_bwd(layer, x, context, dy, acc, daux=None):
+            # Recompute the block from its saved input, then differentiate it (its weights, not
+            # its Constants). Each device's aux is its rows' part of the total, so its cotangent
+            # is the total's: daux as given.
+            w, constants = layer
+            (_, aux), vjp = jax.vjp(lambda w, x: block_fwd((w, constants), x, context), w, x)
             if daux is None:  # e.g. compiled alone for its memory: a zero cotangent
                 daux = jax.tree.map(jnp.zeros_like, aux)
             dw, dx = vjp((dy, daux))
             return dx, tree_add(acc, dw)
 
-        def layer_fwd(w, xs, contexts):
+        def layer_fwd(layer, xs, contexts):
             """(y[m], aux[m]) stacked; aux None for blocks that return y alone."""
-            return each(lambda _, xc: (None, block_fwd_total(w, *xc)), None, (xs, contexts))[1]
+            return each(lambda _, xc: (None, block_fwd_total(layer, *xc)), None,
+                        (xs, contexts))[1]
 
-        def layer_bwd(w, xs, contexts, dys, daux=None):
+        def layer_bwd(layer, xs, contexts, dys, daux=None):
             """(dx[m] stacked, the layer's gradient summed over the devices in `grad_dtype`, its
             sum of squares taken in fp32)."""
             def body(acc, xcd):
-                dx, acc = block_bwd(w, *xcd, acc, daux)
+                dx, acc = block_bwd(layer, *xcd, acc, daux)
                 return acc, dx
-            acc, dxs = each(body, f32_zeros(w), (xs, contexts, dys))
+            acc, dxs = each(body, f32_zeros(layer[0]), (xs, contexts, dys))
             grads, sq = on.reduce(acc)
             return dxs, cast(grads), sq
 

@@ -55,16 +55,28 @@ def costs_more(rows_bytes: int, table: int, compute_bytes: int, grad_bytes: int)
             f"stage's weights fetched twice and their gradient ({table_bytes:,})")
 
 
+IN_CALLS = ("copies in the calls: the device path's copies of the first stage cross beside "
+            "compute, while the host lookup's backward (a table-sized gradient made on the host) "
+            "would end every step with the device idle")
+
+
 def why_off(setting, serves_why: str, rows_bytes: int, table: int, compute_bytes: int,
-            grad_bytes: int) -> str:
+            grad_bytes: int, in_calls: bool = False) -> str:
     """Why the first stage does not run on the host ('' when it does): the one rule that the
     engine (StreamedEngine._choose_lookup) and the plan and step-time model (flops.host_lookup)
-    follow. `setting`: host_lookup (False: never; True: wherever it serves; None: where it also
-    moves fewer bytes a step); `serves_why`: serves()'s answer; the rest as costs_more's."""
+    follow, by the time each way puts on the step's path. `setting`: host_lookup (False: never;
+    True: wherever it serves; None: where it also costs the step less); `serves_why`: serves()'s
+    answer; `in_calls`: the layers' copies are made inside the jitted calls (an accelerator,
+    engine/transfer.py), where the device path's bytes overlap compute and the host backward's
+    time does not, so auto keeps the device path (host_lookup=True takes the host lookup where a
+    measurement shows it faster: the GPU checklist's A/B); else (eager copies, which serialise
+    with compute) the way that moves fewer bytes a step (costs_more's, the rest its arguments)."""
     if setting is False:
         return "host_lookup=False"
     if serves_why or setting:
         return serves_why
+    if in_calls:
+        return IN_CALLS
     return costs_more(rows_bytes, table, compute_bytes, grad_bytes)
 
 
@@ -76,6 +88,60 @@ def held(host, u: int) -> tuple:
 # stage_units.gradient with the accumulator donated: its output takes the accumulator's buffer
 _gradient_in_place = jax.jit(stage_units.gradient, static_argnums=(2, 3, 4, 5, 6),
                              donate_argnums=(0,))
+
+
+class TableGradient:
+    """The first stage's gradient on the host (the table's, for an embedding), in buffers kept
+    from step to step: a fresh table-sized buffer is page-faulted in by one thread every step
+    (docs/benchmarks.md, "The host lookup's backward on the CPU"), a kept one is cleared where it
+    lies by the fused kernel's pool. `zeros` gives the fp32 accumulator (last step's gradient
+    leaves, cleared, or new ones the first time and wherever a buffer was taken: donated by a jit
+    update, or the kernel not built); `cast` makes unit 0's gradient in the gradient dtype from
+    lookup.unit0_gradient's fp32 leaves, a bf16 one cast by the pool into a kept buffer too (the
+    update reads it in place), rounded as XLA rounds (to nearest even). Runs on the host
+    thread, after the previous step's updates have read the buffers."""
+
+    def __init__(self, lib):
+        self.lib = lib  # fused_adamw.kernel(), or None: fresh buffers and XLA's cast
+        self._fp32, self._out = None, None
+
+    @staticmethod
+    def _kept(leaves, shapes, dtype) -> bool:
+        return leaves is not None and [(x.shape, x.dtype) for x in leaves] == [
+            (tuple(s), dtype) for s in shapes] and not any(x.is_deleted() for x in leaves)
+
+    def zeros(self, shapes: list, device) -> list:
+        kept, self._fp32 = self._fp32, None
+        if self.lib is None or not self._kept(kept, shapes, jnp.float32):
+            return [jnp.zeros(s, jnp.float32, device=device) for s in shapes]
+        jax.block_until_ready(kept)  # (done long since: last step's update read them)
+        for x in kept:
+            self.lib.megatrain_zero(x.unsafe_buffer_pointer(), x.nbytes)
+        return kept
+
+    def cast(self, leaves: list, grad_dtype) -> list:
+        """Unit 0's gradient in grad_dtype from its fp32 leaves (kept for the next step's
+        accumulator)."""
+        self._fp32 = leaves
+        grad_dtype = jnp.dtype(grad_dtype)
+        if grad_dtype == jnp.float32:
+            return leaves
+        if self.lib is None or grad_dtype != jnp.bfloat16:
+            return _cast(leaves, grad_dtype)
+        shapes = [x.shape for x in leaves]
+        if not self._kept(self._out, shapes, grad_dtype):
+            device = next(iter(leaves[0].sharding.device_set))
+            self._out = [jnp.zeros(s, grad_dtype, device=device) for s in shapes]
+        # the pool reads and writes through pointers: the leaves' computation done, and the
+        # buffer's (made, or read by the last step's squares)
+        jax.block_until_ready(leaves + self._out)
+        for out, x in zip(self._out, leaves):
+            self.lib.megatrain_to_bf16(out.unsafe_buffer_pointer(), x.unsafe_buffer_pointer(),
+                                       x.size)
+        return self._out
+
+
+_cast = jax.jit(lambda leaves, dtype: [x.astype(dtype) for x in leaves], static_argnums=(1,))
 
 
 def unit0_gradient(acc: list, first: tuple, held_leaves: tuple, grad_dtype) -> list:
@@ -99,8 +165,8 @@ class HostBackward:
     `norm` and `scale` are what HostState.submit takes; `result()` waits for (norm, stages' sum
     of squares) on the calling thread."""
 
-    def __init__(self, sp, w, inputs, rows_grad, scalars):
-        self.sp, self.w, self.inputs = sp, w, inputs
+    def __init__(self, sp, table, w, inputs, rows_grad, scalars):
+        self.sp, self.table, self.w, self.inputs = sp, table, w, inputs
         self.rows_grad, self.scalars = rows_grad, scalars
         self._done = concurrent.futures.Future()
 
@@ -117,9 +183,10 @@ class HostBackward:
         on_host = host.host
         dxs = self.rows_grad.arrive(on_host)
         layers_sq, last_sq, weight = transfer.arrive(self.scalars, on_host)
-        acc = [jnp.zeros(x.shape, jnp.float32, device=host.host_device) for x in self.w]
+        acc = self.table.zeros([x.shape for x in self.w], host.host_device)
         acc = f.host_embed_bwd(self.w, self.inputs, dxs, acc)
-        leaves = unit0_gradient(acc, parts.first, held(host, 0), host.grad_dtype)
+        leaves = self.table.cast(unit0_gradient(acc, parts.first, held(host, 0), jnp.float32),
+                                 host.grad_dtype)
         # the stages' sum of squares, leaf by leaf in the order the device's sum_squares adds them
         squares = dict(zip(host.stage_leaves(0), f.leaf_squares(leaves)))
         squares.update(zip(host.stage_leaves(host.last), last_sq))
@@ -210,7 +277,12 @@ class DeviceFirst:
 class HostFirst:
     """The host lookup: the first stage on the host, on unit 0's bus copy; only its rows cross.
     The last unit's gradient goes out as soon as the loss is done; the first stage's backward
-    and the global norm run on the host thread (HostBackward)."""
+    and the global norm run on the host thread (HostBackward), into the table's gradient
+    buffers kept from step to step (TableGradient)."""
+
+    def __init__(self, lib=None):
+        self.table = TableGradient(lib)
+
     def forward(self, sp, inputs):
         w = sp.host.stage_bus(sp.parts.first)
         return sp.transfers.rows_in(sp.functions.host_embed(w, inputs))
@@ -233,7 +305,7 @@ class HostFirst:
         if leaving is not None:  # no device function runs after it: layer 0's gradient goes out now
             layer0 = transfers.grads_out(leaving[1], layer=True)
             sp.delete(leaving[2])
-        backward = HostBackward(sp, sp.host.stage_bus(sp.parts.first), inputs,
+        backward = HostBackward(sp, self.table, sp.host.stage_bus(sp.parts.first), inputs,
                                 transfers.grads_out(head.dxs), transfers.scalars_out(scalars))
 
         def totals():

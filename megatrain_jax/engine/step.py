@@ -75,8 +75,9 @@ class StepParts:
     """What a step (and an evaluation, engine/evaluate.py) reads: the host state, the transfers,
     the jitted device functions, the placement, the stage parts (functions.StageParts), the saved
     activations, the prefetch depth, the copies' form (schedule.EAGER or JIT), the first stage's
-    way (engine/lookup.py: DeviceFirst or HostFirst) and the hooks (StreamedEngine's on_phase,
-    on_event; None: none)."""
+    way (engine/lookup.py: DeviceFirst or HostFirst), each layer's Constants on the compute
+    device (stage_units.Constant) and the hooks (StreamedEngine's on_phase, on_event; None:
+    none)."""
     host: object
     transfers: object
     functions: object
@@ -87,6 +88,7 @@ class StepParts:
     prefetch: int
     copies: str
     first: object
+    constants: list
     on_phase: Optional[Callable] = None
     on_event: Optional[Callable] = None
 
@@ -186,7 +188,8 @@ def _forward(sp: StepParts, xs, contexts) -> tuple:
                          sp.events("forward"), carry, sp.read(), sp.host.counters)
     for i, w in stream:
         # (the layer ahead's copy beside this compute, in the jit form)
-        (ys, aux), (ahead, _), _ = sp.call(f.layer_fwd, (w, xs, contexts), stream.carry)
+        (ys, aux), (ahead, _), _ = sp.call(f.layer_fwd, ((w, sp.constants[i]), xs, contexts),
+                                           stream.carry)
         if aux is not None:
             auxs.append(aux)
         # nothing donates a block's outputs
@@ -228,8 +231,8 @@ def _backward(sp: StepParts, contexts, head: Head) -> tuple:
     leaving = None  # the jit form's: (unit, gradient) of the layer before, out in this call
     for i, (w, xs) in stream:
         (head.dxs, grads, sq), (w_ahead, xs_ahead), parcel = sp.call(
-            f.layer_bwd, (w, xs, contexts, head.dxs, head.daux), stream.carry,
-            leaving and leaving[1])
+            f.layer_bwd, ((w, sp.constants[i]), xs, contexts, head.dxs, head.daux),
+            stream.carry, leaving and leaving[1])
         ahead = None
         if stream.carry is not None:  # its inputs: copied here, or kept on the device
             ahead = (w_ahead, xs_ahead if acts.offload else acts.load(stream.carry[0] - 1))

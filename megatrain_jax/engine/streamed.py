@@ -14,12 +14,12 @@ from flax import nnx
 
 from megatrain_jax.engine import bus as bus_lib
 from megatrain_jax.engine import evaluate as evaluate_lib
-from megatrain_jax.engine import lookup
+from megatrain_jax.engine import fused_adamw, lookup
 from megatrain_jax.engine import step, transfer
 from megatrain_jax.engine.functions import DeviceFunctions, stage_parts
 from megatrain_jax.engine.host import HostState
 from megatrain_jax.engine.parallel import Placement
-from megatrain_jax.engine.stage_units import param_split
+from megatrain_jax.engine.stage_units import param_split, stages_split
 from megatrain_jax.engine.stream import Activations, Counters
 from megatrain_jax.engine.tier import DiskTierOptions
 from megatrain_jax.engine.transfer import Transfers
@@ -41,7 +41,9 @@ class StreamedEngine:
       make_block: `make_block(i) -> nnx.Module`, layer i's block, all of one structure, called as
         `block(x)`, or `block(x, context)` when `train_step` is given a context. Called once per
         layer at construction, under the host device, so the stack is never built whole on the
-        accelerator. Blocks (and stages) may hold only `nnx.Param` state. A block may return
+        accelerator. Blocks (and stages) may hold only `nnx.Param` state, and blocks per-layer
+        `Constant`s (stage_units.py: data beside the weights that no optimizer sees, e.g. a
+        layer's kind; `block_constants`). A block may return
         `(x, aux)`, aux a pytree of per-layer fp32 statistics that add up over tokens (e.g. a
         mixture of experts' router counts): then `aux_loss` is required.
       aux_loss: `aux_loss(total) -> scalar`, total the sum of every layer's aux over the layers
@@ -83,9 +85,11 @@ class StreamedEngine:
       host_lookup: run the first stage on the host device when it shares no variable with the
         last (an untied embedding) and there is one compute device (engine/lookup.py): the
         embedding's rows cross, its table never does, and only the rows' gradient comes back.
-        None (default): where that moves fewer bytes a step than the table's two fetches and its
-        gradient (decided at the first step, from its shapes); True: wherever it serves; False:
-        never. Where it does not run the first stage runs on the device, and the log says why.
+        None (default): never with copies made inside the jitted calls (`copies`: the device's
+        copies of the table then ride beside compute, while the host backward would end every
+        step with the device idle), else where it moves fewer bytes a step than the table's two
+        fetches and its gradient (decided at the first step, from its shapes: lookup.why_off);
+        True: wherever it serves; False: never. Where it does not run the first stage runs on the device, and the log says why.
         Training equals the device path.
       host_update: how the host update runs. "auto" (default): with fused_adamw.adamw (the
         project's AdamW) and its kernel built, the kernel called directly on numpy state the
@@ -93,6 +97,11 @@ class StreamedEngine:
         written in place), else a jitted update per unit; "direct": the direct update or an error
         saying why it cannot run; "jit": a jitted update per unit (the kernel through jax.ffi, or
         optax). The log says which. The direct and jit paths give the same bits.
+      host_threads: the fused AdamW kernel's threads (None, default: one per CPU of the process's
+        affinity, as measured fastest for the update alone). Fewer are pinned to the first CPUs,
+        the update's own thread among them, so the rest stay free for the thread that dispatches
+        the device's work. A process has one kernel pool: the last engine built sets it. Outside
+        [1, the CPUs], or where the kernel does not run: a ValueError line.
       copies: how a layer's weights come in and its gradient goes out (engine/step.py). "eager":
         each a `device_put` of its own between the jitted calls; "jit": made inside the jitted
         calls, beside their compute (the next layer's fetch inside this layer's first call, the
@@ -122,7 +131,8 @@ class StreamedEngine:
                  offload_activations: bool = False, aux_loss: Optional[Callable] = None,
                  disk_tier: Optional[DiskTierOptions] = None, compute_devices=None,
                  shard_host_state: bool = False, host_lookup: Optional[bool] = None,
-                 host_update: str = "auto", copies: str = "auto", bus: str = "auto"):
+                 host_update: str = "auto", copies: str = "auto", bus: str = "auto",
+                 host_threads: Optional[int] = None):
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         if prefetch < 0:
@@ -162,17 +172,19 @@ class StreamedEngine:
         self.on_event = None
 
         with jax.default_device(self.host_device):
-            self._stages_def, stages = param_split((first, last), "the first/last stages")
+            self._stages_def, stages = stages_split((first, last))
+        self.block_constants = []  # per layer: its Constants, a pure dict (empty: none)
 
         def blocks():  # one at a time: the disk tier never holds the whole model in RAM
             with jax.default_device(self.host_device):
                 for i in range(num_layers):
-                    graphdef, params = param_split(make_block(i), f"block {i}")
+                    graphdef, params, constants = param_split(make_block(i), f"block {i}")
                     if i == 0:
                         self._block_def, structure = graphdef, jax.tree.structure(params)
                     elif graphdef != self._block_def or jax.tree.structure(params) != structure:
                         raise ValueError(f"block {i} differs in structure from block 0; all "
                                          "streamed blocks must share one structure")
+                    self.block_constants.append(constants)
                     yield params
 
         self.host = HostState(stages, blocks(), optimizer, max_grad_norm=max_grad_norm,
@@ -185,8 +197,12 @@ class StreamedEngine:
                               pinned_pool=(bus_lib.pinned_pool_bytes()
                                            if self.compute_device.platform == "gpu"
                                            and self.transfers.out_kind == transfer.PINNED
-                                           else None))
+                                           else None),
+                              host_threads=host_threads)
         del stages
+        # kept on the compute device for the run (a few numbers a layer), each passed beside its
+        # layer's weights
+        self._constants_on_device = [self.placement.put_weights(c) for c in self.block_constants]
         self.bus = self.host.bus_form
         ring = self.host.ring
         log.info("bus copies: %s (%s)", f"the layers' in a ring of {len(ring.slots)} buffers, the "
@@ -204,6 +220,7 @@ class StreamedEngine:
         self.first_stage = None  # lookup.HostFirst or DeviceFirst, with host_lookup
         self.unit_sq = None
         self._broken = None
+        self._closed = False
         self.aux_loss = aux_loss
 
     # ----------------------------------------------------------------- one step
@@ -231,9 +248,11 @@ class StreamedEngine:
                                              host.stage_leaves(0)),
             rows_bytes=rows.size * rows.dtype.itemsize,
             table=sum(math.prod(host.shapes[0][i]) for i in first),
-            compute_bytes=host.compute_dtype.itemsize, grad_bytes=host.grad_dtype.itemsize)
+            compute_bytes=host.compute_dtype.itemsize, grad_bytes=host.grad_dtype.itemsize,
+            in_calls=self.copies == transfer.JIT)
         self.host_lookup = not why
-        self.first_stage = lookup.HostFirst() if self.host_lookup else lookup.DeviceFirst()
+        self.first_stage = (lookup.HostFirst(fused_adamw.kernel()) if self.host_lookup
+                            else lookup.DeviceFirst())
         if self.host_lookup:
             self.host.keep_bus_on_host(0)
         elif self._host_lookup:  # asked for: said where the user sees it
@@ -288,7 +307,9 @@ class StreamedEngine:
         (step.StepParts, made here: the hooks may change between calls). If it raises,
         the saved activations are dropped and the state is as before (or, raised after the
         step's updates were queued, as after it: they are queued all or none); a host update
-        that failed leaves the engine unusable, saying which."""
+        that failed leaves the engine unusable, saying which, as does a bus ring slot whose
+        reader's computation failed (its state can still be read)."""
+        self._check_open()
         if self._broken:
             raise RuntimeError(f"the engine is unusable: {self._broken}")
         self.transfers.on_event = self.on_event and (lambda kind, what: self.on_event(kind, what,
@@ -302,9 +323,10 @@ class StreamedEngine:
         inputs, targets, contexts = self._put_batch(inputs, targets, context)
         try:
             return schedule(self._step_parts(), inputs, targets, contexts)
-        except BaseException:
+        except BaseException as e:
             self.activations.clear()
-            self._broken = self.host.failure()
+            self._broken = self.host.failure() or (
+                e.cause if isinstance(e, bus_lib.ReaderFailed) else None)
             raise
 
     def _step_parts(self) -> step.StepParts:
@@ -312,13 +334,17 @@ class StreamedEngine:
             host=self.host, transfers=self.transfers, functions=self.functions,
             placement=self.placement, parts=self.parts, activations=self.activations,
             num_layers=self.num_layers, prefetch=self.prefetch, copies=self.copies,
-            first=self.first_stage, on_phase=self.on_phase, on_event=self.on_event)
+            first=self.first_stage, constants=self._constants_on_device,
+            on_phase=self.on_phase, on_event=self.on_event)
 
     def _update_event(self, u: int):
+        on_event = self.on_event  # (the caller may unset it while updates are still queued)
+        if on_event is None:
+            return
         if u in (0, self.host.last):
-            self.on_event("update", "first stage" if u == 0 else "last stage", None)
+            on_event("update", "first stage" if u == 0 else "last stage", None)
         else:
-            self.on_event("update", "layer", u - 1)
+            on_event("update", "layer", u - 1)
 
     def _put_batch(self, inputs, targets, context):
         """(inputs, targets, contexts), the micro-batches stacked, on the compute device (with
@@ -345,6 +371,7 @@ class StreamedEngine:
     # ----------------------------------------------------------------- reading state
     def wait(self):
         """Blocks until every pending host update has finished."""
+        self._check_open()
         try:
             self.host.wait()
         except BaseException as e:
@@ -359,17 +386,22 @@ class StreamedEngine:
 
     @property
     def block_graphdef(self):
+        """`nnx.merge(engine.block_graphdef, params["layers"][i], engine.block_constants[i])`
+        gives back layer i's block (its Constants are no parameters: `block_constants`)."""
         return self._block_def
 
     def params(self) -> dict:
         """fp32 master weights on the host: {"stages": tree, "layers": [tree, ...]}.
 
         A view, not a copy. With the host update called directly (engine/direct.py, the fused
-        AdamW with its kernel built) it stays the state of this moment: while anything holds it,
-        each unit's update first copies the unit (slower steps), so drop it or copy what you keep
-        (`jax.tree.map(np.array, ...)`). Otherwise it is valid until the next `train_step`, which
-        updates these buffers in place (reading one afterwards raises "Array has been deleted"). `nnx.merge(engine.stages_graphdef, params["stages"])`
-        gives back (first, last)."""
+        AdamW with its kernel built) it stays the state of this moment for as long as anything
+        can read it (any of its arrays, a numpy array or a slice taken of one): each unit it
+        reaches is copied once, at its next update, and left to it (counted in
+        `counters.host_snapshot_bytes`), so drop what you do not keep, or copy it
+        (`jax.tree.map(np.array, ...)`). With the jitted update it is valid until the next
+        `train_step`, which updates these buffers in place (reading one afterwards raises "Array
+        has been deleted"). `nnx.merge(engine.stages_graphdef, params["stages"])` gives back
+        (first, last)."""
         self.wait()
         layers = [self.host.unit_state(1 + i)[0] for i in range(self.num_layers)]
         return {"stages": self.host.stages_state()[0], "layers": layers}
@@ -401,8 +433,9 @@ class StreamedEngine:
         return self.placement.shards
 
     def state(self) -> dict:
-        """The full training state (params and optax state per unit), host-resident; a view
-        valid until the next `train_step`, like `params()`."""
+        """The full training state (params and optax state per unit), host-resident: a view
+        that stays the state of this moment, or is valid until the next `train_step`, as
+        `params()` says."""
         self.wait()
         unit = lambda state: dict(zip(("params", "opt_state"), state))
         return {"stages": unit(self.host.stages_state()),
@@ -414,21 +447,48 @@ class StreamedEngine:
         return self.host.tier
 
     def load_state(self, state: dict):
-        """Replaces the training state with `state` (same structure as `state()`).
+        """Replaces the training state with `state` (same structure as `state()`), unit by unit,
+        once every unit is checked (structure, shapes, kinds of dtype: one ValueError line naming
+        the unit and the leaf, nothing replaced). The Adam moments take the engine's dtype.
 
         The engine takes the arrays over: later steps update them in place (donation), so do
         not keep using them."""
+        layers = state["layers"]
+        if len(layers) != self.num_layers:
+            raise ValueError(f"cannot load a state of {len(layers)} layers into an engine of "
+                             f"{self.num_layers}")
+        self.host.check_load("stages", state["stages"])
+        for i, layer in enumerate(layers):
+            self.host.check_load(1 + i, layer)
         self.load_unit("stages", state["stages"])
-        for i, layer in enumerate(state["layers"]):
+        for i, layer in enumerate(layers):
             self.load_unit(i, layer)
 
     def load_unit(self, which, unit_state: dict):
         """Replaces one unit's state, `{"params", "opt_state"}`: which is "stages" or a layer
-        index. Restoring unit by unit keeps the extra host memory to one unit's state."""
+        index. Restoring unit by unit keeps the extra host memory to one unit's state. Checked
+        and cast as in `load_state`."""
+        self._check_open()
+        layer = isinstance(which, (int, np.integer)) and not isinstance(which, bool)
+        if which != "stages" and not (layer and 0 <= which < self.num_layers):
+            raise ValueError(f"load_unit: which must be 'stages' or a layer index (0 to "
+                             f"{self.num_layers - 1}), got {which!r}")
         if which == "stages":
             self.host.load_stages(unit_state)
         else:
             self.host.load_unit(1 + which, unit_state)
 
     def close(self):
-        self.host.close()
+        """Waits for the pending updates and ends the host thread (and the disk tier): every
+        later call that steps or touches the state raises, saying the engine is closed."""
+        if self._closed:
+            return
+        try:
+            self.host.close()
+        finally:
+            self._closed = True
+
+    def _check_open(self):
+        if self._closed:  # its thread is gone, the disk tier's files too: nothing to step or read
+            raise RuntimeError("the engine is closed (close() was called): it cannot step nor "
+                               "give or take state; build a new engine")
