@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 
 from megatrain_jax.config import Config, ConfigError
-from megatrain_jax.engine import lookup, stage_units, transfer, update
+from megatrain_jax.engine import lookup, packing, stage_units, transfer, update
 from megatrain_jax.engine.functions import stage_parts
 from megatrain_jax.machines import Machine
 from megatrain_jax.model import Execution, ModelConfig, make_block, make_stages
@@ -97,11 +97,25 @@ class Counts:
     # "resident" (every unit's all step) or "ring" (prefetch + 2 layer buffers; the stages'
     # resident)
     bus: str = "resident"
+    # elements of a layer's bus copy, fetched weights and gradient as they travel flat (the
+    # engine's packing.Flat: its leaves end to end, each at an aligned offset); 0: leaf by leaf,
+    # `layer` elements (packing.why_per_leaf)
+    layer_flat: int = 0
 
     @property
     def params(self) -> int:
         """Parameters of the whole model: the stages' and every layer's."""
         return self.stages + self.layers * self.layer
+
+    @property
+    def layer_buffer(self) -> int:
+        """Elements of a layer's bus copy, fetch or gradient, padding included."""
+        return self.layer_flat or self.layer
+
+    @property
+    def buffers(self) -> int:
+        """Elements of every unit's bus copy (or gradient): the stages' and every layer's."""
+        return self.stages + self.layers * self.layer_buffer
 
 
 def with_layers(c: Counts, layers: int) -> Counts:
@@ -143,6 +157,12 @@ def counts(cfg: Config, execution: Execution, machine: Machine, *,
     init = optimizer.init
     optimizer_bytes = lambda tree: sum(x.size * x.dtype.itemsize
                                        for x in jax.tree.leaves(jax.eval_shape(init, tree)))
+    devices = (local_devices(cfg, machine) or 1) * cfg.distributed.num_processes
+    disk = cfg.offload.tier == "disk"
+    fp32 = jnp.dtype(cfg.train.compute_dtype) == jnp.float32
+    block_packing = packing.choose(  # as HostState takes it (bus.choose: the bus copy)
+        block, stage=False, sharded=cfg.distributed.shard_optimizer and devices > 1,
+        bus_is_params=machine.compute_on_host and fp32 and not disk)
     return Counts(
         layers=cfg.model.num_layers, prefetch=cfg.train.prefetch,
         micro_batches=cfg.data.micro_batches, hidden=cfg.model.hidden_size,
@@ -155,14 +175,15 @@ def counts(cfg: Config, execution: Execution, machine: Machine, *,
         optimizer=sum(map(optimizer_bytes, stage_units.split(stages)))
         + cfg.model.num_layers * optimizer_bytes(block),
         accelerator=not machine.compute_on_host,
-        direct=update.why_not_direct(optimizer, cfg.offload.tier == "disk") is None,
+        direct=update.why_not_direct(optimizer, disk) is None,
         stages_state=4 * size(stages) + optimizer_bytes(stages),
         layer_state=4 * size(block) + optimizer_bytes(block),
         host_shards=cfg.distributed.num_processes if cfg.distributed.shard_optimizer else 1,
         lookup_serves=lookup.serves(
             (local_devices(cfg, machine) or 1) > 1 or cfg.distributed.num_processes > 1, parts,
             stage_units.indices(stage_units.split(stages)[0])),
-        lookup_setting=lookup_setting, copies=copies_form(cfg, machine))
+        lookup_setting=lookup_setting, copies=copies_form(cfg, machine),
+        layer_flat=block_packing.size if block_packing.flat else 0)
 
 
 def copies_form(cfg: Config, machine: Machine) -> str:

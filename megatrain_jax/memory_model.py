@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from megatrain_jax.engine import bus as bus_lib
-from megatrain_jax.engine import schedule
+from megatrain_jax.engine import packing, schedule
 from megatrain_jax.engine.functions import DeviceFunctions
 from megatrain_jax.flops import Counts, abstract_units, host_lookup
 from megatrain_jax.machines import GB, Machine
@@ -41,25 +41,32 @@ DEVICE_KINDS = ("inputs", "weights", "gradients", "activations", "cotangents", "
 
 
 @functools.lru_cache(maxsize=8)
-def _device_functions(model: ModelConfig, execution: Execution, grad_dtype: str):
-    stages_def, stages, block_def, _, _, parts = abstract_units(model, execution)
+def _device_functions(model: ModelConfig, execution: Execution, grad_dtype: str, flat: bool):
+    stages_def, stages, block_def, block, _, parts = abstract_units(model, execution)
     return DeviceFunctions(stages_def, jax.tree.structure(stages), parts, block_def,
-                           jnp.dtype(grad_dtype))
+                           jnp.dtype(grad_dtype), packing=_block_packing(block, flat))
+
+
+def _block_packing(block, flat: bool):
+    """A layer unit's packing (engine/packing.py) as the engine takes it: flat, or leaf by
+    leaf."""
+    return (packing.Flat if flat else packing.PerLeaf).of(block)
 
 
 @functools.lru_cache(maxsize=64)
 def workspace_bytes(model: ModelConfig, execution: Execution, compute_dtype: str, grad_dtype: str,
                     batch: int, seq: int, document_mask: bool, device, hoisting: bool = False,
-                    micro_batches: int = 1) -> dict:
+                    micro_batches: int = 1, flat: bool = False) -> dict:
     """Phase -> temp bytes of the engine's jitted function for that phase on `micro_batches`
     micro-batches of (batch, seq), stacked, compiled for `device` with the argument shapes and
     dtypes the step passes, and LOSS_SQUARES, STAGES -> the temp bytes of the host lookup's last
     unit's gradient at the loss, of the device path's stages' gradient after the embedding's
     backward. On XLA:CPU, LLVM's optimisation level does not change buffer assignment: it is
     turned off, halving the compile time; so is loop-invariant code motion unless `hoisting` (the
-    bf16 estimate, see _HOISTING_PASS)."""
+    bf16 estimate, see _HOISTING_PASS). flat: a layer's weights and gradient travel flat
+    (Counts.layer_flat), as the layer calls then take and make them."""
     _, stages, _, block, constants, parts = abstract_units(model, execution)
-    f = _device_functions(model, execution, grad_dtype)
+    f = _device_functions(model, execution, grad_dtype, flat)
     sharding = jax.sharding.SingleDeviceSharding(device)
     sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     like = lambda tree, dtype: jax.tree.map(lambda p: sds(p.shape, dtype), tree)
@@ -69,7 +76,8 @@ def workspace_bytes(model: ModelConfig, execution: Execution, compute_dtype: str
     stacked = (micro_batches, batch, seq)
     tokens, x = sds(stacked, jnp.int32), sds(stacked + (model.hidden_size,), c)
     context = {"segment_ids": tokens, "positions": tokens} if document_mask else None
-    layer = (like(block, c), jax.tree.map(lambda k: sds(k.shape, k.dtype), constants))
+    layer = (_block_packing(block, flat).abstract(c, sharding),
+             jax.tree.map(lambda k: sds(k.shape, k.dtype), constants))
     scalar = sds((), jnp.float32)
     # the stages' leaves as one unit holds them: every leaf (the device path); the last's alone
     held = lambda indices: tuple((i, tuple(leaves[i].shape)) for i in indices)
@@ -108,12 +116,12 @@ def optimizer_state_bytes(c: Counts) -> int:
 
 
 def bus_params(c: Counts) -> int:
-    """The parameters that have a bus copy at the step's peak: every unit's (resident), or with
+    """The elements of the bus copies at the step's peak: every unit's (resident), or with
     the bus ring (c.bus "ring", engine/bus.py's Ring) the stage units' and the ring's slots,
-    each the size of a layer."""
+    each the size of a layer's (a flat layer's padding included: Counts.layer_buffer)."""
     if c.bus == bus_lib.RING:
-        return c.stages + bus_lib.ring_size(c.prefetch) * c.layer
-    return c.params
+        return c.stages + bus_lib.ring_size(c.prefetch) * c.layer_buffer
+    return c.buffers
 
 
 def bus_bytes(c: Counts, tokens: int) -> int:
@@ -150,10 +158,10 @@ def host_bytes(c: Counts, tokens: int, offload: bool) -> dict:
         "master": share(4 * c.params),
         "optimizer": share(optimizer_state_bytes(c)),
         "bus": share(bus_bytes(c, tokens)),
-        "gradients": share(c.grad * c.layers * c.layer + stage_grads),
+        "gradients": share(c.grad * c.layers * c.layer_buffer + stage_grads),
         # (the jit path's update writes a bus copy there first; the ring's layers have none)
         "staging": (share(c.compute * (c.stages - lookup * c.first
-                                       + c.layer * (c.bus != bus_lib.RING)))
+                                       + c.layer_buffer * (c.bus != bus_lib.RING)))
                     if c.accelerator and not c.direct else 0),
         "activations": c.layers * activation_bytes(c, tokens) if offload else 0,
     }
@@ -175,7 +183,7 @@ def host_bytes_on_disk(c: Counts, tokens: int, offload: bool, read_ahead: int) -
     buffers (one read, one written) stay pooled besides their arrays while they are
     updated."""
     return {**host_bytes(c, tokens, offload), "master": 0, "optimizer": 0,
-            "bus": c.compute * c.params,
+            "bus": c.compute * c.buffers,
             "tier buffers": 3 * c.stages_state
             + (read_ahead + max(1, read_ahead) + 2) * c.layer_state}
 
@@ -207,7 +215,7 @@ def device_bytes(c: Counts, tokens: int, offload: bool, workspace: dict) -> dict
     # Layers resident: engine/schedule.py's. A layer's call accumulates its gradient in fp32
     # inside (its workspace) and returns it in train.grad_dtype.
     head = 0 if lookup else 4 * c.last
-    out = c.layer * c.grad  # a layer's gradient, made
+    out = c.layer_buffer * c.grad  # a layer's gradient, made
     forward, backward = [], []
     resident = schedule.resident(L, p, c.copies)
     overlapped = schedule.overlapped(L, p, c.copies)
@@ -215,10 +223,10 @@ def device_bytes(c: Counts, tokens: int, offload: bool, workspace: dict) -> dict
         n = resident[pos]
         # saved: every earlier layer's input and this one's, plus its outputs; offloaded:
         # this layer's inputs and outputs, and the one before's inputs until it retires
-        forward.append(moment("forward", weights=n * weights(c.layer),
+        forward.append(moment("forward", weights=n * weights(c.layer_buffer),
                               activations=(2 + overlapped[pos] if offload else pos + 2) * act))
         # saved: this layer's inputs and every earlier one's; offloaded: those fetched back
-        backward.append(moment("backward", weights=n * weights(c.layer),
+        backward.append(moment("backward", weights=n * weights(c.layer_buffer),
                                # the layer's, and the one before's while it goes out
                                gradients=(1 + overlapped[pos]) * out + head,
                                activations=(n if offload else L - pos + overlapped[pos]) * act,

@@ -49,7 +49,7 @@ def plan(cfg: Config, machine: Machine) -> Plan:
     temps = functools.partial(workspace_bytes, cfg.model, compiled, cfg.train.compute_dtype,
                               cfg.train.grad_dtype, document_mask=cfg.data.document_mask,
                               device=device, hoisting=device.platform == machine.platform,
-                              micro_batches=M)
+                              micro_batches=M, flat=bool(c.layer_flat))
     workspace = temps(B, T)
     estimated = device.platform != machine.platform  # compiled by the CPU for a GPU
     cpu_compiled = functools.partial(temps, B, T, hoisting=True) if estimated else dict

@@ -311,7 +311,8 @@ def measure_resident_compute(jax, engine, batch, step_s, on_gpu) -> dict:
     params = engine.params()
     stage_leaves = jax.tree.leaves(cast(params["stages"]))  # each part as the step fetches it
     w_first, w_last = (engine.parts.take(part, stage_leaves) for part in ("first", "last"))
-    w_layer = cast(params["layers"][0])
+    w_layer = jax.device_put(f.packing.packed(  # as the engine fetches it (engine/packing.py)
+        jax.tree.map(lambda p: p.astype(cdt), params["layers"][0]), engine.host_sharding), dev)
     layer_0 = (w_layer, jax.device_put(engine.block_constants[0], dev))
     xs = jax.block_until_ready(f.embed(w_first, inputs))
 

@@ -64,8 +64,9 @@ def test_two_devices_equal_one_device(one_device_run, offload):
 
 def test_each_device_gets_its_rows_and_every_layer():
     """Each micro-batch's rows are split over the devices and each gets its own copy of the
-    weights."""
+    weights (a layer's: one flat array, engine/packing.py)."""
     engine = make_dp_engine(jax.devices("cpu")[:2])
+    weights = (engine.host.packing(1).size,)
     seen = {}
 
     def spy(phase, layer=None):
@@ -74,8 +75,7 @@ def test_each_device_gets_its_rows_and_every_layer():
                 # (micro-batches, rows, seq, hidden): the stacked micro-batches
                 if a.shape[1:] == (4, 12, CFG.hidden_size) and len(a.sharding.device_set) == 2:
                     seen["x"] = sorted(s.data.shape[1] for s in a.addressable_shards)
-                if a.shape == (CFG.hidden_size, CFG.num_heads, CFG.head_size) and \
-                        len(a.sharding.device_set) == 2:
+                if a.shape == weights and len(a.sharding.device_set) == 2:
                     seen["w"] = a.sharding.is_fully_replicated
     engine.on_phase = spy
     inputs, targets = global_batches(num_steps=1)[0]

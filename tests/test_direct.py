@@ -126,8 +126,9 @@ def steps(engine, n):
 
 def test_engine_reads_gradients_in_place_and_writes_the_bus_in_place():
     """Two CPU devices, device 1 standing for the accelerator (its pinned_host memory kind): the
-    kernel's gradient pointers are the pinned pieces' own buffers, each unit's bus copy is the same
-    buffer every step and the one the kernel writes, and nothing is copied on the update thread."""
+    kernel's gradient pointers are the pinned pieces' own buffers (a layer's flat gradient: each
+    leaf at its offset in the one array), each unit's bus copy is the same buffer every step and
+    the one the kernel writes, and nothing is copied on the update thread."""
     engine = engine_on((CPU[1], CPU[0]))
     host = engine.host
     assert host.direct is not None and engine.transfers.out_kind == transfer.PINNED
@@ -136,8 +137,10 @@ def test_engine_reads_gradients_in_place_and_writes_the_bus_in_place():
 
     def spy(grads, grad_norm, scale):  # the pieces as the step hands them over
         for u, parcel in grads:
+            packed = jax.tree.unflatten(parcel.treedef, parcel.token())  # as the unit travels
+            kinds = {p.sharding.memory_kind for p in parcel.token()}
             pieces.setdefault(u, []).append(
-                [(p.sharding.memory_kind, p.unsafe_buffer_pointer()) for p in parcel.token()])
+                [(kinds, leaf.pointer) for leaf in host.packing(u).targets(packed, "")])
         submit_all(grads, grad_norm, scale)
 
     host.submit_all = spy
@@ -147,12 +150,13 @@ def test_engine_reads_gradients_in_place_and_writes_the_bus_in_place():
     for _ in range(3):
         steps(engine, 1)
         engine.wait()
-        bus_pointers.append({u: [b.unsafe_buffer_pointer() for b in jax.tree.leaves(host.bus(u))]
+        bus_pointers.append({u: [b.pointer for b in host.packing(u).targets(host.bus(u), "")]
                              for u in range(L + 2)})
     for u in range(L + 2):
         for made, used in zip(pieces[u], kernel[u], strict=True):
-            assert {kind for kind, _ in made} == {transfer.PINNED}
+            assert {k for kinds, _ in made for k in kinds} == {transfer.PINNED}
             assert [g for g, _ in used] == [ptr for _, ptr in made]
+        assert len({ptr for _, ptr in pieces[u][0]}) == len(host.packing(u).shapes)
         assert bus_pointers[0][u] == bus_pointers[1][u] == bus_pointers[2][u]
         assert [b for _, b in kernel[u][-1]] == bus_pointers[2][u]
     assert engine.counters.host_copy_bytes == 0

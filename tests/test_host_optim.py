@@ -129,9 +129,11 @@ def test_donated_update_equals_plain_optax(name, devices, max_grad_norm):
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(ref_params),
                             strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
-    # The bus copy is the compute-dtype cast of the new master weights.
-    for u in engine.host.units:
-        for b, p in zip(jax.tree.leaves(u.bus), jax.tree.leaves(u.params), strict=True):
+    # The bus copy is the compute-dtype cast of the new master weights (each leaf where the
+    # unit's packing lays it: a layer's flat).
+    for k, u in enumerate(engine.host.units):
+        for b, p in zip(engine.host.packing(k).host_leaves(u.bus), jax.tree.leaves(u.params),
+                        strict=True):
             assert b.dtype == jnp.bfloat16
             np.testing.assert_array_equal(np.asarray(b), np.asarray(p.astype(jnp.bfloat16)))
     engine.close()
@@ -195,7 +197,7 @@ def test_nonfinite_norm_changes_nothing(devices, fused):
     for x, y in zip(jax.tree.leaves(engine.state()), jax.tree.leaves(kept), strict=True):
         np.testing.assert_array_equal(np.asarray(x), y)
     for u in (1, 2):
-        for b, p in zip(jax.tree.leaves(engine.host.bus(u)),
+        for b, p in zip(engine.host.packing(u).host_leaves(engine.host.bus(u)),
                         jax.tree.leaves(engine.host.unit_state(u)[0]), strict=True):
             np.testing.assert_array_equal(np.asarray(b), np.asarray(p.astype(jnp.bfloat16)))
     engine.close()
@@ -245,9 +247,12 @@ def test_each_mode_keeps_the_bus_copy_its_policy_says(tmp_path, devices, dtype, 
             submit(engine, 1, grads, 1.0)
         params, bus = host.unit_state(1)[0], host.bus(1)
         assert (bus is params) == (policy is bus_lib.ParamsBus)
-        for b, p in zip(jax.tree.leaves(bus), jax.tree.leaves(params), strict=True):
-            assert (b.sharding.memory_kind == transfer.PINNED) == pinned
-            np.testing.assert_array_equal(np.asarray(b), np.asarray(jnp.asarray(p).astype(dtype)))
+        assert {b.sharding.memory_kind == transfer.PINNED for b in jax.tree.leaves(bus)} == {
+            pinned}
+        # flat, one array, but where the bus copy is the weights themselves
+        assert (len(jax.tree.leaves(bus)) == 1) == (policy is not bus_lib.ParamsBus)
+        for b, p in zip(host.packing(1).host_leaves(bus), jax.tree.leaves(params), strict=True):
+            np.testing.assert_array_equal(b, np.asarray(jnp.asarray(p).astype(dtype)))
         assert not disk or all(u.params is None for u in host.units)  # in the files, not RAM
     host.keep_bus_on_host(0)
     assert host.buses[0].on_host and 0 not in host.staging
@@ -494,8 +499,8 @@ def test_a_skipped_update_on_the_disk_tier_returns_its_buffer_once_the_bus_copy_
                          disk_tier=DiskTierOptions(str(tmp_path / "tier")))
     policy = type(engine.host.buses[1])
     on_skip = policy.on_skip
-    monkeypatch.setattr(policy, "on_skip", lambda self, unit, old: late_copy(
-        on_skip(self, unit, old)))
+    monkeypatch.setattr(policy, "on_skip", lambda self, unit, old, packing: late_copy(
+        on_skip(self, unit, old, packing)))
     store, ready_when_stored = engine.host.store.store, []
     engine.host.store.store = lambda u, unit: (ready_when_stored.append(
         all(x.is_ready() for x in jax.tree.leaves(unit.bus))), store(u, unit))
@@ -503,7 +508,8 @@ def test_a_skipped_update_on_the_disk_tier_returns_its_buffer_once_the_bus_copy_
     submit(engine, 1, random_grads(params, np.random.default_rng(4)), np.nan)
     engine.wait()
     assert ready_when_stored == [True]
-    for b, p in zip(jax.tree.leaves(engine.host.bus(1)), jax.tree.leaves(params), strict=True):
+    for b, p in zip(engine.host.packing(1).host_leaves(engine.host.bus(1)),
+                    jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(p.astype(jnp.bfloat16)))
     engine.close()
 

@@ -37,7 +37,9 @@ def per_micro_batch(engine, f):
     to_pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
     zeros = jax.jit(lambda w: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), w))
     squares = jax.jit(sum_squares)
-    cast = jax.jit(lambda g: jax.tree.map(lambda x: x.astype(engine.host.grad_dtype), g))
+    # a layer's weights and gradient as the unit travels (engine/packing.py): flat, one array
+    unpack = jax.jit(lambda layer: (f.packing.unpack(layer[0]), layer[1]))
+    pack = jax.jit(lambda g: f.packing.pack(g, engine.host.grad_dtype))
     stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
     at = lambda tree, m: jax.tree.map(lambda x: x[m], tree)
 
@@ -45,19 +47,20 @@ def per_micro_batch(engine, f):
         return jax.device_put(fetch, to_device), jax.device_put(out, to_pinned)
 
     def layer_fwd(fetch, out, w, xs, contexts):
+        w = unpack(w)
         made = [f.block_fwd(w, xs[m], at(contexts, m)) for m in range(len(xs))]
         auxs = [aux for _, aux in made]
         return (stack([y for y, _ in made]), None if auxs[0] is None else stack(auxs)), *copies(
             fetch, out)
 
     def layer_bwd(fetch, out, w, xs, contexts, dys, daux):
-        acc, dxs = zeros(w), []
+        w = unpack(w)
+        acc, dxs = zeros(w[0]), []  # (the weights', not the Constants')
         for m in range(len(xs)):
             dx, acc = f.block_bwd(w, xs[m], at(contexts, m), dys[m], acc, daux)
             dxs.append(dx)
         sq = squares(acc)
-        grads = acc if engine.host.grad_dtype == jnp.float32 else cast(acc)
-        return (jnp.stack(dxs), grads, sq), *copies(fetch, out)
+        return (jnp.stack(dxs), pack(acc), sq), *copies(fetch, out)
 
     f.layer_fwd, f.layer_bwd = layer_fwd, layer_bwd
 
@@ -82,6 +85,14 @@ def train(num_micro, form, setup, tmp_path):
     f = engine.device_functions(shape(tokens[..., :-1]), shape(tokens[..., 1:]))
     if form != "one call":
         per_micro_batch(engine, f)
+    out = steps(engine, tokens, cfg, documents)
+    engine.close()
+    return out
+
+
+def steps(engine, tokens, cfg, documents=False) -> tuple:
+    """(losses, grad norms, the state as numpy) after one step on each of `tokens` (steps of
+    inputs and targets, a token ahead; with `documents`, their document masks as context)."""
     losses, norms = [], []
     for t in tokens:
         inputs = t[..., :-1]
@@ -89,9 +100,7 @@ def train(num_micro, form, setup, tmp_path):
         result = engine.train_step(inputs, t[..., 1:], context)
         losses.append(float(result["loss"]))
         norms.append(float(result["grad_norm"]))
-    state = jax.tree.map(np.array, engine.state())
-    engine.close()
-    return losses, norms, state
+    return losses, norms, jax.tree.map(np.array, engine.state())
 
 
 SETUPS = {  # M, the engine's options

@@ -34,11 +34,15 @@ MACHINE = Machine("two CPU devices", device_memory_gb=1.0, host_memory_gb=1.0, b
 # gradients for the host, without or with document masks, prefetch 1 or 2, the first stage on
 # the device or on the host (the host lookup, engine/lookup.py: the engine's default rule takes it
 # where the rows, 2 x 2 x 32 tokens, and their gradient weigh less than the 97-row table's two
-# fetches and its gradient; at 2 x 2 x 64 tokens they weigh more).
+# fetches and its gradient; at 2 x 2 x 64 tokens they weigh more). "padded": a width whose
+# block leaves are no multiple of engine/packing.py's ALIGN, so a layer's flat bus copy, fetch
+# and gradient hold padding between its leaves, which the plan counts (Counts.layer_flat).
+PADDED = dataclasses.replace(MODEL, hidden_size=40, intermediate_size=72)
 SETUPS = {"resident": dict(offload=False),
           "offloaded": dict(offload=True, grad_dtype="bfloat16", document_mask=True, prefetch=2),
-          "lookup": dict(offload=False)}
-SEQ = {"resident": 64, "offloaded": 64, "lookup": 32}  # each engine's config (engines())
+          "lookup": dict(offload=False),
+          "padded": dict(offload=False, model=PADDED)}
+SEQ = {"resident": 64, "offloaded": 64, "lookup": 32, "padded": 64}  # each engine's config
 
 
 def config(seq, offload=False, grad_dtype="float32", document_mask=False, prefetch=1,
@@ -177,7 +181,8 @@ def engines():
         engine.close()
 
 
-@pytest.mark.parametrize("setup,seq", [("resident", 64), ("offloaded", 256), ("lookup", 32)])
+@pytest.mark.parametrize("setup,seq", [("resident", 64), ("offloaded", 256), ("lookup", 32),
+                                       ("padded", 64)])
 def test_device_plan_matches_the_engine(engines, setup, seq):
     cfg = config(seq, **SETUPS[setup])
     p = plan(cfg, MACHINE)

@@ -37,10 +37,11 @@ def on_compute(a, kind="device"):
 def count_resident_weights(engine, monkeypatch=None):
     """Runs a step and returns the most layer weight sets ever alive on the compute device at once.
 
-    Every bf16 copy of a layer's `wq` fetched to the device is held here, so an array the engine
-    merely stopped referencing still counts: only an explicit delete (after the device is done
-    with it) makes it not alive. One wq per layer weight set."""
-    shape = (CFG.hidden_size, CFG.num_heads, CFG.head_size)
+    Every bf16 copy of a layer's weights fetched to the device (one flat array: engine/packing.py)
+    is held here, so an array the engine merely stopped referencing still counts: only an
+    explicit delete (after the device is done with it) makes it not alive."""
+    assert engine.host.packing(1).flat
+    shape = (engine.host.packing(1).size,)
     seen, peak = {}, [0]
 
     def check(phase, layer=None):

@@ -13,6 +13,9 @@ Modules, by concern:
                 written once: executed by stream.py, simulated by step_time, read by plan
   transfer.py   every host<->device copy (weights, batch, activations, gradients, bus refresh),
                 eager or made inside the jitted calls (the copies' form)
+  packing.py    how a unit's bus copy, fetch and gradient travel: a layer's as one flat array
+                (its leaves end to end at aligned offsets, split inside the jitted calls), the
+                stages' and the sharded layout's leaf by leaf; decided in one place
   evaluate.py   forward only: the loss at the current weights, or any function of the last
                 stage (forward_outputs, e.g. per-sequence log-probs)
   decode.py     StreamedDecoder: forwards that carry a per-layer state (a KV cache), to generate
@@ -20,7 +23,8 @@ Modules, by concern:
   host.py       host state: master weights, optax state, bus copies, the update thread
   store.py      where a unit's master weights and optax state live: RAM, or the disk tier
   bus.py        how a unit's bus copy is kept: the weights themselves, a host buffer rewritten
-                in place, or the accelerator's pinned memory through a staging buffer
+                in place, or the accelerator's pinned memory through a staging buffer; the bus
+                ring, and its cast of the master into a bus copy
   tier.py       the disk tier: each unit's master weights and optax state in a file
   functions.py  the jitted device functions
   parallel.py   placement: one device, or data parallel over a mesh of devices and processes

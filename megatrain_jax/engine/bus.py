@@ -8,15 +8,18 @@ one policy per unit, chosen once by `choose` (HostState's `buses`).
     PinnedBus  the accelerator's pinned host memory: the update writes a reused host buffer
                (`staging`, one per unit structure) that is then copied over
 
-Each policy: `make(params)` a bus copy of the weights; `release(unit)` after the unit's last use
+Each policy: `make(params, packing)` a bus copy of the weights, packed as the unit travels
+(engine/packing.py: one flat array, or leaf by leaf); `release(unit)` after the unit's last use
 in a step; `old_for_update(unit)` the buffer the update donates for its new bus copy (None: none);
 `after_update(unit, bus)` the new bus copy from the update's compute-dtype output;
-`on_skip(unit, old)` the bus copy when a non-finite norm skipped the update; `make_staging(bus,
-host_device)` at construction, the update's reused output buffer (PinnedBus's). `is_params`: the
-update returns no bus copy (the weights are it); `on_host`: the copy is in host memory, where the
-host reads it (the host lookup, engine/lookup.py).
+`on_skip(unit, old, packing)` the bus copy when a non-finite norm skipped the update;
+`make_staging(bus, host_device)` at construction, the update's reused output buffer (PinnedBus's).
+`is_params`: the update returns no bus copy (the weights are it); `on_host`: the copy is in host
+memory, where the host reads it (the host lookup, engine/lookup.py). `cast_into` writes a bus
+copy from the fp32 master through its leaves' pointers (the bus ring's fills).
 """
 
+import ctypes
 import dataclasses
 import math
 import os
@@ -24,8 +27,9 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from megatrain_jax.engine import transfer
+from megatrain_jax.engine import fused_adamw, transfer
 
 
 class _Policy:
@@ -38,7 +42,7 @@ class ParamsBus(_Policy):
     """The bus copy is the unit's fp32 master weights themselves."""
     is_params, on_host = True, True
 
-    def make(self, params):
+    def make(self, params, packing):
         return params
 
     def release(self, unit):
@@ -50,7 +54,7 @@ class ParamsBus(_Policy):
     def after_update(self, unit, bus):
         return unit.params
 
-    def on_skip(self, unit, old):
+    def on_skip(self, unit, old, packing):
         return unit.params
 
 
@@ -62,13 +66,13 @@ class HostBus(_Policy):
         self.compute_dtype, self.host_device = compute_dtype, host_device
         self.host = jax.sharding.SingleDeviceSharding(host_device)
 
-    def make(self, params):
+    def make(self, params, packing):
         if self.compute_dtype == jnp.float32:  # (the disk tier, where the weights leave RAM
             # between updates): a copy, not the weights, which astype and device_put would return
             params = jax.tree.map(lambda p: jnp.array(p, copy=True, device=self.host_device),
                                   params)
-        return transfer.refresh(jax.tree.map(lambda p: p.astype(self.compute_dtype), params),
-                                self.host)
+        cast = jax.tree.map(lambda p: p.astype(self.compute_dtype), params)
+        return transfer.refresh(packing.packed(cast, self.host), self.host)
 
     def release(self, unit):
         """Kept for the update to write in place (the plan counts bus copies and gradients
@@ -83,8 +87,9 @@ class HostBus(_Policy):
     def after_update(self, unit, bus):
         return bus
 
-    def on_skip(self, unit, old):
-        return old if old is not None else self.make(unit.params)  # old: still the weights' copy
+    def on_skip(self, unit, old, packing):
+        return old if old is not None else self.make(unit.params, packing)  # old: still the
+        # weights' copy
 
 
 class PinnedBus(_Policy):
@@ -100,13 +105,15 @@ class PinnedBus(_Policy):
     memory each update): the hazard is speed, not correctness."""
     is_params, on_host = False, False
 
-    def __init__(self, compute_dtype, sharding, staging: dict, key: int):
+    def __init__(self, compute_dtype, sharding, staging: dict, key: int, host):
+        """host: the host device's sharding, where a flat bus copy is packed."""
         self.compute_dtype, self.sharding, self.staging, self.key = (compute_dtype, sharding,
                                                                      staging, key)
+        self.host = host
 
-    def make(self, params):
-        return transfer.refresh(jax.tree.map(lambda p: p.astype(self.compute_dtype), params),
-                                self.sharding)
+    def make(self, params, packing):
+        cast = jax.tree.map(lambda p: p.astype(self.compute_dtype), params)
+        return transfer.refresh(packing.packed(cast, self.host), self.sharding)
 
     def make_staging(self, bus, host_device):
         """The staging buffer, made before the first update so that it compiles once per unit
@@ -125,8 +132,8 @@ class PinnedBus(_Policy):
         self.staging[self.key] = bus  # reused by the next unit: this copy is waited for
         return transfer.refresh(bus, self.sharding)
 
-    def on_skip(self, unit, old):
-        bus = self.make(unit.params)
+    def on_skip(self, unit, old, packing):
+        bus = self.make(unit.params, packing)
         self.staging[self.key] = old
         return bus
 
@@ -152,7 +159,8 @@ def choose(compute_dtype, compute_device, host_device, in_ram: bool, staging: di
     where = sharding(compute_device, host_device)
     if where.memory_kind != transfer.PINNED:
         return where, [on_host] * 3, on_host
-    return where, [PinnedBus(compute_dtype, where, staging, key) for key in range(3)], on_host
+    return where, [PinnedBus(compute_dtype, where, staging, key, host.host) for key in range(3)], \
+        on_host
 
 
 # ----------------------------------------------------------------------------- the ring
@@ -193,9 +201,9 @@ class Ring:
     its reader. A fill whose slot's token failed (its reader's computation did) raises
     ReaderFailed: the engine names itself unusable, once, with that cause.
 
-    `write(leaves, master)` writes the compute-dtype cast of the master leaves (numpy fp32)
-    into the slot's leaves (jax arrays) through their pointers. `debug`: the fetches of each
-    slot are kept (HostState.fetched) and a fill refuses to write while one is still copying."""
+    `write(bus, master)` writes the compute-dtype cast of the master leaves (numpy fp32) into a
+    slot's bus copy through its leaves' pointers (`writer`). `debug`: the fetches of each slot
+    are kept (HostState.fetched) and a fill refuses to write while one is still copying."""
 
     def __init__(self, make, size: int, write, debug: bool):
         self.make, self.size, self.write, self.debug = make, size, write, debug
@@ -240,7 +248,7 @@ class Ring:
         self.serial += 1
         slot.reader, slot.token, slot.fetches = self.serial, None, []
         self.holds[u] = (s, self.serial)
-        self.write(jax.tree.leaves(slot.bus), master)
+        self.write(slot.bus, master)
         return slot.bus
 
     def _held(self, u: int) -> Optional[_Slot]:
@@ -270,6 +278,31 @@ class Ring:
     @property
     def nbytes(self) -> int:
         return self.size * transfer.nbytes(self.slots[0].bus)
+
+
+def writer(packing):
+    """The bus ring's write for layer units packed as `packing` (engine/packing.py): the master
+    leaves cast into a slot where the packing lays them (cast_into)."""
+    return lambda bus, master: cast_into(packing.targets(bus, "a bus ring slot"), master)
+
+
+def cast_into(targets: list, master: list):
+    """Each master leaf (fp32) cast into its bus leaf (packing.Target), through its pointer;
+    rounded as the update rounds a bus copy (the kernel's own cast where it is built, else
+    numpy's round-to-nearest-even)."""
+    lib = fused_adamw.kernel()
+    for out, p in zip(targets, master, strict=True):
+        p = np.ascontiguousarray(np.asarray(p), np.float32)
+        if out.size != p.size:
+            raise ValueError(f"a bus leaf of {out.size} elements for a leaf of {p.size}")
+        if lib is not None and out.dtype == jnp.bfloat16:
+            lib.megatrain_to_bf16(out.pointer, p.ctypes.data, p.size)
+        elif lib is not None and out.dtype == jnp.float32:
+            lib.megatrain_copy(out.pointer, p.ctypes.data, p.nbytes)
+        else:
+            nbytes = out.size * out.dtype.itemsize
+            dst = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(out.pointer))
+            np.copyto(dst.view(out.dtype).reshape(p.shape), p, casting="unsafe")
 
 
 class ReaderFailed(RuntimeError):

@@ -1,8 +1,9 @@
 """The host update called directly: the fused AdamW kernel (fused_adamw.cc) through ctypes, which
 releases the GIL, on numpy state the engine owns. Each gradient is read where the device wrote it
 (a zero-copy view of its pinned piece), each bus copy written where the device reads it (a
-persistent buffer per leaf): no copy between jax's clients, no memcpy, no jit on the update's
-path (docs/architecture.md, "The host update").
+persistent buffer per unit: a layer's one flat array, each leaf at its offset, engine/packing.py):
+no copy between jax's clients, no memcpy, no jit on the update's path (docs/architecture.md, "The
+host update").
 
     arrays = UnitArrays.of(params, opt_state)      # copied in once, by the kernel's threads
     update = DirectAdamW(hyper, max_grad_norm, host_device, counters)
@@ -42,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from megatrain_jax.engine import fused_adamw
+from megatrain_jax.engine.packing import PerLeaf
 
 ALIGN = 2 * 2**20  # a huge page: the kernel's threads stream whole pages, TLB misses are rare
 LEAF_ALIGN = 64  # each leaf on a cache line (the kernel's cuts fall on lines of every array)
@@ -225,14 +227,17 @@ class DirectAdamW:
             self._decays[key] = fused_adamw.decay_flags(self.hyper, shapes)
         return self._decays[key]
 
-    def apply(self, u: int, arrays: UnitArrays, pieces: list, grad_norm, scale, bus: list,
-              what: str, firsts=None) -> UnitArrays:
+    def apply(self, u: int, arrays: UnitArrays, pieces: list, grad_norm, scale, bus, what: str,
+              firsts=None, packing=None) -> UnitArrays:
         """One AdamW step of unit u in place (or, when a reader holds its state, in a copy, which
-        is returned). pieces: per leaf, the gradient's pieces in row order (jax arrays in pinned
-        or host memory, or numpy); bus: per leaf the bf16 (or f32) bus buffer to write, or None
-        (the weights are the bus copy). grad_norm, scale: scalars (jax or numpy). firsts: per
-        leaf, the index in the whole leaf of its first element here (the sharded host layout's
-        rows; None: all 0), which with u keys bf16 moments' rounding (fused_adamw.cc)."""
+        is returned). pieces: per array of the gradient, its pieces in row order (jax arrays in
+        pinned or host memory, or numpy); bus: the bf16 (or f32) bus copy to write, or None (the
+        weights are the bus copy); both packed as `packing` (engine/packing.py; None: leaf by
+        leaf) says: flat, one array read and written at each leaf's offset. grad_norm, scale:
+        scalars (jax or numpy). firsts: per leaf, the index in the whole leaf of its first element
+        here (the sharded host layout's rows; None: all 0), which with u keys bf16 moments'
+        rounding (fused_adamw.cc)."""
+        packing = packing or PerLeaf(None, ())
         if arrays.lent():
             arrays = arrays.copy(self.lib)
             self.counters.host_snapshot_bytes += arrays.nbytes
@@ -243,6 +248,10 @@ class DirectAdamW:
         keep, ranges = [vec], []  # keep: what the pointer table points into, until the call returns
         decays = self.decays(arrays)
         firsts = [0] * len(arrays.p) if firsts is None else firsts
+        read = [[self._gradient(piece, what) for piece in leaf] for leaf in pieces]
+        keep.append(read)
+        pieces = packing.leaf_pieces(read, what)
+        bus = None if bus is None else packing.targets(bus, what)
         if len(pieces) != len(arrays.p):
             raise ValueError(f"{what}: a gradient of {len(pieces)} leaves for a unit of "
                              f"{len(arrays.p)}")
@@ -251,9 +260,7 @@ class DirectAdamW:
             out = bus[i] if bus is not None else None
             bus_ptr = self._bus_pointer(out, p, what) if out is not None else None
             offset = 0
-            for piece in leaf_pieces:
-                g = self._gradient(piece, what)
-                keep.append(g)
+            for g in leaf_pieces:
                 n = g.size
                 if offset + n > p.size:
                     raise ValueError(f"{what}: a gradient of {offset + n} elements for a leaf of "
@@ -305,10 +312,10 @@ class DirectAdamW:
             self.counters.host_copy_bytes += g.nbytes
         return g.reshape(-1)
 
-    def _bus_pointer(self, out, p, what: str) -> int:
-        if out.is_deleted():
-            raise ValueError(f"{what}: its bus copy was deleted; the engine writes it in place")
+    @staticmethod
+    def _bus_pointer(out, p, what: str) -> int:
+        """The address of a bus leaf (packing.Target) to write leaf p's new weights to."""
         if out.size != p.size or out.dtype not in (jnp.bfloat16, jnp.float32):
-            raise ValueError(f"{what}: its bus copy is {out.dtype}{out.shape}, not {p.shape} in "
-                             f"bfloat16 or float32")
-        return out.unsafe_buffer_pointer()
+            raise ValueError(f"{what}: its bus copy is {out.dtype} of {out.size} elements, not "
+                             f"{p.size} in bfloat16 or float32")
+        return out.pointer

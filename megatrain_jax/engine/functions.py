@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from megatrain_jax.engine import stage_units
+from megatrain_jax.engine.packing import PerLeaf
 from megatrain_jax.engine.parallel import Placement, sum_squares
 from megatrain_jax.engine.schedule import EAGER, JIT
 from megatrain_jax.engine.transfer import PINNED, with_copies
@@ -142,16 +143,20 @@ class DeviceFunctions:
     (what a layer's call computes per micro-batch; a long-context bench reads their workspace,
     tests call them one micro-batch at a time). A layer comes to `block_*` and `layer_*` as
     (its weights, its Constants: stage_units.py; {} where it has none); only the weights are
-    differentiated. counters (stream.Counters): each function's calls on the dispatching thread
-    counted there."""
+    differentiated. `layer_fwd` and `layer_bwd` take the weights and make the gradient as the
+    block unit's `packing` has them (engine/packing.py; default leaf by leaf): flat, one array
+    each, split into the block's tree by static slices inside the call and the gradient made flat
+    there; `block_*` take the tree. counters (stream.Counters): each function's calls on the
+    dispatching thread counted there."""
 
     def __init__(self, stages_def, stages_treedef, parts: StageParts, block_def, grad_dtype,
                  aux_loss=None, placement: Placement | None = None, counters=None,
-                 copies: str = EAGER, unroll: bool = False):
+                 copies: str = EAGER, unroll: bool = False, packing=None):
         # Several devices: each function runs on every device over its rows (parallel.py); sums
         # over tokens (loss, weight, aux) are then summed over the devices, gradients accumulate
         # per device until `on.reduce`.
         on = placement or Placement([jax.local_devices()[0]])
+        self.packing = packing = packing or PerLeaf(None, ())
         everywhere = on.sum_over_devices
         each = functools.partial(jax.lax.scan, unroll=unroll)
         f32_zeros = lambda w: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), w)
@@ -235,23 +240,27 @@ class DeviceFunctions:
             dw, dx = vjp((dy, daux))
             return dx, tree_add(acc, dw)
 
+        def unpacked(layer):
+            w, constants = layer
+            return packing.unpack(w), constants
+
         def layer_fwd(layer, xs, contexts):
             """(y[m], aux[m]) stacked; aux None for blocks that return y alone."""
+            layer = unpacked(layer)
             return each(lambda _, xc: (None, block_fwd_total(layer, *xc)), None,
                         (xs, contexts))[1]
 
         def layer_bwd(layer, xs, contexts, dys, daux=None):
-            """(dx[m] stacked, the layer's gradient summed over the devices in `grad_dtype`, its
-            sum of squares taken in fp32)."""
+            """(dx[m] stacked, the layer's gradient summed over the devices in `grad_dtype` (packed),
+            its sum of squares taken in fp32)."""
+            layer = unpacked(layer)
+
             def body(acc, xcd):
                 dx, acc = block_bwd(layer, *xcd, acc, daux)
                 return acc, dx
             acc, dxs = each(body, f32_zeros(layer[0]), (xs, contexts, dys))
             grads, sq = on.reduce(acc)
-            return dxs, cast(grads), sq
-
-        def cast(grads):
-            return jax.tree.map(lambda g: g.astype(grad_dtype), grads)
+            return dxs, packing.pack(grads, grad_dtype), sq
 
         def stages(first, last, layers_sq, weight, held, sharding):
             """The stages' gradient leaves `held` ((index, shape) of each, as

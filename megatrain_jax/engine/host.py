@@ -2,7 +2,6 @@
 and the optax update that runs on the host CPU device in a background thread."""
 
 import concurrent.futures
-import ctypes
 import dataclasses
 import itertools
 import logging
@@ -18,7 +17,7 @@ import optax
 
 from megatrain_jax.engine import bus as bus_lib
 from megatrain_jax.engine import direct as direct_lib
-from megatrain_jax.engine import fused_adamw
+from megatrain_jax.engine import packing as packing_lib
 from megatrain_jax.engine import stage_units
 from megatrain_jax.engine import store as store_lib
 from megatrain_jax.engine import tier as tier_lib
@@ -63,7 +62,8 @@ class HostState:
     jax.ffi, or optax), `store` (store.py) where params and optax state live between updates (RAM,
     or the disk tier's files), and per unit `buses[u]` (bus.py) how its bus copy is kept (the
     weights themselves, a host buffer rewritten in place, or pinned memory refreshed from a
-    staging buffer).
+    staging buffer). `packing(u)` (packing.py) is how unit u's bus copy and gradient travel: a
+    layer unit's flat, one array each, else leaf by leaf.
     """
 
     def __init__(self, stages, blocks, optimizer: optax.GradientTransformation, *, max_grad_norm,
@@ -129,6 +129,11 @@ class HostState:
                                  jax.eval_shape(optimizer.init, params))
         self.stage_units = {0: layout(first), self.last: layout(last)}
         self.block_layout = None  # a block unit's, made with the first
+        # how each unit structure's bus copy and gradient travel (packing.py), the blocks' made
+        # with the first
+        stage = lambda params: packing_lib.choose(params, stage=True, sharded=shards is not None,
+                                                  bus_is_params=self.buses[0].is_params)
+        self._packings = {0: stage(first), 2: stage(last)}
         # Debug mode (MEGATRAIN_DEBUG_BUS=1), on both update paths: the fetches of a unit's bus
         # copy still copying are kept until the unit's update, which refuses to write the copy
         # while one of them still is (direct.py: when the bus copy may be written)
@@ -157,8 +162,9 @@ class HostState:
             # Donating (store.donate) params, optax state and the old bus copy makes the update
             # write in place. keep_unused: the old bus is never read, only donated; jit would
             # otherwise prune it.
-            self._update = jax.jit(self.update.step, donate_argnums=self.store.donate,
-                                   static_argnums=(8,), keep_unused=True)
+            self._update = jax.jit(update_lib.packed(self.update.step),
+                                   donate_argnums=self.store.donate, static_argnums=(8, 9),
+                                   keep_unused=True)
             if self.update.prepare_first:
                 self._prepare_in_place = jax.jit(self.update.prepare, donate_argnums=(0,))
         # out_shardings: optax state that does not depend on the params (counts, zeros) would
@@ -172,6 +178,9 @@ class HostState:
                 params = shards.cut(params) if shards is not None else params
                 if self.block_layout is None:
                     self.block_layout = layout(params)
+                    self._packings[1] = packing_lib.choose(
+                        params, stage=False, sharded=shards is not None,
+                        bus_is_params=self.buses[1].is_params)
                 yield params
 
         bus, prefetch, debug = self._ring_args
@@ -181,8 +190,8 @@ class HostState:
             u = len(self.units)
             if u == 1 and bus != bus_lib.RESIDENT:  # decided from the bytes of each form
                 stages = size(first) + size(last)
-                pinned = lambda layers: self.compute_dtype.itemsize * (stages + layers * size(
-                    params))
+                pinned = lambda layers: self.compute_dtype.itemsize * (
+                    stages + layers * self.packing(1).size)  # (a flat one's padding too)
                 self.bus_form, self.bus_why = bus_lib.choose_form(
                     bus, resident_pinned=pinned(self.last - 1),
                     ring_pinned=pinned(bus_lib.ring_size(prefetch)), pool=self._pinned_pool)
@@ -192,7 +201,8 @@ class HostState:
         if in_ring:  # its buffers made like a bus copy of layer 0's weights (then rewritten)
             layer_0 = lambda: self.store.view(1, self.units[1])[0]
             self.ring = bus_lib.Ring(lambda: self.make_bus(layer_0(), 1),
-                                     bus_lib.ring_size(prefetch), self._write_slot, debug)
+                                     bus_lib.ring_size(prefetch),
+                                     bus_lib.writer(self.packing(1)), debug)
         for u in (0, 1, self.last):  # one per structure (pinned bus copies only)
             if self.direct is None and not self.in_ring(u):
                 self.buses[u].make_staging(self.units[u].bus, host_device)
@@ -213,31 +223,14 @@ class HostState:
         """Whether unit u's bus copy is made in the bus ring (a layer unit, with bus=RING)."""
         return self.ring is not None and u not in (0, self.last)
 
-    def _write_slot(self, leaves: list, master: list):
-        """The bus ring's write: each master leaf (fp32) cast into its slot leaf, through its
-        pointer; rounded as the update rounds a bus copy (the kernel's own cast where it is
-        built, else numpy's round-to-nearest-even)."""
-        lib = fused_adamw.kernel()
-        for out, p in zip(leaves, master, strict=True):
-            p = np.ascontiguousarray(np.asarray(p), np.float32)
-            if out.size != p.size:
-                raise ValueError(f"a bus ring slot of {out.size} elements for a leaf of {p.size}")
-            ptr = out.unsafe_buffer_pointer()
-            if lib is not None and out.dtype == jnp.bfloat16:
-                lib.megatrain_to_bf16(ptr, p.ctypes.data, p.size)
-            elif lib is not None and out.dtype == jnp.float32:
-                lib.megatrain_copy(ptr, p.ctypes.data, p.nbytes)
-            else:
-                dst = np.ctypeslib.as_array((ctypes.c_uint8 * out.nbytes).from_address(ptr))
-                np.copyto(dst.view(out.dtype).reshape(p.shape), p, casting="unsafe")
-
     def bus_example(self):
         """A bus copy of a layer unit, as the fetches take it (for Transfers.check)."""
         return self.ring.slots[0].bus if self.ring is not None else self.units[1].bus
 
     def _direct_bus(self, u: int, unit: Unit):
         """A new bus copy of unit u for the direct update (which then rewrites it in place): the
-        weights themselves (wrapped, ParamsBus), or a buffer per leaf made from them. New, never
+        weights themselves (wrapped, ParamsBus), or a buffer made from them (packed as u travels:
+        a layer's one flat array). New, never
         the old one rewritten: a fetch of the old one may still be copying (a load right after an
         evaluation), and keeps it until it is done."""
         view = self.store.view(u, unit)[0]
@@ -258,6 +251,10 @@ class HostState:
         """Which units share a structure (and a staging buffer): 0 the first stage, 1 the
         blocks, 2 the last stage."""
         return 0 if u == 0 else 2 if u == self.last else 1
+
+    def packing(self, u: int):
+        """How unit u's bus copy and gradient travel (packing.py: Flat or PerLeaf)."""
+        return self._packings[self._structure(u)]
 
     def stage_leaves(self, u: int) -> tuple:
         """The whole stages' leaf indices that stage unit u (0 or `last`) holds."""
@@ -311,8 +308,9 @@ class HostState:
 
     # ----------------------------------------------------------------- bus copies
     def make_bus(self, params, u: int):
-        """A bus copy of unit u's weights `params`, as its policy keeps it."""
-        return self.buses[u].make(params)
+        """A bus copy of unit u's weights `params`, as its policy keeps it, packed as u
+        travels."""
+        return self.buses[u].make(params, self.packing(u))
 
     def keep_bus_on_host(self, u: int):
         """Unit u's bus copy stays in host memory, where the host reads it (the host lookup,
@@ -407,11 +405,12 @@ class HostState:
             t1 = time.perf_counter()
             params_bus = self.buses[u].is_params
             # (the bus ring's units: no bus copy to write, the fills make it)
-            bus = None if params_bus or self.in_ring(u) else jax.tree.leaves(unit.bus)
+            bus = None if params_bus or self.in_ring(u) else unit.bus
             what = self._name(u)
             self._check_fetches(u, what)
             arrays = self.direct.apply(u, unit.arrays, pieces, grad_norm,
-                                       np.float32(np.asarray(scale)), bus, what, self.firsts(u))
+                                       np.float32(np.asarray(scale)), bus, what, self.firsts(u),
+                                       self.packing(u))
             if arrays is not unit.arrays:  # copied: a reader holds the old state
                 unit.arrays = arrays
                 if params_bus:
@@ -445,13 +444,13 @@ class HostState:
         # optax state first (8 B/param of fresh memory, page-faulted in every update: several
         # times slower).
         if not np.isfinite(grad_norm):
-            unit.bus = None if in_ring else bus.on_skip(unit, old_bus)
+            unit.bus = None if in_ring else bus.on_skip(unit, old_bus, self.packing(u))
         else:
             if self.update.prepare_first:
                 grads = self._prepare_in_place(grads, grad_norm, scale)
             unit.params, unit.opt_state, new_bus = self._update(
                 unit.params, unit.opt_state, grads, old_bus, grad_norm, scale, np.int32(u),
-                np.asarray(self.firsts(u), np.uint32), bus.is_params or in_ring)
+                np.asarray(self.firsts(u), np.uint32), bus.is_params or in_ring, self.packing(u))
             if not in_ring:
                 unit.bus = bus.after_update(unit, new_bus)
             if not bus.on_host and not in_ring:  # the refresh to the accelerator's pinned memory

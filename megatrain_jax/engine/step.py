@@ -28,8 +28,12 @@ thread's work is O(layers), not O(layers x micro-batches).
               layers, then the last unit (the last stage's own: final norm, untied head). The
               stages' gradient is split between the two units (engine/stage_units.py)
 
-The order of a pass's fetches, dispatches and waits is engine/schedule.py's (LayerStream); every
-copy is engine/transfer.py's. The dispatching thread waits only at the retires the schedule
+A layer unit travels flat (engine/packing.py): its bus copy, its fetch and its gradient are each
+one array, its leaves end to end, split back into the block's tree by static slices inside the
+layer's calls and the gradient made flat there, so a layer's call passes a handful of arrays, a
+fetch is one copy and a retire frees a few arrays, whatever the block's leaves. The order of a
+pass's fetches, dispatches and waits is engine/schedule.py's (LayerStream); every copy is
+engine/transfer.py's. The dispatching thread waits only at the retires the schedule
 names (and for a unit's host update not yet done when its fetch comes); the result's scalars are
 read by the caller (a training loop reads them once the next step is dispatched). `run` reads
 only its StepParts (what the engine built: host state, transfers, device functions, placement,

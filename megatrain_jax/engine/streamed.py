@@ -233,7 +233,7 @@ class StreamedEngine:
             self.functions = DeviceFunctions(self._stages_def, jax.tree.structure(stages),
                                              self.parts, self._block_def, self.host.grad_dtype,
                                              self.aux_loss, self.placement, self.counters,
-                                             self.copies)
+                                             self.copies, packing=self.host.packing(1))
         return self.functions
 
     def _choose_lookup(self, inputs):

@@ -123,11 +123,12 @@ def with_copies(fn, device):
 
 
 class Parcel:
-    """A gradient on its way out: this process's pieces of every leaf in the compute device's
-    pinned host memory (or, in the fallback, already in the host device's)."""
+    """A gradient on its way out: this process's pieces of every array of it (a layer unit's
+    flat gradient is one: engine/packing.py) in the compute device's pinned host memory (or, in
+    the fallback, already in the host device's)."""
 
     def __init__(self, treedef, pieces: list):
-        self.treedef, self.pieces = treedef, pieces  # per leaf: its pieces, in row order
+        self.treedef, self.pieces = treedef, pieces  # per array: its pieces, in row order
 
     def token(self) -> list:
         """What to wait on for the copy out to be done."""

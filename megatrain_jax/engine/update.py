@@ -11,7 +11,9 @@ The two in a jit give pure functions that HostState compiles with its store's do
 `step(params, opt_state, grads, old_bus, grad_norm, scale, unit, firsts, bus_is_params)` ->
 (params, opt_state, the new bus copy or None; unit and firsts: fused_adamw.update's, the keys of
 bf16 moments' rounding) and, where `prepare_first`, `prepare(grads, grad_norm, scale)` run
-before it on the gradient, in place. Each strategy's `kind` names it ("direct", "ffi", "optax").
+before it on the gradient, in place. HostState jits `packed(step)`: the gradient and the bus
+copies as the unit travels (engine/packing.py), a flat unit's split and packed inside the call.
+Each strategy's `kind` names it ("direct", "ffi", "optax").
 """
 
 import math
@@ -93,6 +95,19 @@ def prepare(grads, grad_norm, scale, max_grad_norm):
     clip = grad_norm >= max_grad_norm
     return jax.tree.map(
         lambda g: jnp.where(clip, (g / grad_norm.astype(g.dtype)) * max_grad_norm, g), grads)
+
+
+def packed(step):
+    """`step` taking its gradient and old bus copy, and giving its new bus copy, as `packing`
+    (its last argument, static: packing.Flat or PerLeaf) has them: a flat unit's split into its
+    leaves by static slices and the new copy packed, inside the same jitted call."""
+    def run(params, opt_state, grads, old_bus, grad_norm, scale, unit, firsts, bus_is_params,
+            packing):
+        old_bus = None if old_bus is None else packing.unpack(old_bus)
+        params, opt_state, bus = step(params, opt_state, packing.unpack(grads), old_bus,
+                                      grad_norm, scale, unit, firsts, bus_is_params)
+        return params, opt_state, None if bus is None else packing.pack(bus)
+    return run
 
 
 class FusedInJit:
