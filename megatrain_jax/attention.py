@@ -106,8 +106,8 @@ def block_schedule(rows, *, block_size: int, window: int, key_blocks: int) -> li
     hold against the mask."""
     span = _Span(0, window, block_size, 1.0, key_blocks)
     rows = np.asarray(rows, np.int32)
-    return [(int(rows[int(slot)]), int(seen))
-            for slot, _, seen, _ in map(lambda k: span.step(k, rows), range(span.count(rows.tolist())))]
+    steps = (span.step(k, rows) for k in range(span.count(rows.tolist())))
+    return [(int(rows[int(slot)]), int(seen)) for slot, _, seen, _ in steps]
 
 
 # -----------------------------------------------------------------------------
@@ -233,7 +233,8 @@ def _pad_to(x, length: int):
 def _whole(T: int, span: _Span):
     """(rows, count, padded length) of a whole sequence of T tokens as one group."""
     rows = tuple(range(span.key_blocks))
-    return jnp.arange(span.key_blocks, dtype=jnp.int32), span.count(rows), len(rows) * span.block_size
+    return (jnp.arange(span.key_blocks, dtype=jnp.int32), span.count(rows),
+            len(rows) * span.block_size)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -363,12 +364,17 @@ class MergedTileAttention:
 
     Its backward is exact without differentiating a log-sum-exp (neither implementation gives one
     a gradient: jax stops it, or cuDNN's rule drops its cotangent). With P_j a call's
-    probabilities, w_j = exp(lse_j - lse) its weight in the merge, o_j its output and D = rowsum(do *
-    o) of the merged one, the true dS of call j is w_j P_j (dP - D), while the VJP of the call's
-    output with cotangent w_j do gives w_j P_j (dP - D_j), D_j = rowsum(do * o_j). The difference,
-    g_j P_j with g_j = w_j (D_j - D) per row, adds scale * g_j * (P_j K) to dq (the call itself with
-    the keys as values) and scale * P_j^T (g_j q) to dk (the same VJP's dv for the cotangent
-    g_j q)."""
+    probabilities, w_j = exp(lse_j - lse) its weight in the merge, o_j its output and
+    D = rowsum(do * o) of the merged one, the true dS of call j is w_j P_j (dP - D), while the
+    VJP of the call's output with cotangent w_j do gives w_j P_j (dP - D_j), D_j = rowsum(do *
+    o_j). The difference, g_j P_j with g_j = w_j (D_j - D) per row, adds scale * g_j * (P_j K) to
+    dq (the call itself with the keys as values) and scale * P_j^T (g_j q) to dk (the same VJP's
+    dv for the cotangent g_j q).
+
+    jax returns the log-sum-exps in the inputs' dtype: in bf16 the merge's weights carry bf16
+    rounding (up to ~3% each for a log-sum-exp near 16), beyond the outputs' own, and
+    key_value_seq_lengths is assumed to bound cuDNN's work to the keys before the tile: both are
+    the GPU checklist's to measure (docs/long-context.md)."""
     seq_len: int
     implementation: str
     scale: float | None = None
@@ -607,7 +613,8 @@ def choose_attention(requested: str, *, platform: str, dtype, head_dim: int, doc
     elif why_not:
         attention, why = "blockwise", why_not
         if requested == "cudnn":
-            notice = f"train.attention=cudnn cannot run here ({why_not}): blockwise attention runs instead"
+            notice = (f"train.attention=cudnn cannot run here ({why_not}): blockwise attention "
+                      f"runs instead")
     else:
         attention = "cudnn"
         why = ("requested cudnn" if requested == "cudnn" else

@@ -30,7 +30,8 @@ def load_config(path: str | None = None, overrides=()) -> Config:
     return config_lib.load_config(path, overrides, hf_model=hf.model_config_from_hf)
 
 
-def execution_for(cfg: Config, platform: str | None = None) -> tuple[Execution, attention.Choice]:
+def execution_for(cfg: Config,
+                  platform: str | None = None) -> tuple[Execution, attention.Choice]:
     """The model's execution options from cfg.train, with `train.attention` and
     `train.attention_block` resolved for the compute platform (default: the default device's) by
     attention.choose_attention, and its choice (the reason, and a notice where train.attention

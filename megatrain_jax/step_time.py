@@ -75,9 +75,14 @@ HOP_PATHS = ("pinned_host -> cpu backend, numpy view", "cpu backend -> pinned_ho
 # - overlap: the fraction of a copy's time hidden under compute it runs beside, each way and
 #   form, as bench_transfer.py defines it, measured on the H200 host (docs/benchmarks.md,
 #   "Transfers": the eager rows and the copies made inside one jit).
+# - round trip: the device idle while XLA:GPU reads a loop's predicate or a conditional's branch
+#   back to the host (while_thunk.cc, conditional_thunk.cc), an estimate: the 128K step of
+#   docs/results/2026-11-27-h200-b.md lost 16-32 s to ~403,000 such loop steps (issue 46), 40-80 us
+#   each; its lower figure.
 DEFAULTS = {"h2d_gbps": 55.0, "d2h_gbps": 55.0, "device_tflops": 989.0, "host_update_gbps": 69.8,
             "hop_gbps": 9.5, "dispatch_us": 20.0, "h2d_overlap_eager": 0.36,
-            "d2h_overlap_eager": 0.21, "h2d_overlap_jit": 0.92, "d2h_overlap_jit": 1.0}
+            "d2h_overlap_eager": 0.21, "h2d_overlap_jit": 0.92, "d2h_overlap_jit": 1.0,
+            "round_trip_us": 40.0}
 OVERLAPS = ("h2d_overlap_eager", "d2h_overlap_eager", "h2d_overlap_jit", "d2h_overlap_jit")
 # where measured_rates reads them: bench_transfer.py's overlap rows; the host-path check's
 # (section, row)
@@ -105,6 +110,7 @@ class Rates:
     d2h_overlap_eager: float = DEFAULTS["d2h_overlap_eager"]
     h2d_overlap_jit: float = DEFAULTS["h2d_overlap_jit"]
     d2h_overlap_jit: float = DEFAULTS["d2h_overlap_jit"]
+    round_trip_us: float = DEFAULTS["round_trip_us"]  # a host round trip inside a device call
 
     def __post_init__(self):
         for name, value in dataclasses.asdict(self).items():
@@ -118,11 +124,12 @@ class Rates:
 
 
 def valid_rate(name: str, value: float) -> bool:
-    """A rate is a finite number > 0; dispatch_us may be 0 (no cost per call); an overlap is a
-    fraction in [0, 1]."""
+    """A rate is a finite number > 0; dispatch_us and round_trip_us may be 0 (no cost); an
+    overlap is a fraction in [0, 1]."""
     if name in OVERLAPS:
         return math.isfinite(value) and 0 <= value <= 1
-    return math.isfinite(value) and (value > 0 or (name == "dispatch_us" and value == 0))
+    return math.isfinite(value) and (value > 0 or (name in ("dispatch_us", "round_trip_us")
+                                                   and value == 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +146,7 @@ class StepShape:
     # parts merged on the device, sent once after the embedding's backward) and one block's
     layer_grad_bytes: int
     act_bytes: int  # one layer's saved inputs, all micro-batches, when offloaded (else 0)
-    layer_fwd_flops: float
+    layer_fwd_flops: float  # the attention as the execution runs it (flops.executed_attention)
     layer_bwd_flops: float
     head_flops: float  # the loss head's forward and backward
     stages_update_bytes: int  # bytes the host updates of the two stage units touch
@@ -167,6 +174,10 @@ class StepShape:
     # dispatching thread before each of its two fetches a step, at the host update's rate (the
     # host's memory bandwidth). 0: resident bus copies (the update writes them instead)
     ring_fill_bytes: int = 0
+    # host round trips inside one layer's forward and backward call, each micro-batch
+    # (flops.host_round_trips): the device idle round_trip_us each
+    layer_fwd_round_trips: int = 0
+    layer_bwd_round_trips: int = 0
 
     @property
     def host_lookup(self) -> bool:
@@ -294,9 +305,11 @@ class _Timeline:
             self.op("device", f"copy not hidden: {label}", lost, after[:1])
         return copy
 
-    def compute(self, label, flops, after=()) -> Op:
+    def compute(self, label, flops, after=(), round_trips=0) -> Op:
         d = self.call(label)
-        return self.op("device", label, flops / (self.rates.device_tflops * 1e12), [d, *after])
+        seconds = (flops / (self.rates.device_tflops * 1e12)
+                   + round_trips * self.rates.round_trip_us * 1e-6)
+        return self.op("device", label, seconds, [d, *after])
 
     def update(self, label, nbytes, after, hop_bytes=0) -> Op:
         d = self.call(label)
@@ -356,7 +369,8 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
     def forward(i, w, ahead):
         if ahead is not None:
             carry(1 + ahead)
-        ys = [t.compute(f"forward {i}", s.layer_fwd_flops, [w]) for _ in range(M)]
+        ys = [t.compute(f"forward {i}", s.layer_fwd_flops, [w], s.layer_fwd_round_trips)
+              for _ in range(M)]
         copy = (None if ahead is None else
                 t.beside("h2d", f"fetch unit {1 + ahead}", s.layer_bytes, ys[0]))
         for y in ys if s.act_bytes else []:
@@ -399,7 +413,8 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
     def backward(i, inputs, ahead):
         if ahead is not None:
             carry(1 + ahead)
-        dxs = [t.compute(f"backward {i}", s.layer_bwd_flops, inputs) for _ in range(M)]
+        dxs = [t.compute(f"backward {i}", s.layer_bwd_flops, inputs, s.layer_bwd_round_trips)
+               for _ in range(M)]
         copies = None
         if ahead is not None:  # its weights and offloaded inputs, inside the first call
             copies = [t.beside("h2d", f"fetch unit {1 + ahead}", s.layer_bytes, dxs[0])]
@@ -482,7 +497,8 @@ def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True,
     copies kept as `bus` ("resident" or "ring"; "": offload.bus, auto taken as resident: the
     plan resolves auto)."""
     # lazy: jax and the model (`megatrain --help` stays quick)
-    from megatrain_jax.flops import attention_flops, counts, flops_per_token, host_lookup
+    from megatrain_jax.flops import (counts, executed_attention, flops_per_token, host_lookup,
+                                     host_round_trips)
     from megatrain_jax.machines import MACHINES
     from megatrain_jax.recipes import build_optimizer, execution_for, host_lookup_setting
     execution, _ = execution_for(cfg, "gpu")
@@ -493,7 +509,10 @@ def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True,
     tokens = B * T  # per micro-batch
     head = model.hidden_size * model.vocab_size
     useful = flops_per_token(model, T)  # causal attention over the keys each query sees
-    attention = attention_flops(model, T) / model.num_layers  # one layer's forward, on average
+    # one layer's attention as it runs, on average over the layers: its forward call's, its
+    # backward call's (recompute and VJP)
+    attention_fwd, attention_bwd = executed_attention(model, execution, T)
+    round_trips = host_round_trips(model, execution, T)
     params = c.stages + c.layers * c.layer
     opt_per_param = c.optimizer / params  # bytes of optax state per parameter (AdamW: 8)
     # params read and written, optax state read and written, the gradient read, the bus copy
@@ -528,8 +547,9 @@ def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True,
         stages_grad_bytes=(last_unit if lookup else c.stages) * c.grad,
         layer_grad_bytes=c.layer * c.grad,
         act_bytes=M * tokens * c.hidden * c.compute if offload else 0,
-        layer_fwd_flops=tokens * (2 * c.layer + attention),
-        layer_bwd_flops=tokens * (6 * c.layer + 3.5 * attention),
+        layer_fwd_flops=tokens * (2 * c.layer + attention_fwd),
+        layer_bwd_flops=tokens * (6 * c.layer + attention_bwd),
+        layer_fwd_round_trips=round_trips[0], layer_bwd_round_trips=round_trips[1],
         head_flops=tokens * 6 * head,
         stages_update_bytes=int(first_update + touched(last_unit)),
         layer_update_bytes=int(layer_touched), head_update_bytes=int(touched(last_unit)),
