@@ -76,9 +76,8 @@ HOP_PATHS = ("pinned_host -> cpu backend, numpy view", "cpu backend -> pinned_ho
 #   form, as bench_transfer.py defines it, measured on the H200 host (docs/benchmarks.md,
 #   "Transfers": the eager rows and the copies made inside one jit).
 # - round trip: the device idle while XLA:GPU reads a loop's predicate or a conditional's branch
-#   back to the host (while_thunk.cc, conditional_thunk.cc), an estimate: the 128K step of
-#   docs/results/2026-11-27-h200-b.md lost 16-32 s to ~403,000 such loop steps (issue 46), 40-80 us
-#   each; its lower figure.
+#   back to the host (while_thunk.cc, conditional_thunk.cc): an estimate, the lower end of what
+#   docs/long-context.md derives for the 128K step of docs/results/2026-11-27-h200-b.md.
 DEFAULTS = {"h2d_gbps": 55.0, "d2h_gbps": 55.0, "device_tflops": 989.0, "host_update_gbps": 69.8,
             "hop_gbps": 9.5, "dispatch_us": 20.0, "h2d_overlap_eager": 0.36,
             "d2h_overlap_eager": 0.21, "h2d_overlap_jit": 0.92, "d2h_overlap_jit": 1.0,
@@ -110,7 +109,7 @@ class Rates:
     d2h_overlap_eager: float = DEFAULTS["d2h_overlap_eager"]
     h2d_overlap_jit: float = DEFAULTS["h2d_overlap_jit"]
     d2h_overlap_jit: float = DEFAULTS["d2h_overlap_jit"]
-    round_trip_us: float = DEFAULTS["round_trip_us"]  # a host round trip inside a device call
+    round_trip_us: float = DEFAULTS["round_trip_us"]  # each host round trip inside a jitted call
 
     def __post_init__(self):
         for name, value in dataclasses.asdict(self).items():

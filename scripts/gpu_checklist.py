@@ -1,5 +1,5 @@
 """The GPU checklist (docs/gpu-checklist.md): every benchmark of a GPU run, each under its own
-timeout, in five parts of at most 10 minutes each; run them in order.
+timeout, in parts of at most 10 minutes each; run them in order.
 
     python3 scripts/gpu_checklist.py 1    # machine, transfers, bench_1b, host update, step-time
                                           # prediction against bench_1b, the engine's tests
@@ -11,6 +11,10 @@ timeout, in five parts of at most 10 minutes each; run them in order.
     python3 scripts/gpu_checklist.py 5    # what holds a streamed step: bench_1b's and the 128K
                                           # step's dispatching thread profiled; bench_1b at 64K
                                           # tokens a step against resident
+    python3 scripts/gpu_checklist.py 7    # long context at the device's speed: one layer's
+                                          # backward per way a tiled block attends, and the
+                                          # 128K step of part 2 with the tiled block's loops
+                                          # known (issue 46)
     python3 scripts/gpu_checklist.py 1 2 3 4 5 --smoke --out /tmp/smoke   # on a CPU, tiny sizes
 
 Results go to the folder $OUT names when it is set, else to --out DIR: per part part<N>.txt
@@ -202,6 +206,25 @@ STEPS = {
 }
 
 
+def tiled_attention_part() -> list:
+    """Part 7 (at most 8 minutes): one Llama-3-8B layer's backward at 32,768 tokens in tiles of
+    8,192 for each way a tiled block attends (blockwise in blocks of 512, 1,024 and 2,048, cuDNN's
+    calls merged per query tile, cuDNN untiled with the MLP tiled) against the block untiled with
+    cuDNN, with their gradients' differences (attention.MEASURED's figures); then part 2's 4-layer
+    128K step with this code, two steps, its device peak and time against the plan's and the
+    step-time model's (in its JSON)."""
+    gpu_memory = (("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92"),)
+    return [*machine_steps(versions=False),
+            Step("tile_attention", 190, ("scripts/bench_tile_attention.py", "--reps", "3"),
+                 smoke=("scripts/bench_tile_attention.py", "--config", "configs/tiny.yaml",
+                        "--seq-len", "256", "--tile-size", "64", "--blocks", "16,32", "--reps",
+                        "1"), json="tile_attention.json", env=gpu_memory),
+            long_context("long_128k_tiled", 131072, "auto", 2, 250)]
+
+
+STEPS[7] = tiled_attention_part()
+
+
 def files_of(part: int) -> list:
     """The files a part writes: its log, its summary, and each step's JSON."""
     return [f"part{part}.txt", f"part{part}.json"] + [s.json for s in STEPS[part] if s.json]
@@ -214,7 +237,7 @@ def parse_args(argv):
                                     f"part {n}: " + ", ".join(s.name for s in steps)
                                     for n, steps in STEPS.items()))
     p.add_argument("parts", nargs="+", type=int, choices=sorted(STEPS), metavar="PART",
-                   help="1 to 5 (several run one after the other)")
+                   help=f"{', '.join(map(str, sorted(STEPS)))} (several run one after the other)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, any machine (the test suite)")
     p.add_argument("--out", default="gpu_results", help="results folder when $OUT is unset")
     p.add_argument("--only", default="", help="comma-separated step names (default: all)")

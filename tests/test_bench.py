@@ -290,4 +290,8 @@ def test_bench_long_context_tiny(tmp_path):
         assert 0 < est["long_context"][fn]["temp_bytes"] < est["dense"][fn]["temp_bytes"], fn
     row = tables.long_context_rows([("long.json", r)])[2]
     assert row.startswith("| long.json | 256 | blockwise | ")
+    # what attends, not only the setting; the step-time model's step beside the measured one
+    runs = "blockwise flash attention (blocks of 64) per query tile of 64, the block in tiles of 64"
+    assert r["attention"] == plan["attention_runs"] == runs and runs in proc.stdout
+    assert positive(r["step_time"]["step_s"]) and r["step_time"]["layer_round_trips"] == [0, 0]
 

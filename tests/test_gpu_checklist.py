@@ -9,6 +9,7 @@ tests/test_bench.py."""
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -104,3 +105,28 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
     proc = run("2", "--only", "bench_1b", "--out", str(tmp_path))
     assert proc.returncode == 2 and "no step named 'bench_1b'" in proc.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_part_7_dry_runs_on_the_cpu_within_eight_minutes(tmp_path):
+    """Part 7 (the tiled block's attention, issue 46) at tiny sizes end to end: its steps'
+    timeouts stay within 8 minutes; its summary is written after each step; the attention probe
+    times every candidate (XLA's attention standing in for cuDNN here) and holds its gradients
+    against the reference's; the 128K step's JSON names the attention that ran and the step-time
+    model's step beside the measured one."""
+    assert sum(s.timeout_s for s in checklist.STEPS[7]) <= 480
+    out = tmp_path / "results"
+    proc = run("7", "--smoke", "--out", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = {s["name"]: s for s in json.loads((out / "part7.json").read_text())["steps"]}
+    assert list(steps) == ["nvidia-smi", "memory and cores", "tile_attention", "long_128k_tiled"]
+    assert all(s["rc"] == 0 for name, s in steps.items() if name != "nvidia-smi")
+    probe = json.loads((out / "tile_attention.json").read_text())
+    assert probe["cudnn_stands_in"] and probe["dot_product_attention"]["return_residual"]
+    assert set(probe["measured"]) == {"blockwise/16", "blockwise/32", "merged", "untiled"}
+    for name, c in probe["candidates"].items():  # (their equality: tests/test_seqtile.py)
+        assert "error" not in c and c["step_s"] > 0, name
+        assert name == "reference" or math.isfinite(c["dx_rel_diff"] + c["dw_rel_diff"]), name
+    step = json.loads((out / "long_128k_tiled.json").read_text())
+    assert step["attention"].startswith("blockwise flash attention (blocks of 64) per query tile")
+    assert step["step_time"]["step_s"] > 0 and len(step["run"]["step_times_s"]) == 2
+    assert sorted(p.name for p in out.iterdir()) == sorted(checklist.files_of(7))

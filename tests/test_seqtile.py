@@ -166,3 +166,27 @@ def test_a_tile_that_splits_attention_blocks_is_refused_before_anything_is_built
     assert proc.stderr.strip().splitlines() == [
         "error: train.tile_size (1000) must be a multiple of train.attention_block (512) when it "
         "tiles data.seq_len (4096)"], proc.stderr
+
+
+def test_cudnn_asked_for_where_it_cannot_run_is_one_line_naming_what_runs():
+    """train.attention=cudnn on a CPU: the run goes on with blockwise attention and the plan's
+    lines (the run's log, the bench's JSON) say so in one line, beside the one naming what
+    attends; a negative train.attention_block is refused naming the key (0: the measured
+    block)."""
+    from megatrain_jax.config import ConfigError
+    from megatrain_jax.machines import machine_from_device
+    from megatrain_jax.plan import plan
+    from megatrain_jax.recipes import load_config
+    summary = lambda *overrides: plan(load_config(None, [
+        "data.seq_len=512", "train.tile_size=256", "model.num_layers=1", *overrides]),
+        machine_from_device()).summary().splitlines()
+    lines = summary("train.attention=cudnn")
+    notice = ("train.attention=cudnn cannot run here (not a GPU (platform cpu)): blockwise "
+              "attention runs instead")
+    assert lines.count(notice) == 1
+    assert ("plan: attention blockwise flash attention (blocks of 256) per query tile of 256, "
+            "the block in tiles of 256 (not a GPU (platform cpu); tiled: blockwise per query "
+            "tile)") in lines
+    assert notice not in summary("train.attention=auto")
+    with pytest.raises(ConfigError, match=r"^train.attention_block must be >= 0, got -1$"):
+        load_config(None, ["train.attention_block=-1"])
