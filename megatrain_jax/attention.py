@@ -284,7 +284,6 @@ class TileAttention:
     window: int
     block_size: int
     scale: float | None = None
-    name = "blockwise"
 
     def _span(self, q, keys: int) -> _Span:
         return _Span(self.seq_len, self.window, self.block_size,
@@ -378,7 +377,6 @@ class MergedTileAttention:
     seq_len: int
     implementation: str
     scale: float | None = None
-    name = "merged"
 
     def _scale(self, q):
         return q.shape[3]**-0.5 if self.scale is None else self.scale

@@ -166,19 +166,18 @@ def _tiled(fns, attentions, seq: _Sequence, w, x):
         aux0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(
             lambda w, x, k, v: group_forward(w, x, k, v, (0,), (0,))[1], w, x, k, v))
 
-        def pair(aux, p):
+        def pair(p, carry):
+            y, aux = carry
             (y_a, y_b), aux_p = group_forward(w, x, k, v, (p, n - 1 - p), (0, n - 1))
-            return _add(aux, aux_p), (y_a, y_b)
+            return seq.put(seq.put(y, y_a, p), y_b, n - 1 - p), _add(aux, aux_p)
 
-        # a scan, not a loop into one buffer: where only the VJP is wanted (the engine's
-        # backward), JAX drops the unused tiles of y, and with them the forward
-        aux, (y_a, y_b) = lax.scan(pair, aux0, jnp.arange(pairs))
-        tiles = [y_a]
+        # y written in place, tile by tile; where only the VJP is wanted (the engine's
+        # backward), y is unused and XLA drops this whole loop
+        y, aux = lax.fori_loop(0, pairs, pair, (jnp.zeros_like(x), aux0))
         if middle is not None:
             (y_m,), aux_m = group_forward(w, x, k, v, (middle,), (middle,))
-            aux, tiles = _add(aux, aux_m), tiles + [y_m[None]]
-        y = jnp.concatenate(tiles + [y_b[::-1]])  # (n, B, tile, D), tiles in order
-        return y.swapaxes(0, 1).reshape(x.shape), aux
+            y, aux = seq.put(y, y_m, middle), _add(aux, aux_m)
+        return y, aux
 
     def run_fwd(w, x):
         return run(w, x), (w, x)

@@ -132,28 +132,32 @@ def test_every_loop_of_the_tiled_block_has_a_known_trip_count(name):
         assert loops and all(count for _, count in loops), loops
 
 
-def test_tiled_backward_grows_by_k_v_and_their_gradients_only():
+def test_tiled_block_grows_by_k_v_and_their_gradients_only():
     """Compiled, not run: per token, the tiled block's backward holds K and V (in the compute
     dtype) and dK and dV (fp32 accumulators), 4 * K * H numbers, a quarter of the hidden size
-    here; the untiled one holds ~26 hidden sizes (q, k, v, the attention's output, their
-    gradients, the MLP's input...). The slope between lengths leaves the constant (a pair of
-    tiles' workspace) out; two spans, as a copy of a whole-sequence buffer (dx written over dy
-    while an earlier version of it is still read) can hide in the allocator's packing at one."""
+    here, and its forward K and V alone; the untiled one holds ~26 hidden sizes (q, k, v, the
+    attention's output, their gradients, the MLP's input...). The slope between lengths leaves
+    the constant (a pair of tiles' workspace) out; two spans, as a copy of a whole-sequence
+    buffer (dx written over dy while an earlier version of it is still read) can hide in the
+    allocator's packing at one."""
     cfg = dataclasses.replace(BASE, hidden_size=64, intermediate_size=128, num_heads=8,
                               num_kv_heads=2)
     execution = Execution(attention="blockwise", attention_block=256, tile_size=512)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: make_block(cfg, 0, 0, execution)))
-    grad = jax.jit(jax.grad(lambda p, x: nnx.merge(graphdef, p)(x).sum(), argnums=(0, 1)))
+    forward = lambda p, x: nnx.merge(graphdef, p)(x)
+    backward = lambda p, x, dy: jax.vjp(forward, p, x)[1](dy)
 
-    def temp(seq):
+    def temps(seq):
         x = jax.ShapeDtypeStruct((1, seq, cfg.hidden_size), jnp.float32)
-        return grad.lower(params, x).compile().memory_analysis().temp_size_in_bytes
+        return [jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+                for f, args in ((forward, (params, x)), (backward, (params, x, x)))]
 
-    temps = {seq: temp(seq) for seq in (8192, 16384, 32768)}
-    k_v_and_grads = 4 * cfg.num_kv_heads * cfg.head_size * 4
+    temps = {seq: temps(seq) for seq in (8192, 16384, 32768)}
+    k_v = 2 * cfg.num_kv_heads * cfg.head_size * 4
     for short, long in ((8192, 16384), (16384, 32768)):
-        per_token = (temps[long] - temps[short]) / (long - short)
-        assert per_token <= 1.05 * k_v_and_grads, (short, long, per_token, k_v_and_grads)
+        per_token = [(b - a) / (long - short) for a, b in zip(temps[short], temps[long])]
+        assert per_token[0] <= 1.05 * k_v and per_token[1] <= 1.05 * 2 * k_v, (short, long,
+                                                                                per_token)
 
 
 def test_a_tile_that_splits_attention_blocks_is_refused_before_anything_is_built():
