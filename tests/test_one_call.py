@@ -44,16 +44,16 @@ def per_micro_batch(engine, f):
     def copies(fetch, out):
         return jax.device_put(fetch, to_device), jax.device_put(out, to_pinned)
 
-    def layer_fwd(fetch, out, w, xs, contexts):
-        made = [f.block_fwd(w, xs[m], at(contexts, m)) for m in range(len(xs))]
+    def layer_fwd(fetch, out, layer, xs, contexts):  # layer: (weights, Constants)
+        made = [f.block_fwd(layer, xs[m], at(contexts, m)) for m in range(len(xs))]
         auxs = [aux for _, aux in made]
         return (stack([y for y, _ in made]), None if auxs[0] is None else stack(auxs)), *copies(
             fetch, out)
 
-    def layer_bwd(fetch, out, w, xs, contexts, dys, daux):
-        acc, dxs = zeros(w), []
+    def layer_bwd(fetch, out, layer, xs, contexts, dys, daux):
+        acc, dxs = zeros(layer[0]), []
         for m in range(len(xs)):
-            dx, acc = f.block_bwd(w, xs[m], at(contexts, m), dys[m], acc, daux)
+            dx, acc = f.block_bwd(layer, xs[m], at(contexts, m), dys[m], acc, daux)
             dxs.append(dx)
         sq = squares(acc)
         grads = acc if engine.host.grad_dtype == jnp.float32 else cast(acc)
