@@ -205,7 +205,7 @@ def test_custom_transform_whose_state_is_the_gradient():
     """A transform whose new state is its input gradient (no output aliases the donated state's
     role): the in-place path must still return exactly that gradient."""
     engine = make_engine(capture_grads(), DEVICES["in_place"](), compute_dtype=jnp.float32)
-    grads = random_grads(engine.host.units[2].params, np.random.default_rng(2))
+    grads = random_grads(engine.unit_shapes()[2], np.random.default_rng(2))
     expected = jax.tree.map(np.asarray, grads)
     submit(engine, 2, grads, optax.tree.norm(grads))
     engine.wait()
@@ -409,7 +409,7 @@ def test_update_takes_no_fresh_memory(devices):
                             make_block=lambda i: Wide(nnx.Rngs(i)), num_layers=1,
                             optimizer=build_optimizer(OptimizerConfig(), 10), max_grad_norm=1.0,
                             compute_dtype=jnp.bfloat16, compute_device=compute, host_device=host)
-    grads = random_grads(engine.host.unit_state(1)[0], np.random.default_rng(5))
+    grads = random_grads(engine.unit_shapes()[1], np.random.default_rng(5))
     faults = []
     for _ in range(3):  # the first compiles
         args = jax.block_until_ready(jax.device_put(  # copies: the update takes them over
