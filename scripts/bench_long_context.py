@@ -275,8 +275,8 @@ def memory_estimate(jax, engine, tokens) -> dict:
     abstract = lambda x, dtype=None: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype)
     inputs = jax.ShapeDtypeStruct(tokens.shape, jnp.int32)
     f = engine.device_functions(inputs, inputs)
-    cdt, f32 = engine.host.compute_dtype, jnp.float32
-    layer = jax.tree.map(lambda p: abstract(p, cdt), engine.host.unit_state(1)[0])
+    cdt, f32 = engine.compute_dtype, jnp.float32
+    layer = jax.tree.map(lambda p: abstract(p, cdt), engine.unit_shapes()[1])
     stage_leaves = [abstract(p, cdt) for p in jax.tree.leaves(engine.param_shapes()["stages"])]
     w_first = engine.parts.take("first", stage_leaves)
     w_last = engine.parts.take("last", stage_leaves)

@@ -37,7 +37,7 @@ def per_micro_batch(engine, f):
     to_pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
     zeros = jax.jit(lambda w: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), w))
     squares = jax.jit(sum_squares)
-    cast = jax.jit(lambda g: jax.tree.map(lambda x: x.astype(engine.host.grad_dtype), g))
+    cast = jax.jit(lambda g: jax.tree.map(lambda x: x.astype(engine.grad_dtype), g))
     stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
     at = lambda tree, m: jax.tree.map(lambda x: x[m], tree)
 
@@ -56,7 +56,7 @@ def per_micro_batch(engine, f):
             dx, acc = f.block_bwd(layer, xs[m], at(contexts, m), dys[m], acc, daux)
             dxs.append(dx)
         sq = squares(acc)
-        grads = acc if engine.host.grad_dtype == jnp.float32 else cast(acc)
+        grads = acc if engine.grad_dtype == jnp.float32 else cast(acc)
         return (jnp.stack(dxs), grads, sq), *copies(fetch, out)
 
     f.layer_fwd, f.layer_bwd = layer_fwd, layer_bwd

@@ -284,6 +284,52 @@ def test_the_jit_forms_copies_start_with_the_call_that_makes_them():
             o.resource == "d2h"] == [True]  # (the eager form: after the layer's compute)
 
 
+ORDERS = {  # (offload.copies, train.prefetch, activations offloaded, train.host_lookup)
+    "eager": ("eager", 1, False, False), "jit": ("jit", 1, False, False),
+    "eager, prefetch 0": ("eager", 0, False, False),
+    "eager, offloaded, prefetch 2, host lookup": ("eager", 2, True, True),
+    "jit, offloaded, prefetch 2": ("jit", 2, True, False),
+    "jit, host lookup": ("jit", 1, False, True)}
+
+
+@pytest.mark.parametrize("copies,prefetch,offload,lookup", ORDERS.values(), ids=ORDERS)
+def test_the_models_order_is_the_engines(copies, prefetch, offload, lookup):
+    """The events the model's operations stand for (Prediction.events) are the engine's own
+    on_event trace of a real step of the same config, in order: on the dispatching thread each
+    copy (eager or in a call), each layer's dispatch and each retire's wait; on the host thread
+    each unit's update. The passes run through one interpreter of the schedule in both
+    (schedule.walk); the rest of the step is written twice (engine/step.py, step_time._step),
+    so a change to either alone fails here. CPU device 1 stands for the accelerator."""
+    import jax
+    import numpy as np
+    from megatrain_jax.config import load_config
+    from megatrain_jax.recipes import build_engine
+    from megatrain_jax.step_time import step_shape
+    cfg = load_config("configs/tiny.yaml", [
+        "model.num_layers=3", "model.hidden_size=32", "model.intermediate_size=64",
+        "model.num_heads=2", "model.num_kv_heads=1", "data.seq_len=8", "data.batch_size=1",
+        "data.micro_batches=2", f"train.prefetch={prefetch}", f"offload.copies={copies}",
+        f"train.host_lookup={str(lookup).lower()}", "model.tie_embeddings=false"])
+    cpu = jax.devices("cpu")
+    engine = build_engine(cfg, compute_device=cpu[1], host_device=cpu[0],
+                          offload_activations=offload)
+    tokens = np.ones((2, 1, 8), np.int32)
+    engine.train_step(tokens, tokens)
+    engine.wait()
+    trace = []
+    engine.on_event = lambda kind, what, layer: trace.append((kind, what, layer))
+    engine.train_step(tokens, tokens)
+    engine.wait()
+    engine.close()
+    s = step_shape(cfg, offload=offload)
+    assert (s.copies, s.prefetch, s.host_lookup) == (engine.copies, prefetch, engine.host_lookup)
+    model = [e[1:] for e in simulate(s, Rates(), steps=2).events if e[0] == 1]
+    threads = lambda events: ([e for e in events if e[0] != "update"],
+                              [e for e in events if e[0] == "update"])
+    assert threads(model) == threads(trace)
+    assert ("dispatch", "backward", 0) in trace and len(threads(trace)[1]) == 5
+
+
 def test_overlaps_come_from_the_gpus_measurements():
     """The H200 host's host-path check (its eager rows and `injit`), and bench_transfer.py's
     overlap rows (the H100 host: eager only)."""

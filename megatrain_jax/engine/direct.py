@@ -2,7 +2,7 @@
 releases the GIL, on numpy state the engine owns. Each gradient is read where the device wrote it
 (a zero-copy view of its pinned piece), each bus copy written where the device reads it (a
 persistent buffer per leaf): no copy between jax's clients, no memcpy, no jit on the update's
-path (docs/architecture.md, "The host update").
+path (measured against the kernel in a jit: docs/benchmarks.md, "Host update").
 
     arrays = UnitArrays.of(params, opt_state)      # copied in once, by the kernel's threads
     update = DirectAdamW(hyper, max_grad_norm, host_device, counters)
