@@ -30,6 +30,28 @@ from megatrain_jax.plan_report import format_bytes
 
 HOST_BOUND = 0.25  # the step waits this share of its time for the host update or more
 MAX_FACTOR = 64  # the most micro-batches advice multiplies by
+# Settings that make the host's state and its update lighter, the largest saving first: AdamW's
+# moments in bf16 (4 B/param less), the gradients the host receives in bf16 (2 B/param less).
+LIGHTER = ("optimizer.state_dtype=bfloat16", "train.grad_dtype=bfloat16")
+
+
+def lighter_settings(cfg) -> tuple:
+    """The settings of LIGHTER that cfg does not make already."""
+    made = lambda section, name, value: getattr(getattr(cfg, section), name) == value
+    return tuple(s for s in LIGHTER if not made(*_setting(s)))
+
+
+def _setting(setting: str) -> tuple:
+    """(section, key, value) of "section.key=value"."""
+    key, value = setting.split("=")
+    return (*key.split("."), value)
+
+
+def _with(cfg, setting: str):
+    """cfg with `setting` ("section.key=value") made."""
+    section, name, value = _setting(setting)
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section),
+                                                                    **{name: value})})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,10 +87,12 @@ class Measured:
 
 def advise(m: Measured, *, machine: Machine, flops_per_step: float, micro_batches: int,
            compute_dtype: str = "bfloat16",
-           plan_for: Callable[[int], tuple[bool, int]] | None = None) -> list[str]:
+           plan_for: Callable[[int], tuple[bool, int]] | None = None,
+           lighter: tuple = LIGHTER) -> list[str]:
     """One or two lines: what bounds the step (with the figures), then the change that would help
     most and its predicted effect. plan_for(micro_batches) -> (fits, predicted device peak bytes)
-    says whether a larger data.micro_batches fits (the memory plan)."""
+    says whether a larger data.micro_batches fits (the memory plan); `lighter`: the settings of
+    LIGHTER the run has not made (lighter_settings)."""
     on_bus = not machine.compute_on_host and machine.host_device_gbps > 0
     transfers_s = m.bus_bytes / (machine.host_device_gbps * GB) if on_bus else 0.0
     device_s = max(m.step_s - m.host_wait_s, 0.0)
@@ -117,7 +141,8 @@ def advise(m: Measured, *, machine: Machine, flops_per_step: float, micro_batche
                      f"fit; train.offload_activations=true makes room for more micro-batches"
                      if bound == "transfers" else
                      "advice: no larger data.micro_batches fits to hide it; the host update runs "
-                     "at the host's memory bandwidth (train.grad_dtype=bfloat16 moves less)")
+                     "at the host's memory bandwidth"
+                     + (f" ({' or '.join(lighter)} moves less)" if lighter else ""))
         return lines
     new_step = m.step_s + max((factor - 1) * compute_s - overhead, 0.0)
     gain = factor * m.step_s / new_step
@@ -142,7 +167,8 @@ def for_config(cfg, machine: Machine, measured: Measured) -> list[str]:
     tokens = cfg.data.micro_batches * cfg.data.batch_size * cfg.data.seq_len
     return advise(measured, machine=machine, micro_batches=cfg.data.micro_batches,
                   flops_per_step=flops_per_token(cfg.model, cfg.data.seq_len) * tokens,
-                  compute_dtype=cfg.train.compute_dtype, plan_for=plan_for)
+                  compute_dtype=cfg.train.compute_dtype, plan_for=plan_for,
+                  lighter=lighter_settings(cfg))
 
 
 def for_run(cfg, engine, machine: Machine, before, step_times: list) -> list[str]:
@@ -161,5 +187,28 @@ def for_plan(cfg, machine: Machine, run_plan, prediction) -> list[str]:
     rates = prediction.rates
     at_rates = dataclasses.replace(machine, host_device_gbps=min(rates.h2d_gbps, rates.d2h_gbps),
                                    bf16_tflops=rates.device_tflops / ASSUMED_MFU)
-    return for_config(cfg, at_rates, Measured.predicted(
+    return _host_fit(cfg, machine, run_plan) + for_config(cfg, at_rates, Measured.predicted(
         prediction, run_plan.device_peak, int(machine.device_memory_gb * GB)))
+
+
+def _host_fit(cfg, machine: Machine, run_plan) -> list[str]:
+    """Where host RAM cannot hold the run: the settings of LIGHTER not yet made, taken one after
+    another until the plan fits, and the host RAM they leave (each planned: a new gradient dtype
+    compiles the workspaces again)."""
+    have = machine.host_memory_gb * GB
+    if run_plan.host_total <= have or not lighter_settings(cfg):
+        return []
+    made, p = [], run_plan
+    for setting in lighter_settings(cfg):
+        made.append(setting)
+        cfg = _with(cfg, setting)
+        p = plan_lib.plan(cfg, machine)
+        if p.fits:
+            break
+    need = (f"advice: host RAM {format_bytes(run_plan.host_total)} > {format_bytes(have)}: "
+            f"{' and '.join(made)}")
+    if p.fits:
+        return [f"{need} makes it fit (host RAM {format_bytes(p.host_total)}, device peak "
+                f"{format_bytes(p.device_peak)})"]
+    return [f"{need} leaves host RAM at {format_bytes(p.host_total)}, still over: "
+            f"offload.tier=disk keeps the master weights and optimizer state on disk"]

@@ -71,11 +71,12 @@ class Metrics:
         self._sinks.write(record)
 
 
-def skipped(run: Run, step: int):
-    """The line of a step with a non-finite gradient; the run stops after train.max_bad_steps of
-    them in a row (TrainingError)."""
+def skipped(run: Run, step: int, nonfinite: list):
+    """The line of a step with a non-finite gradient (in the units `nonfinite`, the engine's
+    nonfinite_units of it); the run stops after train.max_bad_steps of them in a row
+    (TrainingError)."""
     bad, limit = run.bad_steps, run.cfg.train.max_bad_steps
-    where = ", ".join(map(str, run.engine.nonfinite_units())) or "the loss"
+    where = ", ".join(map(str, nonfinite)) or "the loss"
     run.log(f"step {step:5d} | non-finite gradient (in {where}): skipped, weights and optimizer "
             f"state unchanged ({bad} of train.max_bad_steps={limit} in a row)")
     if bad >= limit:
@@ -148,12 +149,20 @@ def _last_checkpoint(manager) -> str:
 
 
 def resume_hint(run: Run) -> str:
-    """Where the run can go on from after non-finite steps, and how: the checkpoint kept from
-    before a loss spike when the finite losses before them were one."""
-    if run.spikes.spiking:
-        return run.spikes.advice()
-    manager = run.manager
+    """Where the run can go on from after non-finite steps, and how: the last checkpoint when its
+    weights gave a normal step, else the one kept from before (spikes.py): after a loss spike, or
+    where the last checkpoint holds weights an update diverged into."""
+    manager, spikes = run.manager, run.spikes
     step = manager.latest_step()
+    if spikes.spiking:
+        return spikes.advice()
+    if step is not None and step != spikes.healthy:
+        diverged = (f"the last checkpoint written before them, step {step}, holds weights that "
+                    f"gave no normal step (an update diverged into them)")
+        if spikes.healthy is None:
+            return (f"{diverged}, and no checkpoint of this run is known to give a normal loss: "
+                    f"start again with a lower optimizer.learning_rate, or check the data")
+        return f"{diverged}; {spikes.advice()}"
     if step is None:
         return ("no checkpoint was written before them: start again with a lower "
                 "optimizer.learning_rate, or check the data")

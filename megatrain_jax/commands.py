@@ -29,11 +29,50 @@ class _Parser(argparse.ArgumentParser):
         from megatrain_jax.config import ConfigError
         raise ConfigError(message)
 
+    def add_config(self):
+        """--config, given at most once: argparse would keep the last one and drop the first
+        whole, config and all, with no word."""
+        self.add_argument("--config", action=_Once,
+                          help="YAML config file (defaults apply without one)")
 
-def _run(parse, go) -> int:
-    """run_cli(go(parse())): a bad argument is a one-line error and exit 2 as well."""
+
+class _Once(argparse.Action):
+    """An option that may be given once (one run, one config file: its keys are overridden one
+    by one with key=value, which the run's config.yaml then records)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        first = getattr(namespace, self.dest)
+        if first is not None:
+            from megatrain_jax.config import ConfigError
+            raise ConfigError(f"{option_string} given twice ({first}, then {values}); give one "
+                              f"config file and change its keys with key=value overrides")
+        setattr(namespace, self.dest, values)
+
+
+def _run(parse, go, *, xla: bool = True) -> int:
+    """run_cli(go(parse())): a bad argument is a one-line error and exit 2 as well, and so, for
+    a command that starts XLA (`xla`), is a setting of XLA's pinned host pool that is no
+    size."""
     from megatrain_jax.cli import run_cli
-    return run_cli(lambda: go(parse()))
+
+    def run():
+        args = parse()
+        if xla:
+            _check_pool_variable()
+        go(args)
+
+    return run_cli(run)
+
+
+def _check_pool_variable():
+    """Raises ConfigError for an XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB that is no size (inf, nan,
+    abc): the plan sizes the pinned host pool by it, on any machine."""
+    from megatrain_jax.config import ConfigError
+    from megatrain_jax.engine.bus import pinned_pool_bytes
+    try:
+        pinned_pool_bytes()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 # ----------------------------------------------------------------------------- train
@@ -47,7 +86,7 @@ def train(argv=None, prog=None) -> int:
     parser = _Parser(prog=prog, description=TRAIN_HELP,
                      epilog="Overrides are dotted config keys: train.steps=20 run_dir=/tmp/run "
                             "data.seq_len=256 (every key: megatrain_jax/config.py).")
-    parser.add_argument("--config", help="YAML config file (defaults apply without one)")
+    parser.add_config()
     parser.add_argument("overrides", nargs="*", metavar="key=value")
 
     def go(args):
@@ -147,7 +186,7 @@ def plan(argv=None, prog=None) -> int:
     [--json FILE]`: prints the memory plan of the run (megatrain_jax.plan)."""
     parser = _Parser(prog=prog, description=PLAN_HELP, epilog=PLAN_EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML config file (defaults apply without one)")
+    parser.add_config()
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     parser.add_argument("--device", default="h100", help=f"{', '.join(MACHINES)} or local")
     parser.add_argument("--host-memory-gb", type=float, help="host RAM the run may use (GB)")
@@ -177,18 +216,20 @@ def plan(argv=None, prog=None) -> int:
         if args.largest_model and (args.step_time or args.sweep):
             raise ConfigError(f"--largest-model goes with the plan's report, not with "
                               f"{'--step-time' if args.step_time else '--sweep'}")
+        config = lambda *extra: _split_batch(load_config(args.config, [*args.overrides, *extra]),
+                                             machine)
         if args.step_time:
-            out = _step_time(load_config(args.config, args.overrides), machine, args)
+            out = _step_time(config(), machine, args)
         elif args.sweep:
             seq_lens = _seq_lens(args.sweep)
-            rows = list(zip(seq_lens, plan_sweep([load_config(
-                args.config, [*args.overrides, f"data.seq_len={s}"]) for s in seq_lens], machine)))
+            rows = list(zip(seq_lens, plan_sweep([config(f"data.seq_len={s}") for s in seq_lens],
+                                                 machine)))
             print(f"{machine.name}: device {format_bytes(machine.device_memory_gb * GB)}, "
                   f"host {format_bytes(machine.host_memory_gb * GB)}")
             print(_sweep_table(rows))
             out = [{"seq_len": s, **p.to_dict()} for s, p in rows]
         else:
-            cfg = load_config(args.config, args.overrides)
+            cfg = config()
             p = make_plan(cfg, machine)
             print(p.report())
             if args.largest_model:
@@ -199,10 +240,43 @@ def plan(argv=None, prog=None) -> int:
             if args.largest_model:
                 out["largest_model"] = p.largest_model
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
+            _write_json(args.json, out)
 
     return _run(lambda: parser.parse_args(argv), go)
+
+
+def _split_batch(cfg, machine):
+    """cfg, once its data.batch_size splits over the devices the run would have on `machine`
+    (else the ConfigError train gives, before it plans)."""
+    from megatrain_jax.distributed import check_batch
+    from megatrain_jax.flops import local_devices
+    processes = cfg.distributed.num_processes
+    check_batch(cfg.data.batch_size, (local_devices(cfg, machine) or 1) * processes, processes)
+    return cfg
+
+
+def _write_json(path: str, out):
+    """Writes `out` to --json `path`. A regular file (or a new one) is written whole or not at
+    all: into a temporary file beside it, then renamed over it, so a failed write (a full disk)
+    leaves the file that was there as it was, and no partial one; anything else (/dev/stdout)
+    is written as is. A failed write is one ConfigError line."""
+    from megatrain_jax.config import ConfigError
+    text = json.dumps(out, indent=1)
+    special = os.path.exists(path) and not os.path.isfile(path)
+    target = path if special else os.path.realpath(path)  # a link: the file it names
+    tmp = None if special else f"{target}.tmp-{os.getpid()}"
+    try:
+        with open(tmp or target, "w") as f:
+            f.write(text)
+        if tmp:
+            os.replace(tmp, target)
+    except OSError as e:
+        kept = "" if special else ("; the file there is as it was" if os.path.exists(target)
+                                   else "; no file was left")
+        raise ConfigError(f"--json {path}: writing it failed ({e.strerror}){kept}") from None
+    finally:
+        if tmp and os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _check_json_out(path: str):
@@ -345,7 +419,7 @@ def plot(argv=None, prog=None) -> int:
                            if len(args.run_dirs) == 1 else "metrics.png")
         print(f"wrote {plot_runs(args.run_dirs, out)}")
 
-    return _run(lambda: parser.parse_args(argv), go)
+    return _run(lambda: parser.parse_args(argv), go, xla=False)
 
 
 # ----------------------------------------------------------------------------- generate

@@ -68,6 +68,11 @@ class OptimizerConfig:
     # rounded at each update (not bit-equal to fp32 AdamW; 4 B a parameter less, 8 B less update
     # traffic; engine/fused_adamw.py).
     state_dtype: str = "float32"
+    # The fused AdamW kernel's threads on the host: null (every CPU of the process's affinity,
+    # measured fastest for the update alone), or fewer, pinned to the first CPUs, so the thread
+    # that dispatches the device's work keeps a CPU of its own (at most the CPUs: checked when
+    # the engine is built, on the machine that runs it).
+    host_threads: typing.Optional[int] = None
 
     def check(self):
         if self.learning_rate <= 0:
@@ -84,6 +89,10 @@ class OptimizerConfig:
                 raise ConfigError(f"optimizer.{key} must be {rule}, got {getattr(self, key)}")
         _one_of("optimizer.schedule", self.schedule, SCHEDULES)
         _one_of("optimizer.state_dtype", self.state_dtype, STATE_DTYPES)
+        if self.host_threads is not None and (isinstance(self.host_threads, bool) or not isinstance(
+                self.host_threads, int) or self.host_threads < 1):
+            raise ConfigError(f"optimizer.host_threads must be an integer >= 1 (null: every CPU), "
+                              f"got {self.host_threads!r}")
 
 
 @dataclasses.dataclass(frozen=True)

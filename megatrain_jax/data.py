@@ -10,6 +10,7 @@ imports nothing of it.
 import json
 import mmap
 import os
+import re
 import stat
 
 import numpy as np
@@ -134,9 +135,15 @@ def _pack(docs, eos_id: int) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
 
 
+# A JSON escape of a UTF-16 surrogate: a lone one (no pair to make a character with) decodes to
+# a string no tokenizer can encode.
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def jsonl_objects(f, path: str):
     """(where, object) for every non-blank line of the JSONL file opened as `f` (bytes, so that
-    invalid UTF-8 is reported with its line); where = "path:line". Bad lines raise DataError."""
+    invalid UTF-8 is reported with its line); where = "path:line". Bad lines raise DataError,
+    a string holding a lone surrogate (`"\\ud800"` unpaired: no Unicode text) too."""
     for lineno, raw in enumerate(f, start=1):
         where = f"{path}:{lineno}"
         try:
@@ -146,9 +153,33 @@ def jsonl_objects(f, path: str):
         if not line.strip():
             continue
         try:
-            yield where, json.loads(line)
+            obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: invalid JSON ({e.msg})") from None
+        if SURROGATE_ESCAPE.search(line):  # rare: only then is every string looked at
+            _check_unicode(obj, where)
+        yield where, obj
+
+
+def _check_unicode(obj, where: str, field: str = ""):
+    """Raises DataError naming the field (`messages[1].content`) of the first string in `obj`
+    that holds a lone surrogate."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            name = f"{field}.{key}" if field else key
+            _check_unicode(key, where, f"{field}.<key>" if field else "<key>")
+            _check_unicode(value, where, name)
+    elif isinstance(obj, list):
+        for i, value in enumerate(obj):
+            _check_unicode(value, where, f"{field}[{i}]")
+    elif isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError as e:
+            what = f"field {field!r}" if field else "the line"
+            raise DataError(f"{where}: {what} holds a lone surrogate {obj[e.start]!r} at "
+                            f"character {e.start} (a \\u escape of half a UTF-16 pair), which is "
+                            f"not Unicode text; fix or remove the line") from None
 
 
 def _jsonl_docs(path: str, tokenizer, text_field: str):

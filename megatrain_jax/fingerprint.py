@@ -4,10 +4,14 @@ preference run renders it with) edited in place between a run and its resume is 
 (train.py).
 
 Each file is known by its size, its mtime and a hash of its head: cheap for any size, and a file
-cut short, grown, or rewritten at its start differs. A resume compares the size and the head only
-(a corpus copied or touched is the same data); a cache is stale when any of the three changed.
+cut short, grown, or rewritten anywhere differs (an edit past the head at the same size changes
+the mtime). A resume compares all three, as a cache does (it is rebuilt when any changed): a run
+never goes on silently with data its token cache saw change. A file touched or copied over
+itself without its mtime is refused too, naming the mtime; checkpoint.allow_changes=[data.path]
+resumes with it.
 """
 
+import datetime
 import hashlib
 import os
 
@@ -54,4 +58,14 @@ def first_change(saved: list[dict], now: list[dict]) -> str | None:
         if n["head_sha256"] != was["head_sha256"]:
             return (f"{said(name)}: its first {min(was['bytes'], HEAD_BYTES):,} bytes changed "
                     f"since the checkpoint was saved")
+        if "mtime_ns" in was and n["mtime_ns"] != was["mtime_ns"]:  # older checkpoints: none
+            return (f"{said(name)}: its mtime is {_when(n['mtime_ns'])}, "
+                    f"{_when(was['mtime_ns'])} when the checkpoint was saved (the same size and "
+                    f"first {min(was['bytes'], HEAD_BYTES):,} bytes: an edit past them, or the "
+                    f"file touched or copied over)")
     return None
+
+
+def _when(mtime_ns: int) -> str:
+    when = datetime.datetime.fromtimestamp(mtime_ns / 1e9)
+    return when.isoformat(sep=" ", timespec="milliseconds")

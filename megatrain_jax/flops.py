@@ -176,15 +176,15 @@ def with_layers(c: Counts, layers: int) -> Counts:
 
 @functools.lru_cache(maxsize=8)
 def abstract_units(model: ModelConfig, execution: Execution) -> tuple:
-    """(stages graph, stage params, block graph, block params, StageParts) of the engine's units,
-    with ShapeDtypeStruct leaves."""
-    block_def, block, _ = nnx.split(nnx.eval_shape(lambda: make_block(model, 0, 0, execution)),
-                                    nnx.Param, ...)
-    stages_def, stages, _ = nnx.split(nnx.eval_shape(lambda: make_stages(model, 0, execution)),
-                                      nnx.Param, ...)
-    stages, block = nnx.to_pure_dict(stages), nnx.to_pure_dict(block)
+    """(stages graph, stage params, block graph, block params, block Constants, StageParts) of
+    the engine's units, with ShapeDtypeStruct leaves."""
+    block_def, block, constants = stage_units.param_split(
+        nnx.eval_shape(lambda: make_block(model, 0, 0, execution)), "block 0")
+    stages_def, stages = stage_units.stages_split(
+        nnx.eval_shape(lambda: make_stages(model, 0, execution)))
     example = np.zeros((1, 1), np.int32)  # which leaves a stage reads does not depend on shapes
-    return stages_def, stages, block_def, block, stage_parts(stages_def, stages, example, example)
+    return (stages_def, stages, block_def, block, constants,
+            stage_parts(stages_def, stages, example, example))
 
 
 def _idle_expert_params(model: ModelConfig) -> int:
@@ -198,7 +198,7 @@ def counts(cfg: Config, execution: Execution, machine: Machine, *,
     """The Counts of `cfg` run with `execution` on `machine`, its units' optax state that of
     `optimizer` (recipes.build_optimizer's) and its host lookup `lookup_setting` (the engine's
     host_lookup: recipes.host_lookup_setting)."""
-    _, stages, _, block, parts = abstract_units(cfg.model, execution)
+    _, stages, _, block, _, parts = abstract_units(cfg.model, execution)
     size = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
     leaves = jax.tree.leaves(stages)
     init = optimizer.init
@@ -258,13 +258,18 @@ def devices_assumed(cfg: Config, machine: Machine) -> str:
             f"--devices or set distributed.local_devices")
 
 
-def host_lookup(c: Counts, tokens: int) -> bool:
-    """Whether the engine runs the first stage on the host (engine/lookup.py) for micro-batches
-    of `tokens` tokens: the engine's own rule (lookup.why_off) on the config's shapes and its
-    train.host_lookup."""
+def host_lookup_off(c: Counts, tokens: int) -> str:
+    """Why the engine runs the first stage on the device ('' where it runs it on the host,
+    engine/lookup.py) for micro-batches of `tokens` tokens: the engine's own rule
+    (lookup.why_off) on the config's shapes, copies form and train.host_lookup."""
     rows = c.micro_batches * tokens * c.hidden * c.compute  # every micro-batch's, one way
-    return not lookup.why_off(c.lookup_setting, c.lookup_serves, rows, c.first, c.compute,
-                              c.grad)
+    return lookup.why_off(c.lookup_setting, c.lookup_serves, rows, c.first, c.compute, c.grad,
+                          in_calls=c.copies == "jit")
+
+
+def host_lookup(c: Counts, tokens: int) -> bool:
+    """Whether the engine runs the first stage on the host (host_lookup_off)."""
+    return not host_lookup_off(c, tokens)
 
 
 def tokens_to_hide(model: ModelConfig, counts: Counts, seq: int, machine: Machine,

@@ -31,7 +31,7 @@ from megatrain_jax import data as data_lib
 from megatrain_jax import hf
 from megatrain_jax.config import Config, ConfigError, from_dict
 from megatrain_jax.engine.decode import StreamedDecoder
-from megatrain_jax.model import Block, make_stages
+from megatrain_jax.model import Block, block_constants, make_stages
 
 
 class HFTextTokenizer:
@@ -167,14 +167,16 @@ def from_run(run_dir: str, step: int | None = None) -> Model:
     def block(i, execution):
         abstract = nnx.eval_shape(lambda: Block(model_cfg, rngs=nnx.Rngs(0), execution=execution))
         params = finite(checkpoint.read_params(manager, step, tree, i, meta), f"layers/{i}")
-        expected = nnx.to_pure_dict(nnx.split(abstract)[1])
+        expected = nnx.to_pure_dict(nnx.split(abstract, nnx.Param, ...)[1])
         for key, value in expected.items():
             got = params.get(key)
             if got is None or tuple(got.shape) != tuple(value.shape):
                 raise checkpoint.CheckpointError(
                     f"{where} does not match its config: layers/{i}/params/{key} is "
                     f"{'absent' if got is None else tuple(got.shape)}, expected {value.shape}")
-        return _module(abstract, params)
+        # (a checkpoint from before the layer's kind was a Constant holds it as a param, perhaps
+        # decayed: the config's stands)
+        return _module(abstract, {**params, **block_constants(model_cfg, i)})
 
     return Model(cfg=cfg, first_last=first_last, block=block, tokenizer=tokenizer,
                  context=context, context_source=source, what=where, close=manager.close)

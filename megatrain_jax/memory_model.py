@@ -26,10 +26,13 @@ from megatrain_jax.model import Execution, ModelConfig
 # workspace is XLA:CPU's with that pass off: fp32 copies stay one tile in size.
 _HOISTING_PASS = "while-loop-invariant-code-motion"
 PHASES = ("embed", "forward", "loss", "backward", "embed backward")
-# Beside each phase's function, a workspace that is no phase's: with the host lookup, the sums of
-# squares of the last unit's gradient leaves (f.leaf_squares), made at the loss for the host
-# thread's global norm once the head's call has ended
+# Beside each phase's function, workspaces that are no phase's: with the host lookup, the last
+# unit's gradient leaves and their sums of squares (f.last_unit), made at the loss for the host
+# thread's global norm once the head's call has ended; on the device path, the stages' gradient
+# merged from its two parts, its sum of squares and the global norm (f.stages), after the
+# embedding's backward
 LOSS_SQUARES = "loss squares"
+STAGES = "stages"
 DEVICE_KINDS = ("inputs", "weights", "gradients", "activations", "cotangents", "workspace")
 
 
@@ -39,22 +42,23 @@ DEVICE_KINDS = ("inputs", "weights", "gradients", "activations", "cotangents", "
 
 @functools.lru_cache(maxsize=8)
 def _device_functions(model: ModelConfig, execution: Execution, grad_dtype: str):
-    stages_def, stages, block_def, _, parts = abstract_units(model, execution)
+    stages_def, stages, block_def, _, _, parts = abstract_units(model, execution)
     return DeviceFunctions(stages_def, jax.tree.structure(stages), parts, block_def,
                            jnp.dtype(grad_dtype))
 
 
 @functools.lru_cache(maxsize=64)
 def workspace_bytes(model: ModelConfig, execution: Execution, compute_dtype: str, grad_dtype: str,
-                    batch: int, seq: int, document_mask: bool, device,
-                    hoisting: bool = False) -> dict:
-    """Phase -> temp bytes of the engine's jitted function for that phase on one micro-batch of
-    (batch, seq), compiled for `device` with the argument shapes and dtypes the step passes, and
-    LOSS_SQUARES -> the temp bytes of the host lookup's sums of squares at the loss.
-    On XLA:CPU, LLVM's optimisation level does not change buffer assignment: it is turned off,
-    halving the compile time; so is loop-invariant code motion unless `hoisting` (the bf16
-    estimate, see _HOISTING_PASS)."""
-    _, stages, _, block, parts = abstract_units(model, execution)
+                    batch: int, seq: int, document_mask: bool, device, hoisting: bool = False,
+                    micro_batches: int = 1) -> dict:
+    """Phase -> temp bytes of the engine's jitted function for that phase on `micro_batches`
+    micro-batches of (batch, seq), stacked, compiled for `device` with the argument shapes and
+    dtypes the step passes, and LOSS_SQUARES, STAGES -> the temp bytes of the host lookup's last
+    unit's gradient at the loss, of the device path's stages' gradient after the embedding's
+    backward. On XLA:CPU, LLVM's optimisation level does not change buffer assignment: it is
+    turned off, halving the compile time; so is loop-invariant code motion unless `hoisting` (the
+    bf16 estimate, see _HOISTING_PASS)."""
+    _, stages, _, block, constants, parts = abstract_units(model, execution)
     f = _device_functions(model, execution, grad_dtype)
     sharding = jax.sharding.SingleDeviceSharding(device)
     sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -62,16 +66,23 @@ def workspace_bytes(model: ModelConfig, execution: Execution, compute_dtype: str
     c = jnp.dtype(compute_dtype)
     leaves = jax.tree.leaves(stages)
     first, last = parts.take("first", leaves), parts.take("last", leaves)
-    tokens, x = sds((batch, seq), jnp.int32), sds((batch, seq, model.hidden_size), c)
+    stacked = (micro_batches, batch, seq)
+    tokens, x = sds(stacked, jnp.int32), sds(stacked + (model.hidden_size,), c)
     context = {"segment_ids": tokens, "positions": tokens} if document_mask else None
-    w = like(block, c)
+    layer = (like(block, c), jax.tree.map(lambda k: sds(k.shape, k.dtype), constants))
+    scalar = sds((), jnp.float32)
+    # the stages' leaves as one unit holds them: every leaf (the device path); the last's alone
+    held = lambda indices: tuple((i, tuple(leaves[i].shape)) for i in indices)
     calls = {"embed": (f.embed, (like(first, c), tokens)),
-             "forward": (f.block_fwd, (w, x, context)),
-             "loss": (f.head, (like(last, c), x, tokens, like(last, jnp.float32))),
-             "backward": (f.block_bwd, (w, x, context, x, like(block, jnp.float32))),
-             "embed backward": (f.embed_bwd, (like(first, c), tokens, x, like(first, jnp.float32))),
+             "forward": (f.layer_fwd, (None, None, layer, x, context)),
+             "loss": (f.head, (like(last, c), x, tokens)),
+             "backward": (f.layer_bwd, (None, None, layer, x, context, x, None)),
+             "embed backward": (f.embed_bwd, (None, None, like(first, c), tokens, x)),
              # the last unit's leaves: the last stage's (untied, where the lookup serves)
-             LOSS_SQUARES: (f.leaf_squares, (like(last, jnp.dtype(grad_dtype)),))}
+             LOSS_SQUARES: (f.last_unit, (like(last, jnp.float32), held(parts.last))),
+             STAGES: (f.stages, (like(first, jnp.float32), like(last, jnp.float32),
+                                 [scalar] * model.num_layers, scalar,
+                                 held(range(len(leaves))), None))}
     options = {}
     if device.platform == "cpu":
         options = {"xla_backend_optimization_level": 0,
@@ -193,9 +204,10 @@ def device_bytes(c: Counts, tokens: int, offload: bool, workspace: dict) -> dict
     # The head's fp32 gradient stays on the device from the loss until the stages' gradient
     # is merged after the embedding's backward (the host lookup: it goes out at the loss, after
     # its leaves are made in train.grad_dtype with the head's input freed).
-    # Layers resident: engine/schedule.py's.
+    # Layers resident: engine/schedule.py's. A layer's call accumulates its gradient in fp32
+    # inside (its workspace) and returns it in train.grad_dtype.
     head = 0 if lookup else 4 * c.last
-    out = 4 * c.layer + (c.layer * c.grad if c.grad != 4 else 0)  # a layer's
+    out = c.layer * c.grad  # a layer's gradient, made
     forward, backward = [], []
     resident = schedule.resident(L, p, c.copies)
     overlapped = schedule.overlapped(L, p, c.copies)
@@ -207,9 +219,8 @@ def device_bytes(c: Counts, tokens: int, offload: bool, workspace: dict) -> dict
                               activations=(2 + overlapped[pos] if offload else pos + 2) * act))
         # saved: this layer's inputs and every earlier one's; offloaded: those fetched back
         backward.append(moment("backward", weights=n * weights(c.layer),
-                               # the layer's, and the one before's (with its cast for the
-                               # host) while it goes out
-                               gradients=4 * c.layer + overlapped[pos] * out + head,
+                               # the layer's, and the one before's while it goes out
+                               gradients=(1 + overlapped[pos]) * out + head,
                                activations=(n if offload else L - pos + overlapped[pos]) * act,
                                cotangents=act))
     loss = [moment("loss", weights=weights(c.last), gradients=4 * c.last,
@@ -218,9 +229,16 @@ def device_bytes(c: Counts, tokens: int, offload: bool, workspace: dict) -> dict
         # gradient twice, no head input
         loss.append(moment(LOSS_SQUARES, gradients=4 * c.last + c.grad * c.last,
                            activations=0 if offload else L * act, cotangents=act))
-    # The jit form: layer 0's gradient (fp32 and cast) stays on the device until it goes out
-    # inside the embedding backward's first call (the host lookup: out at once, eagerly)
-    leaving = out if c.copies == schedule.JIT and c.accelerator else 0
+    # The jit form: layer 0's gradient stays on the device until it goes out inside the
+    # embedding backward's call (the host lookup: out at once, eagerly). The stages' gradient,
+    # merged from its two parts' after that call, is made in pinned host memory in the jit form,
+    # else on the device, where it waits to go out
+    jit = c.copies == schedule.JIT and c.accelerator
+    leaving = out if jit else 0
+    parts = 4 * (c.first + c.last)
+    embed_backward = [moment("embed backward", weights=weights(c.first),
+                             gradients=parts + leaving, cotangents=act),
+                      moment(STAGES, gradients=parts + (0 if jit else c.grad * c.stages))]
     return {
         "embed": (moment(activations=act) if lookup else
                   moment("embed", weights=weights(c.first), activations=act)),
@@ -228,9 +246,7 @@ def device_bytes(c: Counts, tokens: int, offload: bool, workspace: dict) -> dict
         "loss": max(loss, key=lambda m: sum(m.values())),
         "backward": max(backward, key=lambda m: sum(m.values())),
         "embed backward": (moment(cotangents=act) if lookup else
-                           moment("embed backward", weights=weights(c.first),
-                                  gradients=4 * (c.first + c.last) + leaving,
-                                  cotangents=act)),
+                           max(embed_backward, key=lambda m: sum(m.values()))),
     }
 
 

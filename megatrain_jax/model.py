@@ -21,6 +21,7 @@ from jax import lax
 from megatrain_jax import moe
 from megatrain_jax.attention import (TILED, MergedTileAttention, TileAttention, attention,
                                      cached_attention)
+from megatrain_jax.engine import Constant
 from megatrain_jax.loss import cap_logits, chunked_cross_entropy, chunked_token_logprobs
 from megatrain_jax.seqtile import TileFns, tiled_block
 
@@ -70,7 +71,8 @@ class ModelConfig:
     # Interleaved local and global layers: per layer "sliding_attention" or "full_attention" (HF's
     # names). sliding_window then applies to the sliding layers only, whose RoPE has base
     # rope_local_theta, unscaled (0: the full layers' RoPE). (): every layer alike. A layer's kind
-    # is data (Block.sliding), not structure, so every layer runs one compiled function.
+    # is data (Block.sliding, a Constant: no parameter), not structure, so every layer runs one
+    # compiled function.
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float = 0.0
     final_logit_softcapping: float = 0.0  # logits = c * tanh(logits / c) (0: off)
@@ -271,6 +273,12 @@ def sliding_flag(cfg: ModelConfig, layer: int):
     return jnp.asarray(float(cfg.layer_types[layer] == "sliding_attention"), jnp.float32)
 
 
+def block_constants(cfg: ModelConfig, layer: int) -> dict:
+    """Layer `layer`'s Constants as a pure dict, as the config gives them (no checkpoint or HF
+    file holds them): {"sliding": ...} with model.layer_types, else none."""
+    return {"sliding": sliding_flag(cfg, layer)} if cfg.layer_types else {}
+
+
 def apply_rope(x, inv_freq, positions):
     """Rotary embedding on (B, T, N, H) with HF's half-split layout, at integer `positions`:
     (B, T) (per-document positions of packed sequences) or (T,) (shared by the batch)."""
@@ -403,10 +411,10 @@ class Block(nnx.Module):
         if cfg.layer_types:
             # The layer's kind as data, 1.0 for a sliding (local) layer, 0.0 for a full (global)
             # one, so local and global layers share one structure and one compiled function. A
-            # constant in a Param's clothes: it is read only through `> 0.5` (its gradient is
-            # exactly 0, so Adam leaves it as it is, and it is a scalar, so never decayed), and
-            # it is no HF tensor (hf.load_block sets it from model.layer_types).
-            self.sliding = nnx.Param(sliding_flag(cfg, layer))
+            # Constant, not a Param: no optimizer sees it (a Param with a zero gradient would
+            # still be decayed by a plain optax.adamw, turning a local layer global), and no
+            # checkpoint or HF file holds it (block_constants gives it from the config).
+            self.sliding = Constant(sliding_flag(cfg, layer))
         self.mlp_norm = nnx.Param(norm_init(d))
         if cfg.num_experts:
             self._init_experts(cfg, init, rngs)
@@ -509,8 +517,9 @@ class Block(nnx.Module):
     # ------------------------------------------------------------------ the shared parts
 
     def _weights(self) -> dict:
-        """The block's weights by attribute name, as arrays."""
-        return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
+        """The block's weights (and its Constants) by attribute name, as arrays."""
+        return {name: v[...] for name, v in vars(self).items()
+                if isinstance(v, (nnx.Param, Constant))}
 
     def _scale(self):
         q_scalar = self.cfg.query_pre_attn_scalar

@@ -23,7 +23,7 @@ from typing import Callable
 from megatrain_jax.config import Config, ConfigError, DiskTier
 from megatrain_jax.engine import bus as bus_lib
 from megatrain_jax.flops import (ASSUMED_MFU, Counts, counts, devices_assumed, flops_per_token,
-                                  host_lookup, local_devices, tokens_to_hide, with_layers)
+                                  host_lookup_off, local_devices, tokens_to_hide, with_layers)
 from megatrain_jax.machines import GB, Machine
 from megatrain_jax.memory_model import (compile_device, device_bytes, fits, host_bytes,
                                         host_bytes_on_disk, peak_bytes, pinned_bytes,
@@ -48,7 +48,8 @@ def plan(cfg: Config, machine: Machine) -> Plan:
     M, B, T = cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len
     temps = functools.partial(workspace_bytes, cfg.model, compiled, cfg.train.compute_dtype,
                               cfg.train.grad_dtype, document_mask=cfg.data.document_mask,
-                              device=device, hoisting=device.platform == machine.platform)
+                              device=device, hoisting=device.platform == machine.platform,
+                              micro_batches=M)
     workspace = temps(B, T)
     estimated = device.platform != machine.platform  # compiled by the CPU for a GPU
     cpu_compiled = functools.partial(temps, B, T, hoisting=True) if estimated else dict
@@ -66,10 +67,11 @@ def plan(cfg: Config, machine: Machine) -> Plan:
                      f"before its fetch (6 B/param of host memory traffic a fetch, two fetches a "
                      f"step); the stages' are resident")
     notes += [n for n in [devices_assumed(cfg, machine)] if n]
-    if host_lookup(c, B * T):
-        notes.append("the first stage runs on the host (the host lookup, engine/lookup.py: its "
-                     "rows cross, not its weights, and their gradient comes back); unit 0's bus "
-                     "copy stays in host memory")
+    lookup_off = host_lookup_off(c, B * T)
+    notes.append(f"the first stage runs on the device ({lookup_off})" if lookup_off else
+                 "the first stage runs on the host (the host lookup, engine/lookup.py: its rows "
+                 "cross, not its weights, and their gradient comes back); unit 0's bus copy "
+                 "stays in host memory")
     disk_bytes = 4 * c.params + c.optimizer
     return Plan(host=host, device=device, bus=c.bus, bus_reason=bus_reason,
                 offload_activations=offload, offload_reason=offload_reason,
@@ -191,9 +193,11 @@ def _disk_gbps_to_hide(cfg: Config, machine: Machine, disk_bytes: int) -> float:
 
 def _largest_search(cfg: Config, machine: Machine, c: Counts, temps: Callable, workspace: dict,
                     options: list, quantum: int, bus_forms: list) -> Callable[[str], int]:
-    """largest(axis): the largest batch_size (axis "batch"), seq_len ("seq") or num_layers
-    ("layers") that fits, everything else as configured, offload as `options` allow. The arrays
-    the plan counts are linear in a micro-batch's tokens. For the batch, a workspace is fitted
+    """largest(axis): the largest batch_size (axis "batch"), seq_len ("seq"), num_layers
+    ("layers") or micro_batches ("micro") that fits, everything else as configured, offload as
+    `options` allow. The arrays the plan counts are linear in a micro-batch's tokens and in the
+    micro-batches (a call holds them all, stacked: their workspaces fitted from one more compile,
+    at 2M, as linear in M). For the batch, a workspace is fitted
     from one more compile, (2B, T), as linear in B: batch rows compute alike. For the sequence,
     one compile at (B, 4T) fits it as linear in T (blockwise attention, tiles, loss chunks) for a
     first guess, and the search compiles at each length it tries from there (_largest_compiled),
@@ -219,6 +223,12 @@ def _largest_search(cfg: Config, machine: Machine, c: Counts, temps: Callable, w
         if axis == "layers":
             return _largest_int(lambda n: fits_at(B, T, workspace, with_layers(c, n)),
                                 most=MOST_LAYERS)
+        if axis == "micro":  # every call holds all of them: workspaces fitted as linear in M
+            M = c.micro_batches
+            w2 = temps(B, T, micro_batches=2 * M)
+            return _largest_int(lambda m: fits_at(B, T, {
+                phase: max(0, workspace[phase] + (m - M) * (w2[phase] - workspace[phase]) / M)
+                for phase in workspace}, dataclasses.replace(c, micro_batches=m)))
         if axis == "seq":
             w4 = temps(B, 4 * T)  # the guess: workspaces linear in T
             guess = _largest_int(lambda t: fits_at(B, t, {

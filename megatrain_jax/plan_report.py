@@ -49,9 +49,9 @@ def layer_line(c: Counts) -> str:
 class Plan:
     """A config's predicted memory on a machine, in bytes: `host[kind]`, `device[phase][kind]` (at
     the phase's peak), `workspace[phase]` (the compiled temp bytes of the phase's function, part of
-    `device`). `largest_batch` and `largest_seq_len` are worked out on first use: they compile the
-    step's functions at two more shapes (see megatrain_jax.plan's search); `largest_num_layers`
-    too, from the counts alone (no compile)."""
+    `device`). `largest_batch`, `largest_seq_len` and `largest_micro_batches` are worked out on
+    first use: they compile the step's functions at more shapes (see megatrain_jax.plan's
+    search); `largest_num_layers` too, from the counts alone (no compile)."""
     host: dict
     device: dict
     offload_activations: bool  # resolved
@@ -94,6 +94,12 @@ class Plan:
     @functools.cached_property
     def largest_seq_len(self) -> int:
         return self._largest("seq")
+
+    @functools.cached_property
+    def largest_micro_batches(self) -> int:
+        """The most micro-batches (data.micro_batches) that fit, the rest as configured: each of
+        the step's calls holds every micro-batch's inputs and outputs (0: not one)."""
+        return self._largest("micro")
 
     @functools.cached_property
     def largest_num_layers(self) -> int:
@@ -160,10 +166,16 @@ class Plan:
         if m.compute_on_host:
             return (f"DOES NOT FIT: host + device {format_bytes(host + dev)} > "
                     f"{format_bytes(m.host_memory_gb * GB)} of RAM")
-        return "DOES NOT FIT: " + "; ".join(
-            f"{what} {format_bytes(need)} > {format_bytes(have * GB)} available"
-            for what, need, have in [("host RAM", host, m.host_memory_gb),
-                                     ("device peak", dev, m.device_memory_gb)] if need > have * GB)
+        over = [f"{what} {format_bytes(need)} > {format_bytes(have * GB)} available"
+                for what, need, have in [("host RAM", host, m.host_memory_gb),
+                                         ("device peak", dev, m.device_memory_gb)]
+                if need > have * GB]
+        M = self.micro_batch[0]
+        if dev > m.device_memory_gb * GB and M > 1 and 0 < self.largest_micro_batches < M:
+            over.append(f"data.micro_batches {M}: the largest that fits is "
+                        f"{self.largest_micro_batches} (each call holds every micro-batch's "
+                        f"activations)")
+        return "DOES NOT FIT: " + "; ".join(over)
 
     def summary(self) -> str:
         """Lines for a run's log: predicted against available, what was chosen, the verdict, the

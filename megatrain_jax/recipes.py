@@ -130,6 +130,7 @@ def build_engine(cfg: Config, *, offload_activations: bool | None = None,
     engine_kwargs.setdefault("host_lookup", host_lookup_setting(cfg))
     engine_kwargs.setdefault("copies", cfg.offload.copies)
     engine_kwargs.setdefault("bus", cfg.offload.bus)
+    engine_kwargs.setdefault("host_threads", cfg.optimizer.host_threads)
     if cfg.offload.tier == "disk" and "disk_tier" not in engine_kwargs:
         engine_kwargs["disk_tier"] = disk_tier_options(cfg)
     try:
@@ -142,7 +143,8 @@ def build_engine(cfg: Config, *, offload_activations: bool | None = None,
             aux_loss=moe.aux_loss(model), **engine_kwargs)
     except ValueError as e:  # e.g. offload asked on a device without host memory kinds
         # the engine's arguments' keys
-        key = "offload." if str(e).startswith(("copies=", "bus=")) else ""
+        key = ("offload." if str(e).startswith(("copies=", "bus=")) else
+               "optimizer." if str(e).startswith("host_threads") else "")
         raise ConfigError(key + str(e)) from None
 
 

@@ -2,13 +2,16 @@
 
 A step's loss is that of the weights before its update, so it judges the checkpoint that holds
 those weights (the last one written, if no update came after it): the checkpoint is healthy when
-the loss is normal. A loss above SPIKE_RATIO x the median of the last SPIKE_WINDOW normal losses
-starts a spike, which lasts until a loss is back within their range (at most the largest of
-them): a diverging run's losses swing, and one that dips under the threshold between two that
-do not says nothing good of its weights. The last healthy checkpoint is kept out of checkpoint.keep's rotation
-(checkpoint.keep_out_of_rotation) until a newer one proves healthy, so a run that diverges
-through finite steps (a learning rate far too high: every step saved, keep 3) still holds a
-checkpoint to go back to, and the lines that advise a resume name it.
+the loss is normal and the gradient finite (a step skipped for a non-finite gradient proves
+nothing of its weights: an update diverging into them can leave a loss that looks normal, such
+as ln(vocabulary) from weights that make every logit equal). A loss above SPIKE_RATIO x the
+median of the last SPIKE_WINDOW normal losses starts a spike, which lasts until a loss is back
+within their range (at most the largest of them): a diverging run's losses swing, and one that
+dips under the threshold between two that do not says nothing good of its weights. The last
+healthy checkpoint is kept out of checkpoint.keep's rotation (checkpoint.keep_out_of_rotation)
+until a newer one proves healthy, so a run that diverges through finite steps (a learning rate
+far too high: every step saved, keep 3) still holds a checkpoint to go back to, and the lines
+that advise a resume name it.
 
 The running median rather than the run's best loss: one batch's loss is noisy and falls fast early
 in a run. The median of the recent normal losses follows that fall and no single lucky batch
@@ -58,6 +61,8 @@ class Spikes:
             return None if was_spiking else (
                 f"step {step:5d} | loss {loss:.4f} is over {SPIKE_RATIO:g}x the median of the "
                 f"last {len(self.normal)} normal losses ({median:.4f}): {self.advice()}")
+        if not updated:  # a non-finite gradient: neither the loss nor the weights shown normal
+            return None
         self.normal = (self.normal + [loss])[-SPIKE_WINDOW:]
         if judged is not None and judged != self.healthy:
             self.healthy = judged

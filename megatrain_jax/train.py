@@ -320,38 +320,32 @@ def _log_start(run: Run, devices: int) -> float | None:
 
 def _loop(run: Run, console, *, peak_flops, loss_smooth) -> list[dict]:
     """Steps start + 1 to train.steps, each followed by what comes after it, in the order of the
-    run's lines and files. A stop signal ends the run after the step it came in, with a
-    checkpoint of that step. Returns the records."""
+    run's lines and files. A step's loss and gradient norm are read once the next step is
+    dispatched (its record written, its line logged then), so the device never waits for that
+    read; a step after which the weights are read or the run may end (an evaluation, a
+    checkpoint, the last step, a stop signal) and the first ADVICE_AFTER (the advice times them)
+    are read before the next is dispatched. A stop signal ends the run after the step it came
+    in, with a checkpoint of that step. Returns the records."""
     cfg, engine, log, total = run.cfg, run.engine, run.log, run.cfg.train.steps
     lrs, meter = _rates(run, peak_flops, loss_smooth)
-    counted, timed = None, []  # the engine's counters after the first step, the next steps' times
     with _StopSignals() as stop, contextlib.ExitStack() as files:
         metrics = after_step.Metrics(run, meter=meter, files=files, live=_live(run, console, files))
+        reads, pending = _Reads(run, lrs, metrics), None  # pending: dispatched, not yet read
         for step in range(run.start + 1, total + 1):
             last = step == total
-            record = _step(run, step, lrs)
-            if step == run.start + 1:  # the first step compiles: the advice times the next ones
-                counted = dataclasses.replace(engine.counters)
-            elif step <= run.start + ADVICE_AFTER:
-                timed.append(record["step_time_s"])
-            metrics.open()
+            dispatched = _dispatch(run, step)
+            if pending is not None:  # the step before, read while this one runs
+                reads.write(*reads.read(pending))
             evaluating = run.eval_set and (last or _every(step, cfg.train.eval_every))
+            saving = last or _every(step, cfg.checkpoint.every)
+            if not (evaluating or saving or stop.received or step <= run.start + ADVICE_AFTER):
+                pending = dispatched
+                continue
+            pending, (record, nonfinite) = None, reads.read(dispatched)
             if evaluating:  # the weights after this step's update, in this step's record
                 record.update(after_step.evaluate(engine, run.eval_set))
-            metrics.write(record)
-            if run.bad_steps:
-                after_step.skipped(run, step)
-            elif last or _every(step, cfg.train.log_every):
-                log(progress.line(record, total_steps=total))
-            spike = run.spikes.observe(step, record["loss"], updated=not run.bad_steps)
-            if spike:
-                log(spike)
-            if step == run.start + ADVICE_AFTER:
-                for line in advice.for_run(cfg, engine, run.plan.machine, counted, timed):
-                    log(line)
-            if evaluating:
-                log(after_step.eval_line(record))
-            if last or stop.received or _every(step, cfg.checkpoint.every):
+            reads.write(record, nonfinite, evaluating)
+            if saving or stop.received:
                 after_step.save_checkpoint(run, step, meter)
             if stop.received:
                 log(after_step.stop_line(run, step, stop.received))
@@ -360,6 +354,45 @@ def _loop(run: Run, console, *, peak_flops, loss_smooth) -> list[dict]:
     if run.spikes.spiking:
         log(f"the run ended in a loss spike: {run.spikes.advice()}")
     return metrics.history
+
+
+class _Reads:
+    """A run's steps read in order: each step's record made from its outputs (_record), then
+    written and logged; the engine's counters after the first step and the next steps' times,
+    which the advice reads."""
+
+    def __init__(self, run: Run, lrs, metrics):
+        self.run, self.lrs, self.metrics = run, lrs, metrics
+        self.read_at, self.counted, self.timed = None, None, []
+
+    def read(self, dispatched) -> tuple:
+        """(the record of a step `_dispatch` returned, where its gradient was not finite)."""
+        run = self.run
+        record, self.read_at, nonfinite = _record(run, *dispatched, self.lrs, self.read_at)
+        step = record["step"]
+        if step == run.start + 1:  # the first step compiles: the advice times the next ones
+            self.counted = dataclasses.replace(run.engine.counters)
+        elif step <= run.start + ADVICE_AFTER:
+            self.timed.append(record["step_time_s"])
+        self.metrics.open()
+        return record, nonfinite
+
+    def write(self, record: dict, nonfinite: list, evaluating: bool = False):
+        run, step, total = self.run, record["step"], self.run.cfg.train.steps
+        self.metrics.write(record)
+        if run.bad_steps:
+            after_step.skipped(run, step, nonfinite)
+        elif step == total or _every(step, run.cfg.train.log_every):
+            run.log(progress.line(record, total_steps=total))
+        spike = run.spikes.observe(step, record["loss"], updated=not run.bad_steps)
+        if spike:
+            run.log(spike)
+        if step == run.start + ADVICE_AFTER:
+            for line in advice.for_run(run.cfg, run.engine, run.plan.machine, self.counted,
+                                       self.timed):
+                run.log(line)
+        if evaluating:
+            run.log(after_step.eval_line(record))
 
 
 def _every(step: int, n: int) -> bool:
@@ -388,12 +421,27 @@ def _live(run: Run, console, files):
                                                     start_step=run.start))
 
 
-def _step(run: Run, step: int, lrs) -> dict:
-    """Step `step`'s record (its loss, gradient norm, time and learning rate), the run's counts
-    updated: a step with a non-finite gradient is skipped and applies no update."""
+def _dispatch(run: Run, step: int) -> tuple:
+    """(step, the engine's outputs, its units' sums of squares, when it started): step `step`
+    dispatched, not read."""
+    inputs, targets, context = run.dataset.next_batch_with_context()
     t0 = time.perf_counter()
-    out, loss, grad_norm = _train_step(run, step)
-    dt = time.perf_counter() - t0
+    with _faults(run, step):
+        out = run.engine.train_step(inputs, targets, context)
+    return step, out, run.engine.unit_sq, t0
+
+
+def _record(run: Run, step: int, out: dict, unit_sq, started: float, lrs,
+            read_before) -> tuple:
+    """(step `step`'s record: its loss, gradient norm, time and learning rate; when it was read;
+    where its gradient was not finite, [] if it was): its outputs `out` read (the sync point),
+    the run's counts updated: a step with a non-finite gradient is skipped and applies no update.
+    Its time runs from its start, or from the step before's read where that came later (the
+    steps overlapped)."""
+    with _faults(run, step):
+        loss, grad_norm = float(out["loss"]), float(out["grad_norm"])
+    read = time.perf_counter()
+    dt = read - max(started, read_before or started)
     record = {"step": step, "loss": loss, "grad_norm": grad_norm,
               "tokens_per_sec": run.dataset.tokens_per_batch / dt, "step_time_s": dt,
               "lr": float(lrs[run.updates])}  # the rate this step's update uses
@@ -406,16 +454,15 @@ def _step(run: Run, step: int, lrs) -> dict:
         record["skipped"] = True
     else:
         run.updates += 1
-    return record
+    return record, read, run.engine.nonfinite_units(unit_sq) if run.bad_steps else []
 
 
-def _train_step(run: Run, step: int) -> tuple:
-    """(the engine's outputs, the loss, the gradient norm) of step `step`; a fault as one line
-    naming the step where it has one (out of memory, a lost process, the disk tier)."""
-    inputs, targets, context = run.dataset.next_batch_with_context()
+@contextlib.contextmanager
+def _faults(run: Run, step: int):
+    """A fault of step `step` (its dispatch or its read) as one line naming the step where it
+    has one (out of memory, a lost process, the disk tier)."""
     try:
-        out = run.engine.train_step(inputs, targets, context)
-        return out, float(out["loss"]), float(out["grad_norm"])  # the sync point
+        yield
     except (jax.errors.JaxRuntimeError, MemoryError) as e:
         if _is_out_of_memory(e):
             raise ConfigError(_out_of_memory_line(e, step, run.plan)) from None

@@ -21,6 +21,7 @@ counted. There are no padding tokens (sequences are packed). GB = 1e9 bytes.
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -47,6 +48,10 @@ def parse_args(argv):
     p.add_argument("--matmul", type=int, default=0,
                    help="square matmul size for the measured peak (0: 8192 on GPU, 512 on CPU)")
     p.add_argument("--json", default=None, help="output file (default runs/bench/<config>.json)")
+    p.add_argument("--cpu-devices", type=int, default=None, metavar="2",
+                   help="on CPU: two devices, device 1 computing and device 0 holding the state, so "
+                        "the engine takes the accelerator's path (copies inside the calls, the "
+                        "direct update, the first stage's rule) as the tests arrange it")
     p.add_argument("--profile-main", action="store_true",
                    help="profile the timed steps' dispatching thread (cProfile, which slows it): "
                         "its 25 costliest functions by own time in the table and the JSON")
@@ -94,13 +99,23 @@ def bench(args):
     unknown = set(baselines) - {"resident", "offload"}
     if unknown:
         raise ConfigError(f"--baselines: unknown baseline {sorted(unknown)[0]!r}")
+    if args.cpu_devices not in (None, 2):
+        raise ConfigError(f"--cpu-devices must be 2 (device 1 computes, device 0 holds the "
+                          f"state), got {args.cpu_devices}")
     cfg = load_config(args.config, args.overrides)
     if args.device_mem_gb is not None:
         cap_device_memory(args.device_mem_gb)  # must precede the first use of the GPU
 
     import jax
     import numpy as np
-    dev = jax.devices()[0]
+    placed = {}
+    if args.cpu_devices:  # before the CPU backend starts
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+        host, compute = jax.devices("cpu")[:2]
+        placed = {"compute_device": compute, "host_device": host}
+        if cfg.offload.copies == "auto":  # auto takes eager copies on a CPU device
+            placed["copies"] = "jit"
+    dev = placed.get("compute_device") or jax.devices()[0]
     on_gpu = dev.platform != "cpu"
     m = cfg.model
     M, B, T = cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len
@@ -122,7 +137,7 @@ def bench(args):
     batches = [(t[..., :-1], t[..., 1:]) for t in toks]
 
     streamed, engine, init = run_streamed(cfg, batches, args.warmup, dev, keep_init=bool(baselines),
-                                          profile=args.profile_main)
+                                          profile=args.profile_main, placed=placed)
     print(f"streamed: {tokens / streamed['step_s']:,.0f} tokens/s, {streamed['step_s']:.3f} s/step "
           f"(engine built in {streamed['build_s']:.0f} s; copies {streamed['copies']}, bus "
           f"{streamed['bus']}, host update {streamed['host_update']})", flush=True)
@@ -150,7 +165,8 @@ def bench(args):
               "python": platform.python_version(), "device_kind": dev.device_kind,
               "platform": dev.platform, "config": to_dict(cfg), "config_file": args.config,
               "env": {k: v for k, v in os.environ.items() if k.startswith("XLA")},
-              "steps": args.steps, "warmup": args.warmup, "tokens_per_step": tokens,
+              "steps": args.steps, "warmup": args.warmup, "cpu_devices": args.cpu_devices,
+              "tokens_per_step": tokens,
               "params": m.num_params(), "matmul_params": n_params, "flops": flops,
               "training_state_gb": state_gb, "matmul_peak": peak, "streamed": streamed,
               "baselines": results}
@@ -190,15 +206,15 @@ def measure_matmul(jax, dev, dtype, n, iters=10) -> dict:
             "datasheet_bf16_tflops": sheet}
 
 
-def run_streamed(cfg, batches, warmup, dev, keep_init, profile=False):
+def run_streamed(cfg, batches, warmup, dev, keep_init, profile=False, placed=None):
     import jax
     import numpy as np
     from megatrain_jax.recipes import build_engine
     t0 = time.perf_counter()
-    engine = build_engine(cfg)
+    engine = build_engine(cfg, **(placed or {}))
     # the forms the engine chose ("auto" in the config resolves by machine)
     out = {"build_s": time.perf_counter() - t0, "copies": engine.copies, "bus": engine.bus,
-           "host_update": engine.host.update.kind}
+           "host_update": engine.host_update}
     # The baselines start from the same weights and see the same batches, so their losses must
     # track the engine's: a check that they do the same work. (A copy: updates donate the params.)
     init = jax.tree.map(np.array, engine.params()) if keep_init else None
@@ -206,22 +222,31 @@ def run_streamed(cfg, batches, warmup, dev, keep_init, profile=False):
               for inputs, targets in batches[:warmup]]
     engine.wait()
     names = ("bytes_h2d", "bytes_d2h", "host_update_s", "host_wait_s", "host_compute_s",
-             "device_wait_s")
+             "device_wait_s", "first_stage_wait_s")
     counters = lambda: [getattr(engine.counters, k) for k in names]
-    before = counters()
+    before, dispatched = counters(), dataclasses.replace(engine.counters)
     in_use_before = dev.memory_stats()  # None on a CPU
     from megatrain_jax.profiling import MainThreadProfile
     profiler = MainThreadProfile() if profile else None
-    step_times, t0 = [], time.perf_counter()
+    step_times, t0, previous = [], time.perf_counter(), None
     for inputs, targets in batches[warmup:]:
         ts = time.perf_counter()
         with profiler.steps() if profiler else contextlib.nullcontext():
-            losses.append(float(engine.train_step(inputs, targets)["loss"]))  # the step's sync
+            result = engine.train_step(inputs, targets)
+            if previous is not None:  # the step before's loss, read while this one runs
+                losses.append(float(previous["loss"]))
+        previous = result
         step_times.append(time.perf_counter() - ts)
+    losses.append(float(previous["loss"]))
+    n = len(batches) - warmup
+    dispatched = dispatch_counts(dispatched, engine.counters, n)  # the steps' own, not wait()'s
     engine.wait()  # the last step's host updates belong to the timed steps (exposed: counted)
     total = time.perf_counter() - t0
-    n = len(batches) - warmup
-    h2d, d2h, upd, wait, compute, device_wait = (after - b for after, b in zip(counters(), before))
+    h2d, d2h, upd, wait, compute, device_wait, first_stage_wait = (
+        after - b for after, b in zip(counters(), before))
+    dispatched["main_thread_s"] = {"device_wait": device_wait / n, "update_wait": wait / n,
+                                   "first_stage_wait": first_stage_wait / n,
+                                   "other": (total - device_wait - wait - first_stage_wait) / n}
     out.update({"total_s": total, "step_s": total / n, "step_times_s": step_times, "losses": losses,
                 "h2d_gb_per_step": h2d / n / GB, "d2h_gb_per_step": d2h / n / GB,
                 "h2d_gb_per_s": h2d / total / GB, "d2h_gb_per_s": d2h / total / GB,
@@ -231,13 +256,26 @@ def run_streamed(cfg, batches, warmup, dev, keep_init, profile=False):
                 # the main thread: waiting for the device at retires, for host updates, the rest
                 # dispatching (and the step's own syncs)
                 "device_wait_s_per_step": device_wait / n,
-                "main_thread_other_s_per_step": (total - device_wait - wait) / n})
+                "main_thread_other_s_per_step": dispatched["main_thread_s"]["other"],
+                "dispatch": dispatched})
     if profiler:
         out["main_thread_profile"] = profiler.costliest(n)
     out.update(device_memory(dev))
     out.update(device_left_by_steps(in_use_before, dev.memory_stats()))
     out.update(host_rss_gb())
     return out, engine, init
+
+
+def dispatch_counts(before, after, n: int) -> dict:
+    """The dispatching thread's work per step between two snapshots of engine.counters (Counters)
+    n steps apart: jitted calls, their argument leaves, eager device_puts (and their leaves),
+    arrays deleted, syncs (in all, and by kind)."""
+    per = lambda name: (getattr(after, name) - getattr(before, name)) / n
+    kinds = {k: (v - before.syncs.get(k, 0)) / n for k, v in after.syncs.items()}
+    return {"calls_per_step": per("calls"), "arg_leaves_per_step": per("arg_leaves"),
+            "device_puts_per_step": per("device_puts"),
+            "device_put_leaves_per_step": per("put_leaves"), "deleted_per_step": per("deleted"),
+            "syncs_per_step": sum(kinds.values()), "syncs_by_kind_per_step": kinds}
 
 
 def device_left_by_steps(before, after) -> dict:
@@ -266,34 +304,27 @@ def measure_resident_compute(jax, engine, batch, step_s, on_gpu) -> dict:
     fraction of the step the device was busy. (The same idea as a profiler trace's busy time,
     without parsing a trace.)"""
     dev, L = engine.compute_device, engine.num_layers
-    cdt = engine.host.compute_dtype
+    cdt = engine.compute_dtype
     cast = lambda t: jax.device_put(jax.tree.map(lambda p: p.astype(cdt), t), dev)
-    inputs = [jax.device_put(x, dev) for x in batch[0]]
-    targets = [jax.device_put(t, dev) for t in batch[1]]
+    inputs, targets = (jax.device_put(x, dev) for x in batch)  # the micro-batches stacked
     f = engine.device_functions(inputs[0], targets[0])
     params = engine.params()
     stage_leaves = jax.tree.leaves(cast(params["stages"]))  # each part as the step fetches it
     w_first, w_last = (engine.parts.take(part, stage_leaves) for part in ("first", "last"))
     w_layer = cast(params["layers"][0])
-    xs = jax.block_until_ready([f.embed(w_first, x) for x in inputs])
+    layer_0 = (w_layer, jax.device_put(engine.block_constants[0], dev))
+    xs = jax.block_until_ready(f.embed(w_first, inputs))
 
     def layer():  # forward of all micro-batches, then backward (recompute + vjp), as in a step
-        dw = f.zeros(w_layer)
-        dys = [f.block_fwd(w_layer, x, None)[0] for x in xs]  # (y, aux)
-        for i, x in enumerate(xs):
-            dys[i], dw = f.block_bwd(w_layer, x, None, dys[i], dw)
-        return dys, f.sum_squares(dw)
+        (ys, _), _, _ = f.layer_fwd(None, None, layer_0, xs, None)
+        (dxs, _, sq), _, _ = f.layer_bwd(None, None, layer_0, xs, None, ys, None)
+        return dxs, sq
 
     def stages():  # embedding forward, loss head (value and grad), embedding backward
-        hs = [f.embed(w_first, x) for x in inputs]
-        acc, dxs = f.zeros(w_last), []
-        for h, t in zip(hs, targets):
-            _, _, _, dx, acc = f.head(w_last, h, t, acc)
-            dxs.append(dx)
-        acc_first = f.zeros(w_first)
-        for x, dx in zip(inputs, dxs):
-            acc_first = f.embed_bwd(w_first, x, dx, acc_first)
-        return acc, acc_first
+        hs = f.embed(w_first, inputs)
+        _, _, _, dxs, last = f.head(w_last, hs, targets)
+        first, _, _ = f.embed_bwd(None, None, w_first, inputs, dxs)
+        return last, first
 
     compute = L * best(layer, 3) + best(stages, 3)
     out = {"resident_compute_s_per_step": compute}
@@ -429,6 +460,8 @@ def add_derived(r):
 
 def print_table(r):
     s, peak = r["streamed"], r["matmul_peak"]
+    d = s.get("dispatch", {})
+    main = d.get("main_thread_s", {})
     f = lambda v, spec=".2f": "n/a" if v is None else format(v, spec)
     rows = [
         ("tokens/s", f(s["tokens_per_s"], ",.0f"), f"{r['tokens_per_step']:,} tokens/step, "
@@ -452,8 +485,17 @@ def print_table(r):
         ("  hidden", f(s["host_hidden_s_per_step"], ".3f"), "overlapped with device work"),
         ("  exposed", f(s["host_exposed_s_per_step"], ".3f"), "the step waited for it"),
         ("main thread: device waits s", f(s.get("device_wait_s_per_step"), ".3f"),
-         f"per step at the layers' retires; {f(s.get('main_thread_other_s_per_step'), '.3f')} s "
-         f"neither there nor waiting for updates (dispatching, the step's syncs)"),
+         f"per step at the layers' retires; {f(main.get('first_stage_wait'), '.3f')} s for the "
+         f"first stage's host backward; {f(main.get('other'), '.3f')} s waiting for neither "
+         f"nor for updates (dispatching, the step's other syncs)"),
+        ("main thread: jitted calls", f(d.get("calls_per_step"), ",.0f"),
+         f"per step, {f(d.get('arg_leaves_per_step'), ',.0f')} argument leaves; eager "
+         f"device_puts {f(d.get('device_puts_per_step'), ',.0f')} "
+         f"({f(d.get('device_put_leaves_per_step'), ',.0f')} leaves); arrays deleted "
+         f"{f(d.get('deleted_per_step'), ',.0f')}"),
+        ("main thread: syncs", f(d.get("syncs_per_step"), ",.0f"),
+         "per step: " + (", ".join(f"{k} {v:,.0f}" for k, v in sorted(
+             d.get("syncs_by_kind_per_step", {}).items())) or "none")),
         ("device peak GB", f(s["device_peak_gb"]),
          s.get("device_peak_note", "peak_bytes_in_use (the streamed run comes first)")
          + (f"; cap {s['device_mem_limit_gb']:.1f} GB = "

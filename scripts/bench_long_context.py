@@ -293,12 +293,14 @@ def memory_estimate(jax, engine, tokens) -> dict:
     abstract = lambda x, dtype=None: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype)
     inputs = jax.ShapeDtypeStruct(tokens.shape, jnp.int32)
     f = engine.device_functions(inputs, inputs)
-    cdt, f32 = engine.host.compute_dtype, jnp.float32
-    layer = jax.tree.map(lambda p: abstract(p, cdt), engine.host.unit_state(1)[0])
+    cdt, f32 = engine.compute_dtype, jnp.float32
+    layer = jax.tree.map(lambda p: abstract(p, cdt), engine.unit_shapes()[1])
     stage_leaves = [abstract(p, cdt) for p in jax.tree.leaves(engine.param_shapes()["stages"])]
     w_first = engine.parts.take("first", stage_leaves)
     w_last = engine.parts.take("last", stage_leaves)
-    x = jax.eval_shape(f.embed, w_first, inputs)
+    stacked = jax.ShapeDtypeStruct((1, *tokens.shape), jnp.int32)  # a step of one micro-batch
+    xs = jax.eval_shape(f.embed, w_first, stacked)
+    x = jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype)
     to32 = lambda tree: jax.tree.map(lambda p: abstract(p, f32), tree)
 
     def analyse(fn, *shapes):
@@ -312,8 +314,9 @@ def memory_estimate(jax, engine, tokens) -> dict:
                 "alias_bytes": alias, "total_bytes": arg + out + temp - alias,
                 "compile_s": time.perf_counter() - t0}
 
-    return {"block_bwd": analyse(f.block_bwd, layer, x, None, x, to32(layer)),
-            "head": analyse(f.head, w_last, x, inputs, to32(w_last))}
+    constants = jax.tree.map(abstract, engine.block_constants[0])
+    return {"block_bwd": analyse(f.block_bwd, (layer, constants), x, None, x, to32(layer)),
+            "head": analyse(f.head, w_last, xs, stacked)}
 
 
 def print_table(r):

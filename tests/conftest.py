@@ -51,7 +51,7 @@ SLOWEST_FILES = ("test_bad_inputs.py", "test_distributed.py", "test_bench.py", "
                  "test_plan.py", "test_engine.py", "test_disk_tier.py", "test_hf.py",
                  "test_host_optim.py", "test_ring.py", "test_generate.py", "test_dpo.py",
                  "test_seqtile.py", "test_streaming.py", "test_long_context_plan.py",
-                 "test_train_faults.py", "test_moe.py")
+                 "test_train_faults.py", "test_moe.py", "test_families.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -164,3 +164,46 @@ def test_plan_without_a_step_time_model_says_the_run_advises(tiny_plan):
     assert commands.plan_advice(tiny_plan[0], CPU, None, flags) == [
         "advice: none before the run: local CPU has no known peak for the step-time model "
         "(--tflops, --rates); the run advises after its first steps"]
+
+
+def test_a_plan_over_host_ram_gets_the_setting_that_makes_it_fit_never_one_already_set(tiny_plan):
+    """configs/dense_120b.yaml on an H200 with 1.5 TB: the advice suggested
+    train.grad_dtype=bfloat16, which the config sets, and never optimizer.state_dtype=bfloat16,
+    which makes it fit. The tiny config in its place (bf16 gradients set), on a host between
+    what it needs with fp32 moments and with bf16 ones; the 120B config's own figures:
+    tests/test_plan.py."""
+    import dataclasses
+
+    from megatrain_jax.advice import for_plan
+    from megatrain_jax.config import load_config
+    from megatrain_jax.machines import GB
+    from megatrain_jax.plan import plan
+    from megatrain_jax.plan_report import format_bytes
+    from megatrain_jax.step_time import Rates, simulate
+    cfg = load_config("configs/tiny.yaml", ["train.compute_dtype=bfloat16",
+                                            "train.grad_dtype=bfloat16"])
+    bf16_moments = load_config("configs/tiny.yaml", ["train.compute_dtype=bfloat16",
+                                                     "train.grad_dtype=bfloat16",
+                                                     "optimizer.state_dtype=bfloat16"])
+    need, less = plan(cfg, H100).host_total, plan(bf16_moments, H100).host_total
+    assert less < need
+    machine = dataclasses.replace(H100, host_memory_gb=(need + less) / 2 / GB)
+    run_plan, fixed = plan(cfg, machine), plan(bf16_moments, machine)  # (a ring of bus copies)
+    assert not run_plan.fits and fixed.fits
+    shape = tiny_plan[2]
+    lines = for_plan(cfg, machine, run_plan, simulate(shape, Rates(host_update_gbps=0.001)))
+    assert lines[0] == (f"advice: host RAM {format_bytes(run_plan.host_total)} > "
+                        f"{format_bytes(machine.host_memory_gb * GB)}: "
+                        f"optimizer.state_dtype=bfloat16 makes it fit (host RAM "
+                        f"{format_bytes(fixed.host_total)}, device peak "
+                        f"{format_bytes(fixed.device_peak)})")
+    assert not any("train.grad_dtype=bfloat16" in line for line in lines), lines
+    # the host update's advice names only what is not set yet
+    m = Measured(step_s=1.0, host_wait_s=0.5, host_update_s=0.8, bus_bytes=1e9)
+    stuck = lambda **kw: advise(m, machine=CPU, flops_per_step=1e12, micro_batches=1,
+                                plan_for=fits_up_to(1), **kw)[1]
+    assert stuck().endswith("memory bandwidth (optimizer.state_dtype=bfloat16 or "
+                            "train.grad_dtype=bfloat16 moves less)")
+    assert stuck(lighter=("optimizer.state_dtype=bfloat16",)).endswith(
+        "memory bandwidth (optimizer.state_dtype=bfloat16 moves less)")
+    assert stuck(lighter=()).endswith("runs at the host's memory bandwidth")

@@ -34,6 +34,7 @@ from megatrain_jax.train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+LLAMA3_8B = os.path.join(ROOT, "configs", "llama3_8b.yaml")
 FAST = ["model.num_layers=2", "data.seq_len=32", "data.batch_size=2", "train.log_every=1",
         "checkpoint.keep=10"]
 
@@ -221,8 +222,38 @@ def test_bad_config_is_one_line_exit_2_and_the_run_is_untouched(copy_run, tmp_pa
         ("allow_changes never compared",
          lambda d: train_args("checkpoint.allow_changes=[train.prefetch]", f"run_dir={d}"),
          ["checkpoint.allow_changes: train.prefetch is never compared on resume"]),
+        ("config twice",  # argparse kept the last: an 8B config dropped whole, a tiny run trained
+         lambda d: ["--config", LLAMA3_8B, *train_args(f"run_dir={d}")],
+         [f"--config given twice ({LLAMA3_8B}, then {TINY}); give one config file and change its "
+          f"keys with key=value overrides"]),
     ]
     main_cases_refuse_and_leave_the_run_alone(cases, copy_run, capsys)
+    assert_one_error_line(in_process(commands.plan, ["--config", TINY, "--config", TINY], capsys),
+                          2, "--config given twice")
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "abc", "-8"])
+def test_a_pinned_pool_size_that_is_no_size_is_one_line_from_every_command(value, tmp_path, env,
+                                                                          capsys, monkeypatch):
+    """XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=inf (nan, abc) gave tracebacks from an ordinary CPU
+    training run (its plan sizes the pinned pool) and from plan one naming neither the variable
+    nor the value: every command that starts XLA refuses it before anything else, one line.
+    train through its script once, the others through their mains in this process."""
+    line = (f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={value!r} is not a number of GiB > 0 (XLA's "
+            f"pinned host pool); set it to one, e.g. 64, or unset it")
+    run_dir = tmp_path / "run"
+    if value == "inf":
+        proc = run(train_cmd(*FAST, "train.steps=1", f"run_dir={run_dir}"),
+                   {**env, "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": value})
+        assert assert_one_error_line(proc, 2) == f"error: {line}"
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", value)
+    for main, args in [(commands.train, train_args(*FAST, f"run_dir={run_dir}")),
+                       (commands.plan, ["--config", TINY, "--step-time"]),
+                       (commands.plan, ["--config", TINY]),
+                       (commands.generate, ["--run", str(run_dir), "--prompt", "x"]),
+                       (commands.export, ["--run-dir", str(run_dir), "--out", str(tmp_path / "hf")])]:
+        assert assert_one_error_line(in_process(main, args, capsys), 2) == f"error: {line}"
+    assert not run_dir.exists() and not (tmp_path / "hf").exists()
 
 
 # ----------------------------------------------------------------------------- resume
@@ -319,19 +350,33 @@ def test_resume_refuses_a_changed_run_names_key_old_new(copy_run, tmp_path, env,
 
 
 def test_resume_refuses_a_corpus_edited_in_place_unless_allowed(tmp_path, capsys):
-    """The checkpoint records its data files' identity (size, a hash of the head): a corpus cut
-    short in place between a run and its resume is refused, naming the file, unless allowed."""
+    """The checkpoint records its data files' identity (size, mtime, a hash of the head): a
+    corpus edited in place between a run and its resume is refused, naming the file, unless
+    allowed: an edit past its first MiB at the same size (which the token cache rebuilt for,
+    while the resume went on), then the corpus cut short."""
     corpus = tmp_path / "corpus.txt"
-    shutil.copy(os.path.join(ROOT, "megatrain_jax", "texts", "devils_dictionary.txt"), corpus)
+    corpus.write_bytes(open(os.path.join(ROOT, "megatrain_jax", "texts", "devils_dictionary.txt"),
+                            "rb").read() * 3)  # 1.15 MB
     run_dir = str(tmp_path / "run")
-    args = [*FAST, "checkpoint.every=2", f"data.path={corpus}", f"run_dir={run_dir}"]
+    args = [*FAST, "checkpoint.every=2", f"data.path={corpus}", f"run_dir={run_dir}",
+            f"data.cache_dir={tmp_path}/cache"]
     train(load_config(TINY, [*args, "train.steps=2"]), log=lambda *a: None)
-    corpus.write_bytes(corpus.read_bytes()[:60_000])  # 383 KB cut to 60 KB, same name
     before = files(run_dir)
-    proc = in_process(commands.train, train_args(*args, "train.steps=3",
-                                                 "checkpoint.allow_changes=[train.steps]"), capsys)
-    assert_one_error_line(proc, 2, "checkpoint step 2", "was trained on other data", str(corpus),
-                          "60,000 bytes", "checkpoint.allow_changes=[data.path]")
+    resume = train_args(*args, "train.steps=3", "checkpoint.allow_changes=[train.steps]")
+    mtime = corpus.stat().st_mtime_ns + 10**9  # a write within the clock's tick would keep it
+    with open(corpus, "r+b") as f:  # 1.1 MB in: past the first MiB, the same size
+        f.seek(1_100_000)
+        f.write(b"EDITED")
+    os.utime(corpus, ns=(mtime, mtime))
+    assert_one_error_line(in_process(commands.train, resume, capsys), 2, "checkpoint step 2",
+                          "was trained on other data", f"{corpus}: its mtime is ",
+                          "the same size and first 1,048,576 bytes: an edit past them",
+                          "checkpoint.allow_changes=[data.path]")
+    assert files(run_dir) == before
+    corpus.write_bytes(corpus.read_bytes()[:60_000])  # cut to 60 KB, same name
+    assert_one_error_line(in_process(commands.train, resume, capsys), 2, "checkpoint step 2",
+                          "was trained on other data", str(corpus), "60,000 bytes",
+                          "checkpoint.allow_changes=[data.path]")
     assert files(run_dir) == before
     lines = []
     train(load_config(TINY, [*args, "train.steps=3",

@@ -1,7 +1,7 @@
-"""CPU smoke tests of scripts/bench.py, bench_transfer.py, bench_optimizer.py, bench_lookup.py and
-bench_long_context.py: each runs end to end and prints its table; bench.py, bench_transfer.py and
-bench_long_context.py write well-formed JSON whose figures are consistent. (The figures themselves
-are GPU work: docs/benchmarks.md.)"""
+"""CPU smoke tests of scripts/bench.py, bench_layer_calls.py, bench_transfer.py, bench_optimizer.py,
+bench_lookup.py and bench_long_context.py: each runs end to end and prints its table; bench.py,
+bench_transfer.py and bench_long_context.py write well-formed JSON whose figures are consistent.
+(The figures themselves are GPU work: docs/benchmarks.md.)"""
 
 import importlib.util
 import json
@@ -70,10 +70,14 @@ def test_bench_one_step_table_and_json(tmp_path):
     assert len(profile) == 25 and "the dispatching thread" in proc.stdout
     assert all(a["own_s_per_step"] >= b["own_s_per_step"] for a, b in zip(profile, profile[1:]))
     assert any("step.py" in row["function"] for row in profile)
-    # the main thread's step: waits at retires, for updates, and the rest
+    # the main thread's step: waits at retires, for updates, for the first stage, and the rest
     assert 0 < s["device_wait_s_per_step"] and 0 <= s["main_thread_other_s_per_step"]
-    assert math.isclose(s["device_wait_s_per_step"] + s["host_exposed_s_per_step"]
-                        + s["main_thread_other_s_per_step"], s["step_s"])
+    main = s["dispatch"]["main_thread_s"]
+    assert main == {"device_wait": s["device_wait_s_per_step"],
+                    "update_wait": s["host_exposed_s_per_step"],
+                    "first_stage_wait": main["first_stage_wait"],
+                    "other": s["main_thread_other_s_per_step"]}
+    assert math.isclose(sum(main.values()), s["step_s"])
     # The exposed wait is step time (the main thread's): it may exceed the update's own time by
     # the host thread's hand-offs (stream.Counters), never the step's.
     assert 0 <= s["host_exposed_s_per_step"] <= s["step_s"]
@@ -234,6 +238,56 @@ def test_bench_optimizer_with_bf16_moments_at_all_cores_and_one(tmp_path):
     assert positive(r["update_vs_torch_fused_1"]) and positive(r["update_vs_torch_fused_1_cpu"])
 
 
+def test_bench_cpu_devices_takes_the_accelerators_path_and_counts_the_dispatch(tmp_path):
+    """--cpu-devices 2: device 1 computes, device 0 holds the state, so the engine makes its
+    copies inside the calls; the dispatching thread's work a step is counted: one call per layer
+    and pass and the stages' few, their argument leaves, the eager copies, the deletes and the
+    syncs by kind (a retire per layer and pass but each pass's last)."""
+    out = tmp_path / "bench.json"
+    L = 3
+    proc = run("bench.py", "--config", "configs/tiny.yaml", "--steps", "2", "--baselines", "none",
+               "--cpu-devices", "2", "--json", str(out), f"model.num_layers={L}",
+               "data.seq_len=32", "data.batch_size=2", "data.micro_batches=4",
+               "train.host_lookup=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    s, d = r["streamed"], r["streamed"]["dispatch"]
+    assert r["cpu_devices"] == 2 and s["copies"] == "jit"
+    # embed, L forward, head, L backward, embed backward, the stages' gradient and norm
+    assert d["calls_per_step"] == 2 * L + 4
+    assert 0 < d["arg_leaves_per_step"] and 0 < d["deleted_per_step"]
+    # the stages' fetches (first, last, first), each pass's first layer (prefetch 1), the batch
+    # (inputs and targets, one copy)
+    assert d["device_puts_per_step"] == 3 + 2 + 1
+    assert d["syncs_by_kind_per_step"]["block_until_ready"] == 2 * (L - 1)
+    assert d["syncs_per_step"] == sum(d["syncs_by_kind_per_step"].values())
+    assert set(d["main_thread_s"]) == {"device_wait", "update_wait", "first_stage_wait", "other"}
+    for label in ("main thread: jitted calls", "main thread: syncs", "block_until_ready"):
+        assert label in proc.stdout, label
+
+
+def test_bench_layer_calls_tiny(tmp_path):
+    """Both forms of a layer's call compile and run: compile time, dispatch and call time each;
+    and a bare jit of the same arguments beside them."""
+    out = tmp_path / "calls.json"
+    proc = run("bench_layer_calls.py", "--config", "configs/tiny.yaml", "--reps", "1",
+               "--json", str(out), "data.seq_len=16", "data.batch_size=2", "data.micro_batches=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    calls = json.loads(out.read_text())["calls"]
+    assert set(calls) == {f"{fn} {form}" for fn in ("layer_fwd", "layer_bwd")
+                          for form in ("scan", "unrolled", "bare")}
+    for row in calls.values():
+        assert all(positive(v) for v in row.values()), row
+    assert "layer_bwd unrolled" in proc.stdout
+
+
+def test_bench_cpu_devices_other_than_two_is_one_line_exit_2():
+    proc = run("bench.py", "--config", "configs/tiny.yaml", "--cpu-devices", "3")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: --cpu-devices must be 2 (device 1 computes, device 0 "
+                                   "holds the state), got 3")
+
+
 def test_bench_lookup_tiny(tmp_path):
     """The host lookup's backward piece by piece: the compiled scatter-add is in place (its output
     aliases the donated accumulator) and never reads the table; each piece timed; a tied
@@ -250,7 +304,8 @@ def test_bench_lookup_tiny(tmp_path):
                         "table_is_an_input": False}
     assert r["table"] == [257, 128] and [x["micro_batches"] for x in r["runs"]] == [1, 2]
     for x in r["runs"]:
-        assert set(x["pieces"]) == {"zero", "scatter", "gradient", "squares", "gradient, a copy"}
+        assert set(x["pieces"]) == {"zero", "scatter", "gradient", "squares", "zero, fresh",
+                                    "gradient, a copy"}
         assert all(positive(p["s"]) for p in x["pieces"].values())
     proc = run("bench_lookup.py", *tiny, "model.tie_embeddings=true")
     assert proc.returncode == 2 and "tied embeddings" in proc.stderr.strip().splitlines()[-1]

@@ -305,4 +305,5 @@ def test_every_config_file_loads_to_the_values_it_had():
         loaded = flat(json.loads(json.dumps(to_dict(cfg))))
         assert loaded.pop("offload.copies") == "auto"  # a key of both tiers since, its default
         assert loaded.pop("offload.bus") == "auto"  # (as offload.copies)
+        assert loaded.pop("optimizer.host_threads") is None  # added since, its default
         assert loaded == expected, name

@@ -393,14 +393,31 @@ def test_load_dataset_checks_against_model_vocab_size(tmp_path):
         load_dataset(cfg)
 
 
+def test_a_lone_surrogate_in_json_text_is_named_with_its_line_and_field(tmp_path):
+    """JSON's \\ud800 unpaired decodes to a string no tokenizer can encode (it was a traceback
+    from the tokenizer); a pair of them is one character, an emoji, and trains."""
+    p = tmp_path / "corpus.jsonl"
+    p.write_text('{"text": "ok"}\n{"text": "abc\\ud800def"}\n')
+    with pytest.raises(DataError, match=r"^\S*corpus\.jsonl:2: field 'text' holds a lone surrogate "
+                                        r"'\\ud800' at character 3 .*fix or remove the line$"):
+        load_tokens(str(p), ByteTokenizer())
+    p.write_text('{"text": "ok"}\n{"meta": {"tags": ["x", "\\uDFFF"]}, "text": "y"}\n')
+    with pytest.raises(DataError, match=r"corpus\.jsonl:2: field 'meta.tags\[1\]' holds"):
+        load_tokens(str(p), ByteTokenizer())
+    p.write_text('{"text": "ok \\ud83d\\ude00"}\n')
+    assert load_tokens(str(p), ByteTokenizer())[-5:].tolist() == [240, 159, 152, 128, 256]
+
+
 def test_bad_data_through_the_cli(tmp_path, capsys):
     """scripts/train.py's main (commands.train, in-process) turns each into one `error:` line,
     exit 2, no traceback, nothing written."""
     from megatrain_jax import commands
 
     (tmp_path / "garbage.jsonl").write_bytes(b"\x00\x9f\x92\x96" * 100)
+    (tmp_path / "half.jsonl").write_text('{"text": "abc\\ud800def"}\n')
     _uint32_file(tmp_path / "u32.bin", np.random.default_rng(0), 257)
     cases = {tmp_path: "a bin shard among jsonl shards", tmp_path / "garbage.jsonl": "garbage.jsonl:1: not valid UTF-8",
+             tmp_path / "half.jsonl": "half.jsonl:1: field 'text' holds a lone surrogate",
              tmp_path / "u32.bin": "set data.token_dtype=uint32"}
     for path, message in cases.items():
         code = commands.train(["--config", os.path.join(ROOT, "configs", "tiny.yaml"),

@@ -63,15 +63,17 @@ def test_two_devices_equal_one_device(one_device_run, offload):
 
 
 def test_each_device_gets_its_rows_and_every_layer():
-    """The micro-batch is split over the devices and each gets its own copy of the weights."""
+    """Each micro-batch's rows are split over the devices and each gets its own copy of the
+    weights."""
     engine = make_dp_engine(jax.devices("cpu")[:2])
     seen = {}
 
     def spy(phase, layer=None):
         if phase == "forward" and layer == 0:
             for a in jax.live_arrays():
-                if a.shape == (4, 12, CFG.hidden_size) and len(a.sharding.device_set) == 2:
-                    seen["x"] = sorted(s.data.shape[0] for s in a.addressable_shards)
+                # (micro-batches, rows, seq, hidden): the stacked micro-batches
+                if a.shape[1:] == (4, 12, CFG.hidden_size) and len(a.sharding.device_set) == 2:
+                    seen["x"] = sorted(s.data.shape[1] for s in a.addressable_shards)
                 if a.shape == (CFG.hidden_size, CFG.num_heads, CFG.head_size) and \
                         len(a.sharding.device_set) == 2:
                     seen["w"] = a.sharding.is_fully_replicated

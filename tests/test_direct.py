@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(fused_adamw.kernel() is None, reason="no C++ com
 
 CPU = jax.devices("cpu")
 D, V, L = 32, 11, 3
-SHAPES = {"one_leaf": [(1000,)], "mixed": [(64, 96), (96,), (1,), (33, 7), (3000,)]}
+SHAPES = {"one_leaf": [(1000,)], "mixed": [(64, 96), (96,), (1,), (33, 7), (), (3000,)]}
 
 
 def unit(shapes, rng, count, schedule, state_dtype="float32"):
@@ -76,7 +76,7 @@ def test_direct_kernel_equals_the_ffi_kernel_bit_for_bit(shapes, grad_dtype, max
     arrays = direct.UnitArrays.of(params, opt_state, lib)
     bus = [jnp.zeros(p.shape, jnp.bfloat16, device=CPU[0]) for p in jax.tree.leaves(params)]
     ffi = jax.jit(lambda p, o, g, b, norm: fused_adamw.update(
-        hyper, p, o, g, b, norm, jnp.float32(0.5), max_grad_norm, jnp.bfloat16, True))
+        hyper, p, o, g, b, norm, jnp.float32(0.5), max_grad_norm, jnp.bfloat16, True, unit=1))
     ffi_state = (params, opt_state)
     for step in range(2):
         grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), grad_dtype), params)
@@ -171,14 +171,14 @@ def test_direct_and_jit_paths_train_the_same_bits(devices, state_dtype):
     pair = (CPU[1], CPU[0]) if devices == "accelerator" else (CPU[0], CPU[0])
     optimizer = lambda: build_optimizer(OptimizerConfig(state_dtype=state_dtype), 10)
     engine = engine_on(pair, optimizer())
-    assert engine.host.direct is not None
+    assert engine.host_update == "direct"
     arrays = engine.host.units[1].arrays  # a layer: master weights and both moments
     assert arrays.nbytes == (12 if state_dtype == "float32" else 8) * sum(x.size for x in arrays.p)
     losses = steps(engine, 3)
     state = jax.tree.map(np.array, engine.state())
     engine.close()
     jit = engine_on(pair, optimizer(), host_update="jit")
-    assert jit.host.direct is None
+    assert jit.host_update == "ffi"
     assert steps(jit, 3) == losses
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(jax.tree.map(np.array, jit.state())),
                     strict=True):
@@ -201,7 +201,7 @@ def test_the_jit_paths_numpy_view_hop_is_exact(monkeypatch):
     monkeypatch.setattr(transfer, "crosses_clients",
                         lambda source, target: hops.append(source != target) or source != target)
     viewed = engine_on(pair, host_update="jit")
-    assert viewed.host.direct is None
+    assert viewed.host_update == "ffi"
     assert steps(viewed, 3) == losses
     assert sum(hops) > 3 * (L + 2)  # every gradient and every bus copy, each step
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(jax.tree.map(np.array,
@@ -216,51 +216,114 @@ def test_a_warm_direct_update_faults_in_no_memory():
     update page-faults in (almost) nothing (RUSAGE_SELF counts every thread's faults, the kernel
     pool's too)."""
     engine = engine_on((CPU[1], CPU[0]))
-    params = engine.host.unit_state(1)[0]
     grads = jax.tree.map(lambda p: jnp.asarray(np.random.default_rng(5).normal(size=p.shape),
-                                               jnp.float32), params)
-    del params
+                                               jnp.float32), engine.unit_shapes()[1])
     faults = []
     for _ in range(3):
         args = jax.block_until_ready(jax.device_put(
             (grads, jnp.float32(0.5), jnp.float32(1.0)), CPU[0], may_alias=False))
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        engine.host.submit(1, *args)
+        engine.apply_gradients({1: args[0]}, *args[1:])
         engine.wait()
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    state_pages = 3 * 4 * sum(p.size for p in jax.tree.leaves(engine.host.unit_state(1)[0])) // 4096
+    state_pages = 3 * 4 * sum(p.size for p in jax.tree.leaves(engine.unit_shapes()[1])) // 4096
     engine.close()
     assert max(faults[1:]) <= max(2, state_pages // 100), (faults, state_pages)
 
 
-def test_state_handed_to_a_reader_never_changes_under_it():
-    """engine.state() while steps run (as an asynchronous checkpoint holds it): the units updated
-    meanwhile are copied first, the reader's arrays keep the state of their step; once the reader
-    lets go, updates are in place again."""
+def unit_bytes(engine, u) -> int:
+    """Bytes of unit u's state as the direct update keeps it (fp32 weights, fp32 moments): what
+    a copy of it costs. u: "stages" or a layer index."""
+    params = engine.params()
+    tree = params["stages"] if u == "stages" else params["layers"][u]
+    return 3 * sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def all_units_bytes(engine) -> int:
+    return unit_bytes(engine, "stages") + sum(unit_bytes(engine, i) for i in range(L))
+
+
+HELD = {"state": lambda e: e.state(), "params": lambda e: e.params(),
+        "part": lambda e: e.params()["layers"][1]["w"]}  # one leaf of one unit
+
+
+@pytest.mark.parametrize("held", HELD)
+def test_state_handed_to_a_reader_never_changes_under_it(held):
+    """engine.state(), engine.params(), or one leaf of one layer held while steps run (as an
+    asynchronous checkpoint, or a caller, holds it): the held arrays keep the state of their step;
+    each unit they reach is copied once, at its first update, and only those (the copies are
+    host_snapshot_bytes); once the reader lets go, updates are in place again."""
     engine = engine_on((CPU[1], CPU[0]))
     steps(engine, 1)
-    held = engine.state()
-    snapshot = jax.tree.map(np.array, held)
+    reader = HELD[held](engine)
+    snapshot = jax.tree.map(np.array, reader)
     steps(engine, 2)
     engine.wait()
-    for a, b in zip(jax.tree.leaves(held), jax.tree.leaves(snapshot), strict=True):
+    for a, b in zip(jax.tree.leaves(reader), jax.tree.leaves(snapshot), strict=True):
         np.testing.assert_array_equal(np.asarray(a), b)
     copied = engine.counters.host_snapshot_bytes
-    assert copied > 0
-    live = jax.tree.map(np.array, engine.state())
-    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(live),
-                                                          jax.tree.leaves(snapshot)))
-    del held, live
+    assert copied == (unit_bytes(engine, 1) if held == "part" else all_units_bytes(engine))
+    live = jax.tree.map(np.array, HELD[held](engine))
+    assert not any(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(live),
+                                                         jax.tree.leaves(snapshot)) if a.ndim)
+    del reader
     steps(engine, 1)
     engine.wait()
     assert engine.counters.host_snapshot_bytes == copied
     engine.close()
 
 
+def test_a_save_that_releases_leaves_as_it_writes_them_reads_its_step_throughout():
+    """A writer that holds every leaf of state() and lets go of them one part at a time while
+    steps run (as a checkpoint writer does, leaf by leaf): each leaf still held keeps its step's
+    values after every step; each unit is copied once, while some of its leaves were held; once
+    all are released, nothing more is copied."""
+    engine = engine_on((CPU[1], CPU[0]))
+    steps(engine, 1)
+    held = jax.tree.leaves(engine.state())
+    snapshot = [np.array(x) for x in held]
+    chunk = -(-len(held) // 3)
+    for k in range(3):
+        steps(engine, 1)
+        engine.wait()
+        for a, b in zip(held, snapshot):
+            if a is not None:
+                np.testing.assert_array_equal(np.asarray(a), b)
+        for i in range(k * chunk, min(len(held), (k + 1) * chunk)):
+            held[i] = None  # written: released
+    copied = engine.counters.host_snapshot_bytes
+    assert copied == all_units_bytes(engine)
+    steps(engine, 1)
+    engine.wait()
+    assert engine.counters.host_snapshot_bytes == copied
+    engine.close()
+
+
+def test_a_reference_that_is_not_a_reader_copies_nothing():
+    """Only state handed out to a reader (`UnitArrays.lend`) makes the update copy the unit: a
+    reference to the engine's own buffers (a traceback frame's, a debugger's) does not."""
+    rng = np.random.default_rng(0)
+    hyper, params, opt_state = unit(SHAPES["mixed"], rng, 2, False)
+    lib = fused_adamw.kernel()
+    counters = Counters()
+    update = direct.DirectAdamW(hyper, None, CPU[0], counters, lib)
+    arrays = direct.UnitArrays.of(params, opt_state, lib)
+    grads = lambda: [[np.asarray(rng.normal(size=x.shape), np.float32)] for x in arrays.p]
+    stray = (arrays.owner[:8], arrays.p[0][:], arrays.m)  # noqa: F841 (held, never read)
+    assert update.apply(1, arrays, grads(), 1.0, 1.0, None, "a unit") is arrays
+    assert counters.host_snapshot_bytes == 0
+    lent = arrays.lend(update.wrap)
+    before = jax.tree.map(np.array, lent)
+    copy = update.apply(1, arrays, grads(), 1.0, 1.0, None, "a unit")
+    assert copy is not arrays and counters.host_snapshot_bytes == arrays.nbytes
+    for a, b in zip(jax.tree.leaves(lent), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
 def test_the_jit_path_is_named_in_the_log_where_the_direct_one_cannot_run(caplog):
     with caplog.at_level(logging.INFO, logger="megatrain_jax.engine.host"):
         engine = engine_on((CPU[1], CPU[0]), optimizer=optax.adamw(1e-3))
-    assert engine.host.direct is None
+    assert engine.host_update == "optax"
     assert "a jitted update per unit (the optimizer is not fused_adamw.adamw" in caplog.text
     engine.close()
 
@@ -275,22 +338,22 @@ def test_host_update_setting_says_what_cannot_run():
 def test_a_deleted_bus_copy_is_one_line_naming_the_unit():
     """A bus copy that is not where the engine writes it is never silently replaced."""
     engine = engine_on((CPU[1], CPU[0]))
-    params = engine.host.unit_state(2)[0]
-    grads = jax.tree.map(lambda p: jnp.ones(p.shape, jnp.float32), params)
-    del params
+    grads = jax.tree.map(lambda p: jnp.ones(p.shape, jnp.float32), engine.unit_shapes()[2])
     jax.tree.leaves(engine.host.bus(2))[0].delete()
-    engine.host.submit(2, grads, jnp.float32(1.0), jnp.float32(1.0))
+    engine.apply_gradients({2: grads}, jnp.float32(1.0), jnp.float32(1.0))
     with pytest.raises(ValueError, match="^layer 1: its bus copy was deleted"):
         engine.wait()
     engine.close()  # (the failed update is not run again)
 
 
-def test_debug_mode_refuses_to_write_a_bus_copy_a_fetch_still_reads(monkeypatch):
-    """MEGATRAIN_DEBUG_BUS=1: steps run as always (every fetch is done by its unit's update), and
+@pytest.mark.parametrize("path", ["direct", "jit"])
+def test_debug_mode_refuses_to_write_a_bus_copy_a_fetch_still_reads(monkeypatch, path):
+    """MEGATRAIN_DEBUG_BUS=1, on both update paths (the jit path's update writes the bus copy
+    into the donated old one): steps run as always (every fetch is done by its unit's update), and
     an update queued while a fetch of its unit is still copying (here: a fetch made inside a long
     computation, recorded as the step records its fetches) is refused, naming the unit."""
     monkeypatch.setenv("MEGATRAIN_DEBUG_BUS", "1")
-    engine = engine_on((CPU[1], CPU[0]))
+    engine = engine_on((CPU[1], CPU[0]), host_update=path)
     assert engine.host.fetches is not None
     losses = steps(engine, 2)
     engine.wait()
@@ -299,13 +362,28 @@ def test_debug_mode_refuses_to_write_a_bus_copy_a_fetch_still_reads(monkeypatch)
     a = jax.device_put(jnp.ones((256, 256)), CPU[1])
     slow = jax.jit(lambda a, bus: (jax.lax.fori_loop(0, 400, lambda i, c: jnp.tanh(c @ a), a),
                                    jax.device_put(bus, device)))
-    params = engine.host.unit_state(2)[0]
-    grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    del params
+    grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), engine.unit_shapes()[2])
     done, copies = slow(a, engine.host.bus(2))  # its fetched copies are ready when it ends
     engine.host.fetched(2, copies)
-    engine.host.submit(2, grads, jnp.float32(1.0), jnp.float32(1.0))
+    engine.apply_gradients({2: grads}, jnp.float32(1.0), jnp.float32(1.0))
     with pytest.raises(RuntimeError, match="^layer 1: its bus copy would be written while"):
         engine.wait()
     assert not done.is_ready()  # the check ran while the fetch was in flight
     engine.close()  # (the failed update is not run again)
+
+
+@pytest.mark.parametrize("path", ["direct", "jit"])
+def test_debug_mode_keeps_no_more_fetches_than_are_in_flight(monkeypatch, path):
+    """MEGATRAIN_DEBUG_BUS=1 in an evaluation-only loop (no update ever comes to take the
+    recorded fetches): a fetch done copying is let go of when its unit is fetched again, so the
+    arrays alive stay as many as after one evaluation, however many follow."""
+    monkeypatch.setenv("MEGATRAIN_DEBUG_BUS", "1")
+    engine = engine_on((CPU[1], CPU[0]), host_update=path)
+    steps(engine, 1)
+    engine.wait()
+    live = []
+    for t in TOKENS:
+        float(engine.evaluate(t[..., :-1], t[..., 1:])["loss"])
+        live.append(len(jax.live_arrays()))
+    engine.close()
+    assert live[-1] == live[1], live

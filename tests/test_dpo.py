@@ -428,6 +428,8 @@ def test_bad_pairs_name_file_and_line(tmp_path, bundled):
         ({"prompt": "a " * 80, "chosen": "b", "rejected": "c"},
          r"the prompt is \d+ tokens, longer than data.seq_len=32"),
         ("{not json", "invalid JSON"),
+        ({"prompt": "a", "chosen": "b\ud800", "rejected": "c"},  # JSON's "b\\ud800": unpaired
+         r"field 'chosen' holds a lone surrogate '\\ud800' at character 1"),
     ]
     for record, message in cases:
         path = write_pairs(tmp_path / "bad.jsonl", [good, "", record])

@@ -183,13 +183,19 @@ def test_resume_compares_the_split():
 def run_train(run_dir, monkeypatch, *overrides):
     """(history, metrics records, log lines, the engine's final state) of a train() run."""
     cfg = tiny_config(f"run_dir={run_dir}", *overrides)
-    built = []
-    monkeypatch.setattr(train_lib, "build_engine",
-                        lambda *a, **k: built.append(build_engine(*a, **k)) or built[-1])
+    final = []
+
+    def built(*args, **kwargs):  # its state read as train() closes it (a closed engine gives none)
+        engine = build_engine(*args, **kwargs)
+        close = engine.close
+        engine.close = lambda: (final.append(jax.tree.map(np.array, engine.state())), close())
+        return engine
+
+    monkeypatch.setattr(train_lib, "build_engine", built)
     lines = []
     history = train(cfg, log=lines.append)
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return history, records, lines, jax.tree.map(np.array, built[0].state())
+    return history, records, lines, final[0]
 
 
 def test_training_with_eval_equals_training_without(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 naming its culprit, and nothing of the user's is overwritten or deleted. In process, tiny runs."""
 
 import errno
+import json
 import importlib.util
 import os
 import re
@@ -336,3 +337,51 @@ def test_generate_refuses_a_prompt_not_utf8_and_a_seed_past_64_bits(capsys, monk
         assert commands.generate(["--run", "r", "--prompt", "hi", "--seed", str(seed)]) == 2
         assert capsys.readouterr().err == (f"error: --seed must fit in 64 bits (-2**63 to "
                                            f"2**63 - 1), got {seed}\n")
+
+
+# ----------------------------------------------------------------------------- round 5 (issue 44)
+
+
+def test_plan_json_onto_a_full_disk_is_one_line_and_leaves_the_file_that_was_there(tmp_path,
+                                                                                   capsys):
+    """`plan --json` onto a full disk gave a bare `[Errno 28]` after the whole plan, an empty
+    file, and an existing plan.json replaced by a truncated one. A file is written beside and
+    renamed over: whole or not at all; a device (/dev/full, /dev/stdout) is written as is."""
+    import resource
+    args = ["--config", TINY, "--step-time"]  # writes its --json as the plan does; compiles none
+    assert commands.plan([*args, "--json", "/dev/full"]) == 2
+    assert capsys.readouterr().err == ("error: --json /dev/full: writing it failed (No space "
+                                       "left on device)\n")
+    out = tmp_path / "plan.json"
+    out.write_text('{"an earlier": "plan"}')
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100, limit[1]))  # a disk full after 100 bytes
+    try:  # (Python ignores SIGXFSZ: the write fails with EFBIG)
+        code = commands.plan([*args, "--json", str(out)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    assert code == 2 and capsys.readouterr().err == (
+        f"error: --json {out}: writing it failed (File too large); the file there is as it was\n")
+    assert os.listdir(tmp_path) == ["plan.json"] and out.read_text() == '{"an earlier": "plan"}'
+    assert commands.plan([*args, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["kind"] == "step_time"
+
+
+def test_plan_refuses_rates_it_cannot_read_and_a_batch_the_devices_cannot_split(tmp_path, capsys,
+                                                                                monkeypatch):
+    """`--rates DIR` with no rates in DIR predicted from the defaults with no word; `--devices 3`
+    said a batch of 16 fits where train refuses it at once. Both refused before planning."""
+    _refused_before_planning(monkeypatch)
+    (tmp_path / "notes.json").write_text('{"something": "else"}')
+    assert commands.plan(["--config", TINY, "--step-time", "--rates", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --rates {tmp_path}: no rate in it (1 JSON file, none a result of the GPU "
+        f"checklist's benchmarks nor a step-time prediction with rates): give the folder "
+        f"scripts/gpu_checklist.py wrote, or leave --rates out for the defaults\n")
+    split = ("error: data.batch_size=16 does not split over the 3 data-parallel devices (1 "
+             "process(es) x 3 distributed.local_devices); make it a multiple of 3\n")
+    for extra in ([], ["--step-time"], ["--sweep", "64,128"]):
+        assert commands.plan(["--config", TINY, "--devices", "3", *extra]) == 2
+        assert capsys.readouterr().err == split
+    with pytest.raises(ConfigError, match=re.escape(split[len("error: "):-1])):  # train's own
+        distributed.check_batch(16, 3, 1)

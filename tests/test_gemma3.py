@@ -1,7 +1,8 @@
 """Gemma 3 (Gemma3ForCausalLM) against transformers: import (logits, also soft-capped, also of
 Gemma3ForConditionalGeneration's text part), one streamed AdamW step with one compiled block for
-local and global layers, the long-context execution, export -> from_pretrained, import(export),
-the older config.json convention, and unsupported options."""
+local and global layers, a layer's kind out of every optimizer's reach (and a checkpoint that
+held it as a parameter), the long-context execution, export -> from_pretrained,
+import(export), the older config.json convention, and unsupported options."""
 
 import dataclasses
 import json
@@ -17,11 +18,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+import optax  # noqa: E402
 from test_hf import (ADAMW, V, adamw_engine, as_hf, assert_adamw_step_equals_torch,  # noqa: E402
-                     assert_close, batch, eager_fp32_perturbed, export, import_model,
+                     assert_close, batch, eager_fp32_perturbed, export, hf_engine, import_model,
                      save_checkpoint)
 
-from megatrain_jax import hf  # noqa: E402
+from megatrain_jax import checkpoint, generate, hf  # noqa: E402
 from megatrain_jax.cli import run_cli  # noqa: E402
 from megatrain_jax.recipes import load_config  # noqa: E402  (model.from_hf read too)
 from megatrain_jax.model import Execution  # noqa: E402
@@ -118,17 +120,18 @@ def test_final_logit_softcapping_matches_transformers_logits(tmp_path):
 
 
 def test_one_streamed_adamw_step_equals_torch_adamw_in_one_compiled_block(gemma_dir):
-    """The step equals torch's; the layer's kind is data, so one compiled block forward and one
+    """The step equals torch's; the layer's kind is data, so one compiled layer forward and one
     backward serve the local and the global layer."""
     model = make_gemma()
     cfg, engine = adamw_engine(gemma_dir)
     inputs, targets = batch(seed=2)
     loss = float(engine.train_step(inputs[None], targets[None])["loss"])
     params = engine.params()
-    assert engine.functions.block_fwd._cache_size() == 1
-    assert engine.functions.block_bwd._cache_size() == 1
-    # the layers' kinds are constants: Adam left them exactly as they were
-    assert [float(p["sliding"]) for p in params["layers"]] == [1.0, 0.0]
+    assert engine.functions.layer_fwd._cache_size() == 1
+    assert engine.functions.layer_bwd._cache_size() == 1
+    # the layers' kinds reach the blocks as Constants, beside the weights
+    assert [float(k["sliding"]) for k in engine.block_constants] == [1.0, 0.0]
+    assert all("sliding" not in p for p in params["layers"])
     before, ref_loss, after = assert_adamw_step_equals_torch(cfg, engine, model, inputs, targets,
                                                              **ADAMW)
     engine.close()
@@ -137,14 +140,73 @@ def test_one_streamed_adamw_step_equals_torch_adamw_in_one_compiled_block(gemma_
         assert not np.allclose(after[name], before[name]), name
 
 
+def paths(tree) -> list:
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def test_a_plain_adamw_cannot_turn_a_local_layer_global(gemma_dir):
+    """optax.adamw with its default mask decays every parameter, scalars too: at weight decay 300
+    and lr 1e-3 a parameter shrinks 0.7x a step, so a kind held as one (1.0 local, read as > 0.5)
+    would be global after two steps (lr 3e-4, wd 0.1: ~23K steps). The kind is a Constant: in no
+    tree the optimizer sees, and the trained blocks still run as the config says."""
+    cfg, engine = hf_engine(gemma_dir, optax.adamw(1e-3, weight_decay=300.0))
+    inputs, targets = batch(seed=2)
+    for _ in range(2):
+        engine.train_step(inputs[None], targets[None])
+    assert not [p for p in paths(engine.state()) if "sliding" in p]
+    loss = float(engine.evaluate(inputs[None], targets[None])["loss"])
+    params = engine.params()
+
+    def forward_loss(kinds):  # the trained weights, each layer of the given kind
+        layers = [{**p, "sliding": jnp.float32(k)} for p, k in zip(params["layers"], kinds)]
+        logits = our_logits(cfg, engine.stages_graphdef, engine.block_graphdef,
+                            {"stages": params["stages"], "layers": layers}, inputs)
+        return float(optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean())
+
+    engine.close()
+    as_configured, both_global = forward_loss([1.0, 0.0]), forward_loss([0.0, 0.0])
+    assert abs(both_global - as_configured) > 1e-3 * as_configured  # the kind matters here
+    # (a streamed and a whole fp32 forward of the same blocks: as tests/test_eval.py compares)
+    assert loss == pytest.approx(as_configured, rel=1e-6, abs=1e-6)
+
+
+def test_a_checkpoint_holding_the_kind_as_a_parameter_is_refused_naming_it(gemma_dir, tmp_path):
+    """Before the kind was a Constant, checkpoints held it (and its Adam moments) in each layer's
+    params, perhaps decayed: resuming from one is one line naming the leaf, and the engine is left
+    untouched; sampling from it reads the kind from the config, and it exports."""
+    tx = optax.adamw(1e-3)
+    cfg, engine = hf_engine(gemma_dir, tx)
+    state = jax.tree.map(np.array, engine.state())
+    old = dict(state, layers=[])
+    for i, layer in enumerate(state["layers"]):
+        params = {**layer["params"], "sliding": np.float32([0.49, 0.0][i])}  # layer 0 decayed
+        old["layers"].append({"params": params, "opt_state": tx.init(params)})
+    save_checkpoint(str(tmp_path), cfg, old, 2)
+    save_checkpoint(str(tmp_path), cfg, state, 3)  # as checkpoints are written now
+    for step in (2, 3):
+        model = generate.from_run(str(tmp_path), step)
+        assert [float(model.block(i, Execution()).sliding[...]) for i in range(2)] == [1.0, 0.0]
+        model.close()
+    assert export("--run-dir", str(tmp_path), "--step", "2", "--out", str(tmp_path / "hf")) == 0
+    manager = checkpoint.make_manager(str(tmp_path / "checkpoints"), async_save=False)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.restore(manager, engine, 2)
+    manager.close()
+    assert str(e.value) == (f"checkpoint step 2 in {tmp_path}/checkpoints does not match this "
+                            f"model: layers/0/params/sliding has shape () float32 in the "
+                            f"checkpoint, absent in the model")
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.array, engine.state()), state)
+    engine.close()
+
+
 def test_export_loads_in_transformers_and_reimports_exactly(gemma_dir, tmp_path):
     cfg, stages_def, block_def, params = import_model(gemma_dir)
     # perturbed, so the export cannot pass by copying the source files
     params = jax.tree.map(lambda p: p + 0.01 * jnp.sin(jnp.arange(p.size).reshape(p.shape)),
                           params)
-    params["layers"] = [dict(p, sliding=hf.sliding_flag(cfg, i))
-                        for i, p in enumerate(params["layers"])]
-    units = [params["stages"], *params["layers"]]
+    # a checkpoint holds the parameters, not the layers' kinds (Constants)
+    units = [params["stages"], *[{k: v for k, v in p.items() if k != "sliding"}
+                                 for p in params["layers"]]]
     state = {"stages": {"params": units[0], "opt_state": {}},
              "layers": [{"params": u, "opt_state": {}} for u in units[1:]]}
     run = str(tmp_path / "run")

@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 from test_streaming import batch, engine_for
 
-from megatrain_jax.model import ModelConfig
+from megatrain_jax import StreamedEngine
+from megatrain_jax.config import OptimizerConfig
+from megatrain_jax.model import ModelConfig, make_block, make_stages
+from megatrain_jax.recipes import build_optimizer
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                   num_kv_heads=2)
@@ -36,6 +39,44 @@ def test_host_lookup_trains_exactly_as_the_device_path(compute_dtype):
         results[on] = run(engine)
         assert engine.host_lookup == on
         engine.close()
+    assert results[True][0] == results[False][0]
+    for x, y in zip(jax.tree.leaves(results[True][1]), jax.tree.leaves(results[False][1]),
+                    strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.bfloat16])
+def test_the_tables_gradient_lives_in_buffers_kept_from_step_to_step(grad_dtype):
+    """The host backward's table-sized buffers (the fp32 accumulator, and with bf16 gradients
+    unit 0's gradient the pool casts into) are the same from step 2 on: cleared where they lie,
+    never made fresh (page faults of a table a step); the run equals the device path bit for
+    bit in both gradient dtypes (the pool's cast rounds as XLA's)."""
+    from megatrain_jax.engine import fused_adamw
+    if fused_adamw.kernel() is None:
+        pytest.skip("no C++ compiler")
+    results, pointers = {}, []
+    for on in (True, False):
+        first, last = make_stages(CFG, seed=0)
+        cpu = jax.devices("cpu")
+        engine = StreamedEngine(  # the fused AdamW (the direct update: no gradient donated)
+            first=first, last=last, make_block=lambda i: make_block(CFG, 0, i),
+            num_layers=CFG.num_layers, optimizer=build_optimizer(OptimizerConfig(), 10),
+            max_grad_norm=1.0, compute_dtype=jnp.bfloat16, compute_device=cpu[0],
+            host_device=cpu[1], host_lookup=on, grad_dtype=grad_dtype)
+        assert engine.host_update == "direct"
+        losses = []
+        for k in range(3):
+            r = engine.train_step(*batch(CFG, num_micro=2, seed=k))
+            losses += [float(r["loss"]), float(r["grad_norm"])]
+            engine.wait()
+            if on:
+                table = engine.first_stage.table
+                kept = table._fp32 + (table._out or [])
+                pointers.append([x.unsafe_buffer_pointer() for x in kept])
+        results[on] = losses, jax.tree.map(np.asarray, engine.state())
+        engine.close()
+    assert len(pointers[0]) == (1 if grad_dtype == jnp.float32 else 2)
+    assert pointers[0] == pointers[1] == pointers[2]
     assert results[True][0] == results[False][0]
     for x, y in zip(jax.tree.leaves(results[True][1]), jax.tree.leaves(results[False][1]),
                     strict=True):
@@ -108,3 +149,22 @@ def test_by_default_only_where_it_moves_fewer_bytes(caplog):
         assert engine.host_lookup == expected
     assert "host lookup off: its rows and their gradient (65,536 bytes a step) outweigh" in (
         caplog.text)
+
+
+def test_copies_in_the_calls_keep_the_device_path_by_default(caplog):
+    """On the accelerator path (copies made inside the jitted calls) auto keeps the first stage on
+    the device even where the host lookup moves fewer bytes (the step above's 2 x 2 x 16 tokens):
+    the host backward would end every step with the device idle; the log says so. host_lookup=True
+    still takes it, and both train the same bits."""
+    toks = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 2, 17), np.int32)
+    out = {}
+    for on in (None, True):
+        engine = engine_for(CFG, compute_dtype=jnp.bfloat16, host_lookup=on, copies="jit")
+        with caplog.at_level(logging.INFO, logger="megatrain_jax.engine.streamed"):
+            out[on] = [float(engine.train_step(toks[..., :-1], toks[..., 1:])["loss"])
+                       for _ in range(2)]
+        engine.close()
+        assert engine.host_lookup == bool(on)
+    assert out[None] == out[True]
+    assert ("host lookup off: copies in the calls: the device path's copies of the first stage "
+            "cross beside compute") in caplog.text

@@ -21,7 +21,7 @@ COMPUTE, HOST = 0, 1
 
 def record_step(monkeypatch, prefetch=1, num_micro=2, offload=False):
     """Runs a warm-up step, then records the next one's main-thread events in order:
-    ("dispatch", pass, layer) per block call, ("wait", arrays) per block_until_ready."""
+    ("dispatch", pass, layer) per layer call, ("wait", arrays) per block_until_ready."""
     first, last = make_stages(CFG, seed=0)
     cpu = jax.devices("cpu")
     engine = StreamedEngine(first=first, last=last, make_block=lambda i: make_block(CFG, 0, i),
@@ -34,7 +34,7 @@ def record_step(monkeypatch, prefetch=1, num_micro=2, offload=False):
     engine.wait()
     events, made = [], {}  # made: id -> (pass, layer) of a block's outputs (kept alive here)
     f, L = engine.functions, CFG.num_layers
-    calls = {"forward": 0, "backward": 0, "squares": 0}
+    calls = {"forward": 0, "backward": 0}
 
     def main():
         return threading.current_thread() is threading.main_thread()
@@ -46,16 +46,15 @@ def record_step(monkeypatch, prefetch=1, num_micro=2, offload=False):
             layer = layer_of(calls[kind])
             calls[kind] += 1
             out = fn(*args, **kwargs)
-            if kind != "squares":
-                events.append(("dispatch", kind, layer))
-            for x in jax.tree.leaves(out):
-                made[id(x)] = (kind if kind != "squares" else "backward", layer, x)
+            events.append(("dispatch", kind, layer))
+            for x in jax.tree.leaves(out[0]):  # (not the copies it made of another layer)
+                made[id(x)] = (kind, layer, x)
             return out
         monkeypatch.setattr(f, name, wrapped)
 
-    wrap("block_fwd", "forward", lambda k: k // num_micro)
-    wrap("block_bwd", "backward", lambda k: L - 1 - k // num_micro)
-    wrap("reduce_squares", "squares", lambda k: L - 1 - k)
+    # one call per layer and pass, every micro-batch inside it
+    wrap("layer_fwd", "forward", lambda k: k)
+    wrap("layer_bwd", "backward", lambda k: L - 1 - k)
     wait = jax.block_until_ready
 
     def recording_wait(tree):
@@ -169,8 +168,8 @@ def test_gradients_and_bus_copies_stay_in_the_compute_devices_pinned_memory(monk
     compute = jax.devices("cpu")[COMPUTE]
     parcels, grads_out = [], engine.transfers.grads_out
 
-    def keep(tree):
-        parcels.append(grads_out(tree))
+    def keep(tree, layer=False):
+        parcels.append(grads_out(tree, layer))
         return parcels[-1]
     monkeypatch.setattr(engine.transfers, "grads_out", keep)
     float(engine.train_step(*batch(CFG))["loss"])

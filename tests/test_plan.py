@@ -94,15 +94,13 @@ def measure_step(engine, cfg) -> tuple[dict, dict]:
     f = engine.device_functions(inputs[0], targets[0])
     compute = engine.compute_device
     temps, samples, by_phase = {}, [], {}
-    leaf_squares = f.leaf_squares
-    # leaf_squares: with the host lookup, the last unit's gradient leaves' sums of squares, made
-    # at the loss (the memory model's "loss squares" workspace)
-    for name, phase in [("embed", "embed"), ("block_fwd", "forward"), ("head", "loss"),
-                        ("block_bwd", "backward"), ("embed_bwd", "embed backward"),
-                        ("leaf_squares", "loss squares"), ("zeros", None),
-                        # the jit form's calls (offload.copies=jit)
-                        ("block_fwd_carry", "forward"), ("block_bwd_carry", "backward"),
-                        ("embed_bwd_carry", "embed backward")]:
+    unstarted = {name: getattr(f, name) for name in ("last_unit", "stages")}
+    # last_unit: with the host lookup, the last unit's gradient leaves and their sums of squares,
+    # made at the loss (the memory model's "loss squares" workspace); stages: the device path's
+    # stages' gradient and the global norm, after the embedding's backward
+    for name, phase in [("embed", "embed"), ("layer_fwd", "forward"), ("head", "loss"),
+                        ("layer_bwd", "backward"), ("embed_bwd", "embed backward"),
+                        ("last_unit", "loss squares"), ("stages", "stages")]:
         def call(*args, fn=getattr(f, name), phase=phase):
             if phase and phase not in temps:
                 temps[phase] = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
@@ -111,8 +109,7 @@ def measure_step(engine, cfg) -> tuple[dict, dict]:
             return out
         setattr(f, name, call)
     # Where the host lookup runs no device function: the rows put on the device (embed), the
-    # last unit's gradient made for the host (loss), the scalars the host thread reads (embed
-    # backward; the device path's too, after its embed backward). Their temps are not counted.
+    # scalars the host thread reads (embed backward). Their temps are not counted.
     for owner, name in [(engine.transfers, "rows_in"), (f, "total")]:
         def sampled(*args, fn=getattr(owner, name)):
             out = fn(*args)
@@ -140,12 +137,21 @@ def measure_step(engine, cfg) -> tuple[dict, dict]:
     finally:
         gc.enable()
         del engine.transfers.rows_in  # the class's again
-    if "loss squares" not in temps:  # the device path: as the host lookup would compile it
-        host = engine.host
-        last = engine.parts.take("last", [jax.ShapeDtypeStruct(s, host.grad_dtype)
-                                          for s in host.shapes[0]])
-        temps["loss squares"] = (leaf_squares.lower(last).compile().memory_analysis()
-                                 .temp_size_in_bytes)
+    # what the step's way did not call, compiled as the other way would
+    host = engine.host
+    shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in host.shapes[0]]
+    held = lambda indices: tuple((i, tuple(shapes[i].shape)) for i in indices)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    others = {"loss squares": ("last_unit", (engine.parts.take("last", shapes),
+                                             held(engine.parts.last))),
+              "stages": ("stages", (engine.parts.take("first", shapes),
+                                    engine.parts.take("last", shapes),
+                                    [scalar] * engine.num_layers, scalar,
+                                    held(range(len(shapes))), None))}
+    for phase, (name, args) in others.items():
+        if phase not in temps:
+            temps[phase] = (unstarted[name].lower(*args).compile().memory_analysis()
+                            .temp_size_in_bytes)
     return by_phase, temps
 
 
@@ -186,10 +192,10 @@ def test_device_plan_matches_the_engine(engines, setup, seq):
     device_path = {k: v for k, v in p.workspace.items()
                    if not (engine.host_lookup and k in ("embed", "embed backward"))}
     assert device_path == temps
-    # Exact but for the step's 4-byte scalars: each micro-batch's loss sum and weight, and from
-    # the backward on each layer's squared gradient norm; with the host lookup also each of the
-    # last unit's leaves' and the two totals the host thread reads.
-    scalars = 4 * (2 * cfg.data.micro_batches + cfg.model.num_layers
+    # Exact but for the step's 4-byte scalars: the loss and its weight, and from the backward
+    # on each layer's squared gradient norm; with the host lookup also each of the last unit's
+    # leaves' and the two totals the host thread reads.
+    scalars = 4 * (2 + cfg.model.num_layers
                    + (len(engine.parts.last) + 2) * engine.host_lookup)
     for phase in PHASES:
         predicted = sum(p.device[phase].values())
@@ -210,7 +216,7 @@ def test_the_jit_forms_device_plan_matches_the_engine(setup):
     finally:
         engine.close()
     measured = peaks(samples, p.workspace)
-    scalars = 4 * (2 * cfg.data.micro_batches + cfg.model.num_layers)
+    scalars = 4 * (2 + cfg.model.num_layers)
     for phase in PHASES:
         predicted = sum(p.device[phase].values())
         assert 0 <= measured[phase] - predicted <= scalars, (phase, predicted, measured[phase])
@@ -237,7 +243,7 @@ def test_the_lookups_squares_at_the_loss_are_counted():
     c, act = p.counts, 2 * 2 * 32 * MODEL.hidden_size * 2
     assert 2 * c.last > act  # the leaves' moment (gradient in fp32 twice) passes the head's
     predicted = sum(memory_model.device_bytes(c, 2 * 32, False, no_head)["loss"].values())
-    scalars = 4 * (2 * 2 + len(engine.parts.last))  # losses, weights, the leaves' squares
+    scalars = 4 * (2 + len(engine.parts.last))  # the loss, its weight, the leaves' squares
     measured = peaks(samples, no_head)["loss"]  # the same step's samples, the head's temps 0
     assert 0 <= measured - predicted <= scalars, (predicted, measured)
 
@@ -347,6 +353,26 @@ def test_auto_offload_and_what_does_not_fit():
     assert f"DOES NOT FIT: device peak {format_bytes(small.device_peak)} > " in small.summary()
 
 
+def test_micro_batches_the_device_cannot_hold_are_named_with_the_largest_that_fits():
+    """Every call holds a step's micro-batches stacked: on a device between what 2 and 8 of them
+    need, the plan's verdict (the line a run stops with) names data.micro_batches and the largest
+    count that fits, which does fit."""
+    def at(micro, machine=MACHINE):
+        cfg = config(64, offload=False)
+        return plan(dataclasses.replace(cfg, data=dataclasses.replace(
+            cfg.data, micro_batches=micro)), machine)
+    two, eight = at(2), at(8)
+    assert two.device_peak < eight.device_peak
+    machine = dataclasses.replace(MACHINE, device_memory_gb=(two.device_peak
+                                                             + eight.device_peak) / 2 / GB)
+    p = at(8, machine)
+    largest = p.largest_micro_batches
+    assert not p.fits and 2 <= largest < 8
+    assert (f"data.micro_batches 8: the largest that fits is {largest} (each call holds every "
+            f"micro-batch's activations)") in p.summary()
+    assert at(largest, machine).fits
+
+
 def test_the_largest_sequence_under_one_attention_block():
     """A device that holds the configured 16 tokens but not one attention block (32) of them:
     the search goes below the block instead of reporting that no length fits."""
@@ -412,8 +438,9 @@ def test_the_largest_model_is_the_deepest_that_fits():
 def test_the_120b_config_takes_16_bytes_a_parameter_and_does_not_fit_1500_gb():
     """configs/dense_120b.yaml: 118.7B parameters; on --device h200 --host-memory-gb 1500 its
     host RAM is 1,906 GB, 16.05 B/param (master 4, AdamW 8, bus 2, bf16 gradients 2.05; the direct
-    host update writes its bus copies in place, with no staging buffers: 0.04 B/param more, 1,911
-    GB, on the jit path): it does not fit. The host figures need no compile: from the counts
+    host update writes its bus copies in place, with no staging buffers: 0.07 B/param more, 1,914
+    GB, on the jit path, one staging buffer per structure, the first stage's among them as it runs
+    on the device with copies in the calls): it does not fit. The host figures need no compile: from the counts
     (memory_model)."""
     from megatrain_jax.config import load_config
     from megatrain_jax.flops import counts
@@ -426,7 +453,7 @@ def test_the_120b_config_takes_16_bytes_a_parameter_and_does_not_fit_1500_gb():
                optimizer=build_optimizer(cfg.optimizer, cfg.train.steps))
     M, B, T = cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len
     assert M * B * T == 8192 and round(c.params / 1e8) == 1187
-    for direct, staging, total in ((True, 0, 1906), (False, 0.04, 1911)):
+    for direct, staging, total in ((True, 0, 1906), (False, 0.07, 1914)):
         host = host_bytes(dataclasses.replace(c, direct=direct), B * T, offload=False)
         per_param = {kind: round(v / c.params, 2) for kind, v in host.items()}
         assert per_param == {"master": 4, "optimizer": 8, "bus": 2, "gradients": 2.05,

@@ -27,10 +27,11 @@ L = CFG.model.num_layers
 TOKENS = np.random.default_rng(0).integers(0, CFG.model.vocab_size, size=(STEPS, 2, 2, 33))
 
 
-def engine(bus, copies="eager", prefetch=1):
+def engine(bus, copies="eager", prefetch=1, **kwargs):
     """CPU device 1 standing for the accelerator, the state on device 0."""
     cfg = dataclasses.replace(CFG, train=dataclasses.replace(CFG.train, prefetch=prefetch))
-    built = build_engine(cfg, compute_device=CPU[1], host_device=CPU[0], copies=copies, bus=bus)
+    built = build_engine(cfg, compute_device=CPU[1], host_device=CPU[0], copies=copies, bus=bus,
+                         **kwargs)
     assert (built.copies, built.bus) == (copies, bus)
     return built
 
@@ -143,41 +144,106 @@ def test_a_fresh_slot_is_written_once_its_making_is_done():
         np.testing.assert_array_equal(np.asarray(out, np.float32), 1.5)
 
 
+class _FailedOutput:
+    """Stands for an output of a computation that failed on the device: waiting for it raises
+    that computation's error, as jax.block_until_ready does for such an array."""
+
+    def block_until_ready(self):
+        raise RuntimeError("INTERNAL: the reader's computation failed\n(its traceback)")
+
+
+def test_a_slot_whose_readers_computation_failed_makes_the_engine_unusable_once_named():
+    """Layer 0's last fill (released, its token not yet waited on) read by a computation that
+    failed: the step that refills the slot says in one line that the engine is unusable and why,
+    and every later step or evaluation says the same (not the old device error again at each
+    fill); the host state, which no update touched, is still read."""
+    built = engine("ring")
+    try:
+        losses, before = train(built, steps=1)
+        ring = built.host.ring
+        slot = ring.slots[ring.holds[1][0]]
+        assert slot.reader is not None and slot.token is not None  # released, not retired
+        slot.token = [_FailedOutput()]
+        unusable = (r"^the engine is unusable: a computation that read bus ring slot \d failed "
+                    r"\(RuntimeError: INTERNAL: the reader's computation failed\)$")
+        t = TOKENS[1]
+        for call in (built.train_step, built.train_step, built.evaluate):
+            with pytest.raises(RuntimeError, match=unusable):
+                call(t[..., :-1], t[..., 1:])
+        for a, b in zip(jax.tree.leaves(built.state()), jax.tree.leaves(before), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b)
+    finally:
+        built.close()
+
+
+class _Waited:
+    """A token's array, saying whether it was waited for (jax.block_until_ready calls this)."""
+
+    def __init__(self, array):
+        self.array, self.waited = array, False
+
+    def block_until_ready(self):
+        self.waited = True
+        self.array.block_until_ready()
+        return self
+
+
 @pytest.mark.parametrize("copies,prefetch", [("eager", 1), ("jit", 2)])
 def test_each_slot_is_refilled_after_its_reader_and_no_dispatch_waits_for_it(copies, prefetch):
-    """The order of events over two steps: a slot is refilled only after the pass retired the
-    layer that read it, or, the pass's last layer (released without a wait), once the token the
-    ring made of its outputs is ready; and the fill (with the fetch right after it) of each layer
-    comes before the pass waits for the layer before it, so the device always has the next
-    layer's copy and compute queued while the host waits."""
+    """The order of events over two steps: a slot is rewritten only after the pass retired the
+    layer that read it, or, the pass's last layer (released without a wait), once the fill has
+    waited for the token the ring made of its outputs (seen at the fill's start, checked at its
+    write); and the fill (with the fetch right after it) of each layer comes before the pass
+    waits for the layer before it, so the device always has the next layer's copy and compute
+    queued while the host waits."""
     built = engine("ring", copies, prefetch)
-    events, holder, problems = [], {}, []
-    read = built.host.read
+    ring = built.host.ring
+    events, holder, problems, filling, released = [], {}, [], [], []
+    read, write = built.host.read, ring.write
 
     def on_read(u, token=None):
         events.append(("read", u, token is None))
         read(u, token)
 
-    def on_fill(u, s):
-        slot = built.host.ring.slots[s]
+    def retired(v, k):
+        """Whether unit v's fill at events[k] was read with no token before its next fill."""
+        for e in events[k + 1:]:
+            if e[:2] == ("fill", v):
+                return False
+            if e == ("read", v, True):
+                return True
+        return False
+
+    def on_fill(u, s):  # before the fill waits for anything
+        slot, token = ring.slots[s], None
         if s in holder:  # its reader: retired (read with no token), or released with a token
             v, k = holder[s]
-            retired = ("read", v, True) in events[k:]
-            ready = slot.token is not None and all(x.is_ready() for x in slot.token)
-            if not (retired or ready):
-                problems.append((u, s, v))
+            if not retired(v, k):
+                if slot.token is None:
+                    problems.append((u, s, v))
+                else:  # (the fill waits through these)
+                    token = slot.token = [_Waited(x) for x in slot.token]
+                    released.append(s)
         holder[s] = (u, len(events))
+        filling.append((u, s, token))
         events.append(("fill", u, s))
 
+    def on_write(leaves, master):
+        u, s, token = filling[-1]
+        if token is not None and not all(x.waited and x.array.is_ready() for x in token):
+            problems.append((u, s, "written before its reader's token was waited for"))
+        write(leaves, master)
+
+    ring.write = on_write
     built.host.read = on_read
-    built.host.ring.on_fill = on_fill
+    ring.on_fill = on_fill
     built.on_event = lambda kind, what, layer: (
         events.append((kind, what, layer)) if kind in ("dispatch", "wait") else None)
     try:
         train(built, steps=2)
     finally:
         built.close()
-    assert problems == []
+    assert problems == [] and released  # (some slots' readers were released)
     fills = [k for k, e in enumerate(events) if e[0] == "fill"]
     assert len(fills) == 2 * 2 * L  # each layer twice a step: its forward's, its backward's
     for step in range(2):
@@ -188,6 +254,32 @@ def test_each_slot_is_refilled_after_its_reader_and_no_dispatch_waits_for_it(cop
             for pos in range(1, L):
                 wait = [k for k, e in enumerate(events) if e == ("wait", phase, order[pos - 1])]
                 assert mine[pos] < wait[step], (step, phase, pos)
+
+
+@pytest.mark.parametrize("host_update", ["direct", "jit"])
+def test_the_debug_guard_has_every_refilled_slots_fetches_to_check(monkeypatch, host_update):
+    """MEGATRAIN_DEBUG_BUS=1, whichever path updates the state: each refill of a slot finds the
+    copies fetched from it still there for the guard to check (none deleted before it looks)."""
+    monkeypatch.setenv("MEGATRAIN_DEBUG_BUS", "1")
+    built = engine("ring", host_update=host_update)
+    if host_update == "direct" and built.host_update != "direct":
+        built.close()
+        pytest.skip("the fused AdamW kernel could not be built")
+    ring, filled, seen = built.host.ring, set(), []
+
+    def on_fill(u, s):
+        if s in filled:
+            fetches = ring.slots[s].fetches
+            seen.append((len(fetches), sum(not x.is_deleted() for x in fetches)))
+        filled.add(s)
+
+    ring.on_fill = on_fill
+    try:
+        train(built, steps=2)
+    finally:
+        built.close()
+    assert len(seen) == 2 * 2 * L - len(ring.slots)
+    assert all(total > 0 and checkable == total for total, checkable in seen), seen
 
 
 def test_the_update_writes_no_layer_bus_copy_with_the_ring():

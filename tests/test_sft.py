@@ -343,6 +343,11 @@ def test_bad_lines_name_file_and_line(tmp_path, bundled, tokenizers):
         (json.dumps({"messages": [{"role": "user", "content": ["a"]}]}), "content must be a string"),
         (json.dumps({"prompt": "a", "completion": 3}), '"completion" must be a string'),
         (json.dumps({"messages": [{"role": "user", "content": "a"}]}), "no assistant message"),
+        (json.dumps({"prompt": "a\ud800", "completion": "b"}),  # JSON's "a\\ud800": unpaired
+         r"field 'prompt' holds a lone surrogate '\\ud800' at character 1"),
+        (json.dumps({"messages": [{"role": "user", "content": "a"},
+                                  {"role": "assistant", "content": "\udfff"}]}),
+         r"field 'messages\[1\].content' holds a lone surrogate"),
     ]
     for line, message in cases:
         path = _write(tmp_path / "bad.jsonl", [good, "", line])

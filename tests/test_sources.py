@@ -132,6 +132,64 @@ def test_a_directory_of_text_shards_takes_only_data_files_and_says_which(tmp_pat
         load_data(cfg, log=lines.append)
 
 
+def test_a_directory_names_its_subfolders_of_shards_and_the_glob_that_reads_them(tmp_path):
+    """Shards in subfolders of a data.path directory were skipped with no line (two thirds of
+    them here): a directory is read at its top level, and the log names each subfolder holding
+    data files, how many, and the glob that reads every level; a subfolder of none is no news."""
+    shards = tmp_path / "shards"
+    for i, folder in enumerate(["", "train-b", "train-c/deeper"]):
+        (shards / folder).mkdir(parents=True, exist_ok=True)
+        (shards / folder / f"part-{i}.txt").write_text(DOCS[i])
+    (shards / "train-c" / "part-3.txt").write_text(DOCS[3])
+    (shards / "images").mkdir()
+    (shards / "images" / "logo.png").write_bytes(b"\x89PNG")
+    lines = []
+    tokens, _ = source_tokens(str(shards), BYTE, str(tmp_path / "cache"), log=lines.append)
+    assert np.asarray(tokens).tolist() == _packed(DOCS[:1])
+    glob = os.path.join(str(shards), "**", "*.txt")
+    assert lines[0] == (f"data.path={shards}: 1 text file (part-0.txt); left out subfolders "
+                        f"train-b/, train-c/ (3 data files under them; a directory is read at its "
+                        f"top level: data.path='{glob}' reads every level)")
+    lines.clear()
+    tokens, _ = source_tokens(glob, BYTE, str(tmp_path / "cache"), log=lines.append)
+    assert np.asarray(tokens).tolist() == _packed(DOCS[:4])  # in path order
+    os.remove(shards / "part-0.txt")  # none at the top: the refusal says where they are
+    with pytest.raises(DataError, match=re.escape(
+            f"data.path={shards}: the directory holds no data file (none ends in .jsonl, "
+            f".parquet, .arrow, .bin, .npy, .txt); left out subfolders train-b/, train-c/ (3 data "
+            f"files under them; a directory is read at its top level: data.path='{glob}'")):
+        resolve(str(shards))
+
+
+def test_a_glob_over_a_loop_of_links_reads_each_file_once_and_names_the_loop(tmp_path):
+    """`W/**/*.txt` over a folder holding a link to its parent followed the loop: 2 files became
+    82. Each real folder is entered once: the loop is named, not followed, and a file reached
+    through two paths is read once; without links `**` matches as Python's glob does."""
+    w = tmp_path / "W"
+    (w / "sub").mkdir(parents=True)
+    (w / "a.txt").write_text(DOCS[0])
+    (w / "sub" / "b.txt").write_text(DOCS[1])
+    pattern = os.path.join(str(w), "**", "*.txt")
+    import glob
+    assert resolve(pattern).files == tuple(sorted(glob.glob(pattern, recursive=True)))
+    os.symlink("..", w / "sub" / "up")  # the loop
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "c.txt").write_text(DOCS[2])
+    os.symlink(tmp_path / "elsewhere", w / "linked")  # a folder linked in: read
+    os.symlink(tmp_path / "elsewhere", w / "sub" / "again")  # the same folder again: once
+    os.symlink(w / "a.txt", w / "sub" / "a-link.txt")  # the same file again: once
+    source = resolve(pattern)
+    assert source.files == (str(w / "a.txt"), str(w / "linked" / "c.txt"), str(w / "sub" / "b.txt"))
+    assert source.matched() == (
+        f"data.path={pattern}: 3 text files (a.txt, linked/c.txt, sub/b.txt); not followed: "
+        f"sub/again -> {tmp_path / 'elsewhere'} (a folder already read); not followed: sub/up -> "
+        f"{w} (a loop: a link to a folder above it)")
+    lines = []
+    tokens, _ = source_tokens(pattern, BYTE, str(tmp_path / "cache"), log=lines.append)
+    assert np.asarray(tokens).tolist() == _packed([DOCS[0], DOCS[2], DOCS[1]])
+    assert lines[0] == source.matched()
+
+
 def test_hf_tokenizer_cache_equals_encoding_each_document(tmp_path):
     tok = load_tokenizer(BUNDLED_TOKENIZER)
     path = _shards(tmp_path, "parquet")
@@ -819,17 +877,37 @@ def test_documented_mixture_recipe_loads(tmp_path, monkeypatch):
     assert tokens[0] > tokens[1] > 0 and sum(tokens) == 20 * 2 * 16
 
 
-def test_a_resume_compares_the_files_size_and_head_not_their_mtime(tmp_path):
-    from megatrain_jax.fingerprint import files_identity, first_change
+def test_a_resume_notices_every_change_the_token_cache_notices(tmp_path):
+    """A corpus edited in place past its first MiB, at the same size: the token cache saw it
+    (rebuilt) and the resume did not (size and head only), so a run went on with other data.
+    The resume compares the mtime too: what the cache compares. A checkpoint from before mtimes
+    were recorded compares the size and the head, as it did."""
+    from megatrain_jax.fingerprint import HEAD_BYTES, files_identity, first_change
 
-    path = tmp_path / "a.jsonl"
-    _jsonl(path, [{"text": d} for d in DOCS])
+    path = tmp_path / "big.txt"
+    path.write_bytes((DOCS[3] * (HEAD_BYTES // len(DOCS[3]) + 2000)).encode())  # ASCII
+    assert path.stat().st_size > HEAD_BYTES + 10_000
+    source, cache_dir = resolve(str(path)), str(tmp_path / "cache")
+    open_cache(source, BYTE, cache_dir, log=lambda *a: None)
     saved = files_identity([str(path)])
-    os.utime(path, ns=(1, 1))  # copied or touched: the same data
+    with open(path, "r+b") as f:  # past the head, same size
+        f.seek(HEAD_BYTES + 5000)
+        f.write(b"EDITED")
+    mtime = saved[0]["mtime_ns"] + 10**9  # a write within the clock's tick would keep it
+    os.utime(path, ns=(mtime, mtime))
     now = files_identity([str(path)])
-    assert now[0]["mtime_ns"] != saved[0]["mtime_ns"] and first_change(saved, now) is None
+    assert [(n["bytes"], n["head_sha256"]) for n in now] == [(s["bytes"], s["head_sha256"])
+                                                            for s in saved]
+    lines = []
+    open_cache(source, BYTE, cache_dir, log=lines.append)
+    assert "stale" in lines[0]  # the cache saw it ...
+    change = first_change(saved, now)  # ... and so does the resume
+    assert change.startswith(f"{path}: its mtime is ") and change.endswith(
+        f"when the checkpoint was saved (the same size and first {HEAD_BYTES:,} bytes: an edit "
+        f"past them, or the file touched or copied over)")
     older = [{k: v for k, v in s.items() if k != "mtime_ns"} for s in saved]  # older checkpoints
     assert first_change(older, now) is None
-    _jsonl(path, [{"text": d} for d in DOCS[1:]])
-    change = first_change(saved, files_identity([str(path)]))
-    assert change == f"{path} is 1,814 bytes, 1,839 when the checkpoint was saved"
+    path.write_bytes(path.read_bytes()[:-25])
+    assert first_change(saved, files_identity([str(path)])) == (
+        f"{path} is {saved[0]['bytes'] - 25:,} bytes, {saved[0]['bytes']:,} when the checkpoint "
+        f"was saved")

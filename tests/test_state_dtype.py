@@ -126,3 +126,82 @@ def test_the_config_and_the_kernel_name_the_same_dtypes():
     assert config_lib.STATE_DTYPES == fused_adamw.STATE_DTYPES
     with pytest.raises(ValueError, match="state_dtype must be one of float32, bfloat16"):
         fused_adamw.adamw(1e-3, state_dtype="float16")
+
+
+def _rounded(native, params, adam, grads, unit=0, firsts=None):
+    """The bf16 moments after one fused_adamw.update of `params` (a dict of leaves) at `unit`,
+    its leaves' first elements at `firsts` in their whole leaves."""
+    tx = fused_adamw.adamw(1e-3, b1=0.9, b2=0.95, weight_decay=0.0, state_dtype="bfloat16")
+    adam0, *rest = tx.init(params)
+    state = (adam0._replace(count=adam.count, mu=adam.mu, nu=adam.nu), *rest)
+    update = jax.jit(lambda p, s, g, u, f: fused_adamw.update(
+        tx.hyper, p, s, g, None, jnp.float32(1), jnp.float32(1), None, None, native, u, f))
+    _, (new, *_), _ = update(params, state, grads, unit, firsts)
+    return new.mu, new.nu
+
+
+def _leaf(rng, shape):
+    params = {"w": jnp.asarray(rng.normal(size=shape), jnp.float32)}
+    moment = lambda s: {"w": jnp.asarray(np.abs(rng.normal(size=shape)) * s, jnp.bfloat16)}
+    tx = fused_adamw.adamw(1e-3, state_dtype="bfloat16")
+    adam = tx.init(params)[0]._replace(count=jnp.int32(4), mu=moment(0.1), nu=moment(0.01))
+    return params, adam, {"w": jnp.asarray(rng.normal(size=shape), jnp.float32)}
+
+
+@pytest.mark.parametrize("native", [NATIVE, JAX])
+def test_a_process_rows_round_as_in_the_whole_leaf_and_units_apart(native):
+    """The sharded host layout: a process holding rows [c, 2c) of a leaf (its first element's
+    index in the whole leaf given) rounds them as a process holding all of it, bit for bit; and
+    the same leaf in two units rounds with independent bits."""
+    rng = np.random.default_rng(11)
+    params, adam, grads = _leaf(rng, (12, 5))
+    whole = _rounded(native, params, adam, grads, 3, np.uint32([0]))
+    c = 6
+    rows = lambda tree, k: jax.tree.map(lambda x: x[k * c:(k + 1) * c], tree)
+    parts = [_rounded(native, rows(params, k), adam._replace(mu=rows(adam.mu, k),
+                                                          nu=rows(adam.nu, k)),
+                      rows(grads, k), 3, np.uint32([k * c * 5])) for k in (0, 1)]
+    for i in (0, 1):  # mu, nu
+        joined = np.concatenate([np.asarray(parts[k][i]["w"]) for k in (0, 1)])
+        np.testing.assert_array_equal(bits(joined), bits(whole[i]["w"]))
+    other = _rounded(native, params, adam, grads, 4, np.uint32([0]))
+    assert (bits(other[0]["w"]) != bits(whole[0]["w"])).mean() > 0.2
+
+
+def test_a_process_first_element_in_each_leaf():
+    """Process positions 2 and 3 of 4 devices: a 12-row leaf is cut in pieces of 3 rows, so the
+    process holds rows 6 to 11 (6 rows of 5: its first element is the whole leaf's 30th); of a
+    4-row leaf, rows 2 and 3."""
+    from megatrain_jax.engine.shard import Shards
+    assert Shards(size=4, first=2, local=2).firsts([(6, 5), (2,)]) == [30, 2]
+
+
+@pytest.mark.parametrize("path", ["direct", "jit"])
+def test_equal_units_round_independently(path):
+    """Three layers with equal weights, moments and gradients (bf16 moments): the engine keys
+    each unit's rounding by its index, so their moments come out rounded apart, not
+    bit-identical (about half of the roundings that can go either way differ)."""
+    from flax import nnx
+    from toy_model import Embed, Head, Residual
+    from megatrain_jax import StreamedEngine
+    if path == "direct" and fused_adamw.kernel() is None:
+        pytest.skip("no C++ compiler: no direct update")
+    cpu = jax.devices("cpu")
+    engine = StreamedEngine(
+        first=Embed(7, 8, nnx.Rngs(0)), last=Head(8, 7, nnx.Rngs(1)),
+        make_block=lambda i: Residual(8, 64, nnx.Rngs(2)), num_layers=3,  # every layer alike
+        optimizer=build_optimizer(OptimizerConfig(state_dtype="bfloat16"), 10),
+        compute_dtype=jnp.bfloat16, compute_device=cpu[1], host_device=cpu[0], host_update=path)
+    rng = np.random.default_rng(12)
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32),
+                         engine.param_shapes()["layers"][0])
+    put = lambda x: jax.device_put(x, cpu[0], may_alias=False)
+    for u in (1, 2, 3):
+        engine.apply_gradients({u: put(grads)}, put(jnp.float32(1.0)), put(jnp.float32(1.0)))
+    engine.wait()
+    mu = [jax.tree.map(np.array, layer["opt_state"][0].mu) for layer in engine.state()["layers"]]
+    engine.close()
+    for a, b in ((0, 1), (1, 2), (0, 2)):
+        differ = [(bits(x) != bits(y)).mean() for x, y in zip(jax.tree.leaves(mu[a]),
+                                                               jax.tree.leaves(mu[b]))]
+        assert min(differ) > 0.2, (a, b, differ)

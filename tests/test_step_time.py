@@ -278,14 +278,15 @@ def test_the_host_lookups_backward_touches_the_rows_per_micro_batch_not_the_tabl
     micro-batch's scatter-add is in place in the donated accumulator and
     touches its rows alone: the rows' gradient read (compute dtype), its fp32 copy written and
     read (8), the table's rows read and written (8). bench_1b (32,000 x 2,048 table), 4,096
-    tokens a micro-batch, bf16 rows: 1 and 4 micro-batches."""
+    tokens a micro-batch, bf16 rows: 1 and 4 micro-batches (train.host_lookup=true: on the
+    preset's accelerator, copies in the calls, auto keeps the device path)."""
     from megatrain_jax.config import load_config
     from megatrain_jax.step_time import step_shape
     table, rows, g = 32000 * 2048, 4096 * 2048, (4 if grad_dtype == "float32" else 2)
     for M in (1, 4):
         cfg = load_config("configs/bench_1b.yaml", [
             "data.seq_len=4096", "data.batch_size=1", f"data.micro_batches={M}",
-            f"train.grad_dtype={grad_dtype}"])
+            f"train.grad_dtype={grad_dtype}", "train.host_lookup=true"])
         s = step_shape(cfg, offload=False)
         assert s.host_lookup and s.rows_bytes == M * rows * 2
         cast = 0 if g == 4 else 4 + g
@@ -296,28 +297,40 @@ def test_every_local_device_predicts_as_the_engine_runs():
     """distributed.local_devices 0 (every accelerator): on a machine with several the run is data
     parallel and the first stage on the device (lookup.serves), as `plan --step-time --devices`
     predicts it; on one device, or a preset's unknown count (1 assumed, said in a note), the
-    host lookup where the rule takes it (bench_1b, 4,096 tokens)."""
+    host lookup where the rule takes it (bench_1b, 4,096 tokens, eager copies: by bytes) and
+    the device path with copies in the calls (the default on the preset's accelerator, by the
+    host backward's time on the step's end), said in the plan with the reason."""
     from megatrain_jax.config import load_config
     from megatrain_jax.step_time import step_shape
-    overrides = ["data.seq_len=4096", "data.batch_size=1"]
+    overrides = ["data.seq_len=4096", "data.batch_size=1", "offload.copies=eager"]
     cfg = load_config("configs/bench_1b.yaml", overrides)
     assert cfg.distributed.local_devices == 0
     assert [step_shape(cfg, offload=False, devices=n).host_lookup for n in (0, 1, 4)] == [
         True, True, False]
+    in_calls = load_config("configs/bench_1b.yaml", overrides[:2])
+    assert [step_shape(in_calls, offload=False, devices=n).host_lookup for n in (0, 1, 4)] == [
+        False, False, False]
     on_host = "the first stage on the host (the host lookup"
     assumed = "gives no device count: planned for 1 a process"
-    for devices, lookup in ([], True), (["--devices", "4"], False):
-        proc = plan_cli("--config", "configs/bench_1b.yaml", *overrides, "--step-time", *devices)
+    # (a batch of 1 does not split over 4 devices: refused, as train refuses it)
+    for batch, devices, lookup in (([], [], True),
+                                   (["data.batch_size=4"], ["--devices", "4"], False)):
+        proc = plan_cli("--config", "configs/bench_1b.yaml", *overrides, *batch, "--step-time",
+                        *devices)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert (on_host in proc.stdout) == lookup and (assumed in proc.stdout) == lookup
+    proc = plan_cli("--config", "configs/bench_1b.yaml", *overrides[:2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the first stage runs on the device (copies in the calls: " in proc.stdout
 
 
 @pytest.mark.parametrize("tied,setting", [(True, "auto"), (False, "auto"), (False, "false")])
 def test_a_configs_shape_moves_the_bytes_the_engine_counts(tied, setting):
     """step_shape's bytes each way per step equal the engine's own counters after a real step
     (bf16 bus copies and gradients; with tied embeddings the two stage parts share a leaf;
-    untied, train.host_lookup=auto takes the host lookup here, in the engine and in step_shape:
-    the rows, 2 x 16 tokens, cross instead of the 257-row table; false keeps the table)."""
+    untied, train.host_lookup=auto takes the host lookup here with eager copies, in the engine and
+    in step_shape: the rows, 2 x 16 tokens, cross instead of the 257-row table; false keeps the
+    table)."""
     import numpy as np
     from megatrain_jax.config import load_config
     from megatrain_jax.step_time import step_shape
@@ -326,7 +339,8 @@ def test_a_configs_shape_moves_the_bytes_the_engine_counts(tied, setting):
     cfg = load_config("configs/tiny.yaml", [
         "model.num_layers=2", "data.seq_len=16", "data.batch_size=1", "data.micro_batches=2",
         "train.compute_dtype=bfloat16", "train.grad_dtype=bfloat16",
-        f"model.tie_embeddings={str(tied).lower()}", f"train.host_lookup={setting}"])
+        f"model.tie_embeddings={str(tied).lower()}", f"train.host_lookup={setting}",
+        "offload.copies=eager"])  # as the engine on one CPU device takes them
     engine = build_engine(cfg)
     tokens = np.ones((2, 1, 16), np.int32)
     engine.train_step(tokens, tokens)
@@ -384,6 +398,52 @@ def test_the_jit_forms_copies_start_with_the_call_that_makes_them():
     last = next(o for o in eager if o.label == "backward 0" and o.resource == "device")
     assert [o.start >= last.end for o in eager if o.label == "gradient 0" and
             o.resource == "d2h"] == [True]  # (the eager form: after the layer's compute)
+
+
+ORDERS = {  # (offload.copies, train.prefetch, activations offloaded, train.host_lookup)
+    "eager": ("eager", 1, False, False), "jit": ("jit", 1, False, False),
+    "eager, prefetch 0": ("eager", 0, False, False),
+    "eager, offloaded, prefetch 2, host lookup": ("eager", 2, True, True),
+    "jit, offloaded, prefetch 2": ("jit", 2, True, False),
+    "jit, host lookup": ("jit", 1, False, True)}
+
+
+@pytest.mark.parametrize("copies,prefetch,offload,lookup", ORDERS.values(), ids=ORDERS)
+def test_the_models_order_is_the_engines(copies, prefetch, offload, lookup):
+    """The events the model's operations stand for (Prediction.events) are the engine's own
+    on_event trace of a real step of the same config, in order: on the dispatching thread each
+    copy (eager or in a call), each layer's dispatch and each retire's wait; on the host thread
+    each unit's update. The passes run through one interpreter of the schedule in both
+    (schedule.walk); the rest of the step is written twice (engine/step.py, step_time._step),
+    so a change to either alone fails here. CPU device 1 stands for the accelerator."""
+    import jax
+    import numpy as np
+    from megatrain_jax.config import load_config
+    from megatrain_jax.recipes import build_engine
+    from megatrain_jax.step_time import step_shape
+    cfg = load_config("configs/tiny.yaml", [
+        "model.num_layers=3", "model.hidden_size=32", "model.intermediate_size=64",
+        "model.num_heads=2", "model.num_kv_heads=1", "data.seq_len=8", "data.batch_size=1",
+        "data.micro_batches=2", f"train.prefetch={prefetch}", f"offload.copies={copies}",
+        f"train.host_lookup={str(lookup).lower()}", "model.tie_embeddings=false"])
+    cpu = jax.devices("cpu")
+    engine = build_engine(cfg, compute_device=cpu[1], host_device=cpu[0],
+                          offload_activations=offload)
+    tokens = np.ones((2, 1, 8), np.int32)
+    engine.train_step(tokens, tokens)
+    engine.wait()
+    trace = []
+    engine.on_event = lambda kind, what, layer: trace.append((kind, what, layer))
+    engine.train_step(tokens, tokens)
+    engine.wait()
+    engine.close()
+    s = step_shape(cfg, offload=offload)
+    assert (s.copies, s.prefetch, s.host_lookup) == (engine.copies, prefetch, engine.host_lookup)
+    model = [e[1:] for e in simulate(s, Rates(), steps=2).events if e[0] == 1]
+    threads = lambda events: ([e for e in events if e[0] != "update"],
+                              [e for e in events if e[0] == "update"])
+    assert threads(model) == threads(trace)
+    assert ("dispatch", "backward", 0) in trace and len(threads(trace)[1]) == 5
 
 
 def test_overlaps_come_from_the_gpus_measurements():
@@ -466,11 +526,11 @@ def test_measured_rates_come_from_the_engines_own_paths(tmp_path):
     other = dataclasses.replace(s, tokens_per_step=65)
     rates, sources, bench = measured_rates(str(tmp_path), other)
     assert bench is None and "matmul" in sources["device_tflops"]
-    # a folder with nothing in it keeps every default
+    # a folder with no rate in it is refused: a prediction "from measured rates" of the defaults
     empty = tmp_path / "empty"
     empty.mkdir()
-    rates, sources, _ = measured_rates(str(empty), s)
-    assert dataclasses.asdict(rates) == DEFAULTS and set(sources.values()) == {"default"}
+    with pytest.raises(ValueError, match=r"^no rate in it \(0 JSON files, none a result of "):
+        measured_rates(str(empty), s)
 
 
 def plan_cli(*args):

@@ -64,7 +64,7 @@ def test_at_most_prefetch_plus_one_layers_resident(prefetch):
 
 def test_resident_count_sees_layers_left_to_python(monkeypatch):
     """Guards the test above: without explicit deletes, the count reaches the model's depth."""
-    monkeypatch.setattr(stream, "delete", lambda tree: None)
+    monkeypatch.setattr(stream, "delete", lambda tree, counters=None: None)
     engine = engine_for(CFG, compute_dtype=jnp.bfloat16, prefetch=1)
     assert count_resident_weights(engine) >= CFG.num_layers
     engine.close()
@@ -82,7 +82,7 @@ def activation_bytes_at_backward_start(num_layers, offload):
     def check(phase, layer=None):
         if phase == "loss":  # the forward is done; the backward starts next
             jax.block_until_ready(jax.live_arrays())
-            shape = (2, 16, cfg.hidden_size)  # (batch, seq, hidden): saved layer inputs
+            shape = (2, 2, 16, cfg.hidden_size)  # (micro-batch, batch, seq, hidden): saved inputs
             for kind in ("device", "pinned_host"):
                 found[kind] = sum(a.nbytes for a in jax.live_arrays()
                                   if on_compute(a, kind) and a.shape == shape

@@ -97,7 +97,8 @@ def test_skipped_steps_write_no_checkpoint_and_keep_rotates_none_of_the_healthy_
                                                                                    healthy_run):
     """3 healthy steps saved every step, then a diverging resume with keep=3: the steps it skips
     write nothing, so the kept checkpoints are the last 3 steps that trained; the stop line names
-    the last one and how to resume from it."""
+    the last one whose weights trained normally (the one before the update at 1e30) and how to
+    go back to it."""
     run_dir = tmp_path / "run"
     shutil.copytree(healthy_run, run_dir)
     cfg = lambda *o: load_config(TINY, [*FAST, f"run_dir={run_dir}", "checkpoint.every=1", *o])
@@ -114,7 +115,10 @@ def test_skipped_steps_write_no_checkpoint_and_keep_rotates_none_of_the_healthy_
     assert manager.all_steps() == trained[-3:]  # none of the skipped, the last 3 that trained
     line = str(e.value)
     assert "\n" not in line and f"stopped at step {skipped[-1]}" in line
-    assert f"the last checkpoint written before them is step {trained[-1]}" in line
+    # the last that trained took the update at 1e30: its weights gave no normal step
+    assert (f"the last checkpoint written before them, step {trained[-1]}, holds weights that "
+            f"gave no normal step" in line)
+    assert f"checkpoint step {trained[-2]}, the last whose weights gave a normal loss" in line
     assert "checkpoint.allow_changes=[optimizer]" in line
     # A skipped step's grad norm is null, and the rate it logs is the one the optimizer would use:
     # the schedule's at the updates made so far (skipped steps make none), not at the step.
@@ -159,4 +163,51 @@ def test_a_resume_diverging_through_finite_steps_keeps_the_last_healthy_checkpoi
     manager = checkpoint.make_manager(str(run_dir / "checkpoints"))
     saved = [r["step"] for r in records if not r.get("skipped")]
     assert manager.all_steps() == sorted({kept, *saved[-3:]})
+    manager.close()
+
+
+def test_an_engine_after_close_says_it_is_closed(tmp_path):
+    """After close() a step raised "cannot schedule new futures after shutdown" and state()
+    still returned a dict (of a disk tier: files already gone). Every call that steps or reads
+    or loads state says the engine is closed; a second close() is harmless."""
+    engine = build_engine(load_config(TINY, [*FAST, f"run_dir={tmp_path}/run"]))
+    inputs = jax.numpy.zeros((1, 2, 32), jax.numpy.int32)
+    float(engine.train_step(inputs, inputs)["loss"])
+    state = jax.tree.map(lambda x: x.copy(), engine.state())
+    engine.close()
+    engine.close()
+    closed = re.escape("the engine is closed (close() was called): it cannot step nor give or "
+                       "take state; build a new engine")
+    for call in (lambda: engine.train_step(inputs, inputs), lambda: engine.evaluate(inputs, inputs),
+                 engine.state, engine.params, engine.wait, lambda: engine.load_state(state),
+                 lambda: engine.load_unit(0, state["layers"][0])):
+        with pytest.raises(RuntimeError, match=f"^{closed}$"):
+            call()
+
+
+def test_a_divergence_names_the_last_checkpoint_whose_weights_trained_normally(tmp_path):
+    """bf16 moments at lr 1e30 (warming up from 0): step 2 updates into weights whose loss is
+    ln(257), as normal as any, but whose gradient is not finite; checkpoint 2 holds them. The
+    stop named checkpoint 2 to resume from: now checkpoint 1, the last whose weights gave a
+    normal step, kept out of the rotation, with checkpoint 2 named as diverged."""
+    run_dir = tmp_path / "run"
+    with pytest.raises(TrainingError) as e:
+        train(load_config(TINY, [*FAST, f"run_dir={run_dir}", "optimizer.state_dtype=bfloat16",
+                                 "optimizer.learning_rate=1e30", "train.steps=8",
+                                 "checkpoint.every=1", "checkpoint.keep=1",
+                                 "train.max_bad_steps=2"]), log=lambda *a: None)
+    records = strict_records(run_dir / "metrics.jsonl")
+    assert [r.get("skipped", False) for r in records] == [False, False, True, True]
+    assert records[2]["loss"] < records[0]["loss"] * 1.1  # a loss that looks normal
+    assert str(e.value) == (
+        f"stopped at step 4: 2 consecutive steps with a non-finite gradient "
+        f"(train.max_bad_steps=2, last in stages, 0, 1); no update and no checkpoint was made "
+        f"from them; the last checkpoint written before them, step 2, holds weights that gave no "
+        f"normal step (an update diverged into them); checkpoint step 1, the last whose weights "
+        f"gave a normal loss, is kept out of checkpoint.keep's rotation; to go back to it, move "
+        f"the checkpoints after step 1 out of {run_dir / 'checkpoints'} and run again with a "
+        f"lower optimizer.learning_rate and checkpoint.allow_changes=[optimizer] (or check the "
+        f"data)")
+    manager = checkpoint.make_manager(str(run_dir / "checkpoints"))
+    assert manager.all_steps() == [1, 2]  # keep=1, and the healthy one kept out of rotation
     manager.close()

@@ -27,6 +27,18 @@ class Head(nnx.Module):
         return optax.softmax_cross_entropy_with_integer_labels(x @ self.w[...], targets).mean()
 
 
+class Residual(nnx.Module):
+    """x + tanh(x w + b) out, w (dim, width): a block whose matrices are not square."""
+
+    def __init__(self, dim: int, width: int, rngs: nnx.Rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (dim, width)) * 0.1)
+        self.b = nnx.Param(jnp.zeros((width,)))
+        self.out = nnx.Param(jax.random.normal(rngs.params(), (width, dim)) * 0.1)
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.w[...] + self.b[...]) @ self.out[...]
+
+
 def capture_grads() -> optax.GradientTransformation:
     """Leaves the params alone and keeps the last gradient as its state (its new state is its
     input, so no output of the update takes the donated state's place)."""

@@ -18,6 +18,7 @@ host reads it (the host lookup, engine/lookup.py).
 """
 
 import dataclasses
+import math
 import os
 from typing import Any, Optional
 
@@ -189,7 +190,8 @@ class Ring:
     i - 2), so a fill waits on nothing in steady state, and never before a dispatch on work the
     device has not been given. A fill whose slot's reader never retired nor released (a step that
     raised midway) writes into a fresh buffer instead (`fresh`, counted): the old one goes with
-    its reader.
+    its reader. A fill whose slot's token failed (its reader's computation did) raises
+    ReaderFailed: the engine names itself unusable, once, with that cause.
 
     `write(leaves, master)` writes the compute-dtype cast of the master leaves (numpy fp32)
     into the slot's leaves (jax arrays) through their pointers. `debug`: the fetches of each
@@ -202,7 +204,7 @@ class Ring:
         self.serial = 0  # fills made so far (a reader's id)
         self.holds = {}  # unit -> (its latest fill's slot, that fill's serial)
         self.fresh = 0  # fills written into a fresh buffer (a reader that never retired)
-        self.on_fill = None  # on_fill(unit, slot), when set: each fill, before it writes
+        self.on_fill = None  # on_fill(unit, slot), when set: each fill, before it waits
         self._mark = jax.jit(lambda leaves: [jnp.ravel(x)[:1] for x in leaves])
 
     def _new(self):
@@ -216,9 +218,14 @@ class Ring:
         s = self.next
         self.next = (s + 1) % self.size
         slot = self.slots[s]
+        if self.on_fill is not None:
+            self.on_fill(u, s)
         if slot.reader is not None:
             if slot.token is not None:
-                jax.block_until_ready(slot.token)
+                try:
+                    jax.block_until_ready(slot.token)
+                except Exception as e:
+                    raise ReaderFailed(s, e) from None
             elif slot.fetches and not any(x.is_deleted() for x in slot.fetches):
                 jax.block_until_ready(slot.fetches)  # a copy's output is ready once it is done
             else:
@@ -230,8 +237,6 @@ class Ring:
                 raise RuntimeError(f"bus ring slot {s} would be rewritten for layer {u - 1} while "
                                    f"{len(copying)} of the arrays fetched from it are still being "
                                    f"copied")
-        if self.on_fill is not None:
-            self.on_fill(u, s)
         self.serial += 1
         slot.reader, slot.token, slot.fetches = self.serial, None, []
         self.holds[u] = (s, self.serial)
@@ -267,6 +272,17 @@ class Ring:
         return self.size * transfer.nbytes(self.slots[0].bus)
 
 
+class ReaderFailed(RuntimeError):
+    """The computation that read a ring slot failed (`cause`, one line): the device's work is in
+    an unknown state, the engine refuses to go on (StreamedEngine: unusable, once named)."""
+
+    def __init__(self, slot: int, e: Exception):
+        line = (str(e).strip().splitlines() or [""])[0]
+        self.cause = f"a computation that read bus ring slot {slot} failed ({type(e).__name__}: " \
+                     f"{line})"
+        super().__init__(f"the engine is unusable: {self.cause}")
+
+
 def ring_size(prefetch: int) -> int:
     """Slots of the ring: the prefetch + 1 fetched layers of a pass, and one whose reader has
     just retired (Ring's docstring)."""
@@ -283,7 +299,10 @@ def pinned_pool_bytes() -> int:
     try:
         gib = float(value) if value else POOL_DEFAULT_GIB
     except ValueError:
-        raise ValueError(f"{POOL_VARIABLE}={value!r} is not a number of GiB") from None
+        gib = math.nan
+    if not 0 < gib < math.inf:
+        raise ValueError(f"{POOL_VARIABLE}={value!r} is not a number of GiB > 0 (XLA's pinned "
+                         f"host pool); set it to one, e.g. {POOL_DEFAULT_GIB}, or unset it")
     return int(gib * 2**30)
 
 

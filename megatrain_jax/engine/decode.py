@@ -32,7 +32,7 @@ from megatrain_jax.engine import bus as bus_lib
 from megatrain_jax.engine import transfer
 from megatrain_jax.engine.functions import merge_part, stage_parts
 from megatrain_jax.engine.parallel import Placement
-from megatrain_jax.engine.stage_units import param_split
+from megatrain_jax.engine.stage_units import param_split, stages_split
 from megatrain_jax.engine.stream import Counters, LayerStream, delete
 
 
@@ -73,15 +73,16 @@ class StreamedDecoder:
             jax.tree.map(lambda p: jnp.asarray(p).astype(dtype), tree), where)
 
         with jax.default_device(self.host_device):
-            stages_def, stages = param_split((first, last), "the first/last stages")
-            self.layers = []
+            stages_def, stages = stages_split((first, last))
+            self.layers, self.constants = [], []  # the Constants stay on the compute device
             for i in range(num_layers):
-                graphdef, params = param_split(make_block(i), f"block {i}")
+                graphdef, params, constants = param_split(make_block(i), f"block {i}")
                 if i == 0:
                     block_def = graphdef
                 elif graphdef != block_def:
                     raise ValueError(f"block {i} differs in structure from block 0")
                 self.layers.append(cast(params, self.bus))
+                self.constants.append(jax.device_put(constants, self.compute))
                 del params
         leaves, treedef = jax.tree.flatten(stages)
         parts = stage_parts(stages_def, stages, jax.ShapeDtypeStruct((1, 1), jnp.int32),
@@ -93,17 +94,18 @@ class StreamedDecoder:
 
         self._first = jax.jit(lambda w, tokens: merge("first", w)[0](tokens))
         self._logits = jax.jit(lambda w, x: logits(merge("last", w)[1], x[:, -1:])[:, 0])
-        self._start = jax.jit(lambda w, x: start(nnx.merge(block_def, w), x))
+        self._start = jax.jit(lambda w, k, x: start(nnx.merge(block_def, w, k), x))
         self._extend = jax.jit(
-            lambda w, x, state, position: extend(nnx.merge(block_def, w), x, state, position),
-            donate_argnums=(2,))
+            lambda w, k, x, state, position: extend(nnx.merge(block_def, w, k), x, state,
+                                                    position),
+            donate_argnums=(3,))
         self.states, self.position = None, 0
 
     def start(self, tokens) -> jax.Array:
         """Runs the prompt `tokens` (B, T) from position 0, replacing every layer's state;
         returns the logits of its last position, (B, V) fp32."""
         self.states = [None] * self.num_layers
-        logits = self._forward(tokens, lambda i, w, x: self._start(w, x))
+        logits = self._forward(tokens, lambda i, w, x: self._start(w, self.constants[i], x))
         self.position = jnp.shape(tokens)[1]
         return logits
 
@@ -113,8 +115,8 @@ class StreamedDecoder:
         if self.states is None:
             raise ValueError("extend before start: there is no state to extend")
         position = jax.device_put(jnp.asarray(self.position, jnp.int32), self.compute)
-        logits = self._forward(tokens, lambda i, w, x: self._extend(w, x, self.states[i],
-                                                                    position))
+        logits = self._forward(tokens, lambda i, w, x: self._extend(
+            w, self.constants[i], x, self.states[i], position))
         self.position += jnp.shape(tokens)[1]
         return logits
 

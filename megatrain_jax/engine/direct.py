@@ -2,7 +2,7 @@
 releases the GIL, on numpy state the engine owns. Each gradient is read where the device wrote it
 (a zero-copy view of its pinned piece), each bus copy written where the device reads it (a
 persistent buffer per leaf): no copy between jax's clients, no memcpy, no jit on the update's
-path (docs/architecture.md, "The host update").
+path (measured against the kernel in a jit: docs/benchmarks.md, "Host update").
 
     arrays = UnitArrays.of(params, opt_state)      # copied in once, by the kernel's threads
     update = DirectAdamW(hyper, max_grad_norm, host_device, counters)
@@ -15,21 +15,26 @@ The engine writes unit u's bus copy only in u's update, which starts once u's gr
 Every fetch of u's bus copy in a step fed that gradient (the forward's through the loss, the
 backward's through u's backward); a fetch of another call (evaluation, generation) is followed,
 on the device's one stream, by the compute of the next step's gradient. So no copy that reads it
-is in flight. In debug mode (`MEGATRAIN_DEBUG_BUS=1`) the engine keeps every fetch until the
-unit's update and refuses to write while one is still copying (HostState.fetched).
+is in flight. In debug mode (`MEGATRAIN_DEBUG_BUS=1`, both update paths: the jit path's writes
+into the donated old copy) the engine keeps each fetch still copying until the unit's update and
+refuses to write while one still is (HostState.fetched); the bus ring's fills check theirs.
 
-**Readers of the state.** `view` hands out the state as jax arrays over read-only views of the
-unit's buffers (no copy). While anything references them (a checkpoint being written in the
-background, a caller's `engine.params()`), the unit's update would change them under the reader:
-its owner buffer's reference count says so, and the update then copies the unit into fresh
-buffers first (copy-on-write, counted in `host_snapshot_bytes`) and leaves the old ones to the
-reader, as XLA does for a donated buffer that a numpy view still references.
+**Readers of the state.** `lend` hands out the state (`params()`, `state()`, a checkpoint's
+save) as jax arrays over read-only views of the unit's buffers (no copy), each view made from a
+lease of its own (`_Lease`): every array that can reach those bytes, the jax arrays, numpy
+arrays taken of them, slices of those, holds it, so it lives exactly as long as a reader can read
+them. While a lease of a unit lives, its update copies the unit into fresh buffers first
+(copy-on-write, counted in `host_snapshot_bytes`) and leaves the old ones to the reader; once its
+leases are gone (the reader dropped the last of them, a save wrote and let go of its last leaf),
+updates are in place again. The engine's own views (`trees`) and any other reference to its
+buffers are no reader: they never make a copy.
 """
 
 import ctypes
 import dataclasses
 import mmap
-import sys
+import threading
+import weakref
 from typing import Any, Optional
 
 import jax
@@ -73,7 +78,9 @@ class UnitArrays:
     lr_count: Optional[int]
     params_def: Any
     opt_def: Any  # (adam state, decay state, schedule state) with None leaves
-    baseline: int = 0
+    # the leases of the views handed out (`lend`): weak references, dead once nothing reads them
+    leases: list = dataclasses.field(default_factory=list)
+    _lock: Any = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     @staticmethod
     def of(params, opt_state, lib) -> "UnitArrays":
@@ -93,11 +100,11 @@ class UnitArrays:
                                       moments)
         for kind, leaves in zip((arrays.p, arrays.m, arrays.v), sources):
             for dst, src in zip(kind, leaves, strict=True):
-                src = np.ascontiguousarray(np.asarray(src, dst.dtype))
+                # (not np.ascontiguousarray: it makes a 0-d leaf 1-d)
+                src = np.asarray(src, dst.dtype, order="C")
                 if src.shape != dst.shape:
                     raise ValueError(f"a leaf shaped {src.shape} where the unit has {dst.shape}")
                 lib.megatrain_copy(dst.ctypes.data, src.ctypes.data, dst.nbytes)
-        arrays.settle()
         return arrays
 
     @staticmethod
@@ -122,17 +129,13 @@ class UnitArrays:
                                    self.count, self.lr_count, self.moments)
         for dst, src in zip(new.p + new.m + new.v, self.p + self.m + self.v):
             lib.megatrain_copy(dst.ctypes.data, src.ctypes.data, dst.nbytes)
-        new.settle()
         return new
 
-    def settle(self):
-        """Records the references the engine itself holds to the allocation: any more are a
-        reader's (`lent`)."""
-        self.baseline = sys.getrefcount(self.owner)
-
     def lent(self) -> bool:
-        """Whether something besides the engine references the unit's buffers."""
-        return sys.getrefcount(self.owner) > self.baseline
+        """Whether a view handed out by `lend` may still be read."""
+        with self._lock:  # (lend runs on the caller's thread, lent on the host thread)
+            self.leases = [lease for lease in self.leases if lease() is not None]
+            return bool(self.leases)
 
     @property
     def moments(self) -> np.dtype:
@@ -144,11 +147,27 @@ class UnitArrays:
         return sum(x.nbytes for x in self.p + self.m + self.v)
 
     def trees(self, wrap) -> tuple:
-        """(params, opt_state) as optax.adamw's trees, each leaf `wrap(read-only view)`."""
+        """(params, opt_state) as optax.adamw's trees, each leaf `wrap(read-only view)`: the
+        engine's own (its bus copy when that is the weights), never a reader's."""
+        return self._trees(wrap, lambda x: x.view())
+
+    def lend(self, wrap) -> tuple:
+        """`trees` for a reader: each view leased (the module's docstring), so that the update
+        copies the unit while the reader can still read it."""
+        self.lent()  # (drops the dead leases: a loop of reads with no update keeps none)
+
+        def leased(x):
+            lease = _Lease(x)
+            with self._lock:
+                self.leases.append(weakref.ref(lease))
+            return np.asarray(lease).view(x.dtype).reshape(x.shape)
+        return self._trees(wrap, leased)
+
+    def _trees(self, wrap, view) -> tuple:
         def ro(x):
-            view = x.view()
-            view.flags.writeable = False
-            return wrap(view)
+            x = view(x)
+            x.flags.writeable = False
+            return wrap(x)
         params = jax.tree.unflatten(self.params_def, [ro(x) for x in self.p])
         mu = jax.tree.unflatten(self.params_def, [ro(x) for x in self.m])
         nu = jax.tree.unflatten(self.params_def, [ro(x) for x in self.v])
@@ -158,6 +177,19 @@ class UnitArrays:
         if self.lr_count is not None:
             lr_state = lr_state._replace(count=wrap(np.asarray(self.lr_count, np.int32)))
         return params, (adam, decay_state, lr_state)
+
+
+class _Lease:
+    """The bytes of one leaf as a buffer of their own (numpy's array interface): a numpy array
+    made from it has it as its base, and so do its views and whatever aliases them (a jax array
+    over it, numpy arrays of that), where a view of the unit's own array would have the unit's
+    allocation as its base. Its lifetime is therefore its readers'. Keeps the allocation alive."""
+    __slots__ = ("__array_interface__", "owner", "__weakref__")
+
+    def __init__(self, x: np.ndarray):
+        self.owner = x
+        self.__array_interface__ = {"shape": (x.nbytes,), "typestr": "|u1", "version": 3,
+                                    "data": (x.ctypes.data, True)}  # read-only
 
 
 class DirectAdamW:
@@ -174,9 +206,9 @@ class DirectAdamW:
         self.on_kernel = None  # on_kernel(u, ranges), when set: each call's ranges (for tests)
         self._decays = {}  # per params structure: the leaves' weight-decay flags
 
-        def scalars(count, lr_count, norm, scale):
+        def scalars(count, lr_count, norm, scale, unit):
             s, count, lr_count = fused_adamw.step_scalars(hyper, count, lr_count, norm, scale,
-                                                          max_grad_norm)
+                                                          max_grad_norm, unit)
             return jnp.stack([s[k] for k in fused_adamw.SCALARS]), count, lr_count
 
         self._scalars = jax.jit(scalars, out_shardings=self.host)
@@ -194,20 +226,23 @@ class DirectAdamW:
         return self._decays[key]
 
     def apply(self, u: int, arrays: UnitArrays, pieces: list, grad_norm, scale, bus: list,
-              what: str) -> UnitArrays:
+              what: str, firsts=None) -> UnitArrays:
         """One AdamW step of unit u in place (or, when a reader holds its state, in a copy, which
         is returned). pieces: per leaf, the gradient's pieces in row order (jax arrays in pinned
         or host memory, or numpy); bus: per leaf the bf16 (or f32) bus buffer to write, or None
-        (the weights are the bus copy). grad_norm, scale: scalars (jax or numpy)."""
+        (the weights are the bus copy). grad_norm, scale: scalars (jax or numpy). firsts: per
+        leaf, the index in the whole leaf of its first element here (the sharded host layout's
+        rows; None: all 0), which with u keys bf16 moments' rounding (fused_adamw.cc)."""
         if arrays.lent():
             arrays = arrays.copy(self.lib)
             self.counters.host_snapshot_bytes += arrays.nbytes
         vec, count, lr_count = self._scalars(
             np.int32(arrays.count), np.int32(arrays.lr_count or 0),
-            np.float32(grad_norm), np.float32(scale))
+            np.float32(grad_norm), np.float32(scale), np.int32(u))
         vec = np.ascontiguousarray(np.asarray(vec), np.float32)
         keep, ranges = [vec], []  # keep: what the pointer table points into, until the call returns
         decays = self.decays(arrays)
+        firsts = [0] * len(arrays.p) if firsts is None else firsts
         if len(pieces) != len(arrays.p):
             raise ValueError(f"{what}: a gradient of {len(pieces)} leaves for a unit of "
                              f"{len(arrays.p)}")
@@ -230,11 +265,11 @@ class DirectAdamW:
                 bus_at = None
                 if bus_ptr is not None and out.dtype == jnp.bfloat16:
                     bus_at = bus_ptr + 2 * offset
-                k = m.itemsize  # 4, or 2 for bf16 moments (rounded by (leaf i, element offset +)
+                k = m.itemsize  # 4, or 2 for bf16 moments
                 ranges.append(fused_adamw.Range(
                     p.ctypes.data + 4 * offset, m.ctypes.data + k * offset,
                     v.ctypes.data + k * offset, g.ctypes.data, bus_at, n, int(bf16),
-                    int(decays[i]), int(k == 2), i, offset))
+                    int(decays[i]), int(k == 2), i, firsts[i] + offset))
                 offset += n
             if offset != p.size:
                 raise ValueError(f"{what}: a gradient of {offset} elements for a leaf of {p.size}")
@@ -277,13 +312,3 @@ class DirectAdamW:
             raise ValueError(f"{what}: its bus copy is {out.dtype}{out.shape}, not {p.shape} in "
                              f"bfloat16 or float32")
         return out.unsafe_buffer_pointer()
-
-    def write_bus(self, arrays: UnitArrays, bus: list):
-        """The bus copy made from the unit's weights, in place (construction, a loaded state)."""
-        for out, p in zip(bus, arrays.p):
-            ptr = self._bus_pointer(out, p, "a unit")
-            if out.dtype == jnp.bfloat16:
-                self.lib.megatrain_to_bf16(ptr, p.ctypes.data, p.size)
-            else:
-                self.lib.megatrain_copy(ptr, p.ctypes.data, p.nbytes)
-

@@ -18,11 +18,12 @@ that of the weights after every step so far. It reuses the step's jitted embed a
 import jax
 
 from megatrain_jax.engine.step import StepParts
-from megatrain_jax.engine.stream import LayerStream, delete
+from megatrain_jax.engine.stream import LayerStream
 
 
-def _forward(sp: StepParts, inputs, contexts) -> list:
-    """x_L[m] for every micro-batch: the embedding and every block, streamed, forward only."""
+def _forward(sp: StepParts, inputs, contexts):
+    """x_L[m] for every micro-batch (stacked): the embedding and every block, streamed, forward
+    only, one call per layer."""
     f = sp.functions
 
     # ---- embed
@@ -30,41 +31,37 @@ def _forward(sp: StepParts, inputs, contexts) -> list:
 
     # ---- forward: each layer's input is freed once its output is computed
     stream = LayerStream(range(sp.num_layers), lambda i: sp.fetch_unit(1 + i), sp.prefetch,
-                         on_retire=sp.read())
+                         on_retire=sp.read(), counters=sp.host.counters)
     for i, w in stream:
-        ys = [f.block_fwd(w, x, c)[0] for x, c in zip(xs, contexts)]  # aux: not evaluated
-        kept = {id(y) for y in ys}  # a jitted identity may hand its input back
-        stream.done(ys, (sp.fetched(w), [x for x in xs if id(x) not in kept]))
+        (ys, _), _, _ = sp.call(f.layer_fwd, ((w, sp.constants[i]), xs, contexts))  # aux: not
+        # evaluated (a jitted identity may hand its input back)
+        stream.done(ys, (sp.fetched(w), () if ys is xs else xs))
         xs = ys
     return xs
 
 
 def run(sp: StepParts, inputs, targets, contexts) -> dict:
     """{"loss_sum", "weight", "loss"} (and "stats" when the last stage returns them, summed)
-    over M micro-batches already on the device; scalars still being computed.
+    over M micro-batches stacked on the device; scalars still being computed.
     loss = sum(loss_sum) / sum(weight), as a training step's loss."""
-    f = sp.functions
     xs = _forward(sp, inputs, contexts)
 
     # ---- loss
     w = sp.fetch_stage("last")
-    out = [f.head_loss(w, x, t) for x, t in zip(xs, targets)]
-    delete((sp.fetched(w), xs))
-    loss_sum = f.total([s for s, _, _ in out])
-    weight = f.total([n for _, n, _ in out])
-    loss = loss_sum / jax.numpy.where(weight > 0, weight, 1.0)
+    loss, loss_sum, weight, stats = sp.functions.head_loss(w, xs, targets)
+    sp.delete((sp.fetched(w), xs))
     result = {"loss_sum": loss_sum, "weight": weight, "loss": loss}
-    if out[0][2] is not None:
-        result["stats"] = f.tree_total([s for _, _, s in out])
+    if stats is not None:
+        result["stats"] = stats
     return sp.placement.local(result)
 
 
 def outputs(sp: StepParts, inputs, targets, contexts, output) -> list:
     """[output(last, x_L[m], targets[m]) for every micro-batch m]: the streamed forward, then any
-    function of the last stage (e.g. per-sequence log-probabilities) instead of its loss."""
+    function of the last stage (e.g. per-sequence log-probabilities) instead of its loss, in one
+    call over the micro-batches."""
     xs = _forward(sp, inputs, contexts)
     w = sp.fetch_stage("last")
-    fn = sp.functions.head_output(output)
-    out = [fn(w, x, t) for x, t in zip(xs, targets)]
-    delete((sp.fetched(w), xs))
-    return out
+    out = sp.functions.head_output(output)(w, xs, targets)
+    sp.delete((sp.fetched(w), xs))
+    return [jax.tree.map(lambda a: a[m], out) for m in range(len(inputs))]

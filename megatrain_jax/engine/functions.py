@@ -19,14 +19,18 @@ batch computes, so micro-batches still equal one big batch.
 """
 
 import dataclasses
+import functools
+import operator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from megatrain_jax.engine.parallel import Placement, sum_squares, zeros_like_acc
-from megatrain_jax.engine.transfer import with_copies
+from megatrain_jax.engine import stage_units
+from megatrain_jax.engine.parallel import Placement, sum_squares
+from megatrain_jax.engine.schedule import EAGER, JIT
+from megatrain_jax.engine.transfer import PINNED, with_copies
 
 
 def tree_add(acc, tree):
@@ -100,7 +104,13 @@ def merge_part(stages_def, stages_treedef, indices: tuple, leaves: list) -> tupl
     return nnx.merge(stages_def, jax.tree.unflatten(stages_treedef, full))
 
 
-@jax.jit
+def fold(stacked):
+    """Each leaf's sum over its leading (micro-batch) axis, m = 0 first: the order in which a
+    Python sum over per-micro-batch results adds them, so the same bits."""
+    return jax.tree.map(lambda a: functools.reduce(operator.add, [a[m] for m in range(len(a))]),
+                        stacked)
+
+
 def norm_and_scale(layers_sq, stages_sq, weight):
     """(global norm of the scaled gradient, scale = 1 / sum of loss weights), where the sums of
     squares are (a list of the layers', the stages')."""
@@ -111,26 +121,51 @@ def norm_and_scale(layers_sq, stages_sq, weight):
 class DeviceFunctions:
     """Every function the step runs on the compute device, jitted once per shape.
 
+    A step's M micro-batches come stacked, (M, rows, ...), and each call runs all of them: the
+    micro-batches are a lax.scan inside it (`unroll`: the loop unrolled in the traced program
+    instead; docs/benchmarks.md measured both), each one computed as it would be alone, every sum
+    over them taken in their order (m = 0 first), so the results are those of one call per
+    micro-batch. A layer's call starts its gradient at zero, accumulates it in fp32, sums it over
+    the devices (Placement.reduce), takes its sum of squares and casts it to `grad_dtype`, all
+    inside.
+
+    The calls that stream (`layer_fwd`, `layer_bwd`, `embed_bwd`) take `(fetch, out, *args)`
+    (transfer.with_copies): `fetch` (a unit's bus copy and saved inputs in pinned host memory)
+    copied to the device and `out` (a gradient) to its pinned host memory inside the call, beside
+    its compute (the jit form, engine/step.py), each None when there is none. `copies` the
+    copies' form (schedule.EAGER or JIT): in the jit form `stages` leaves the stages' gradient
+    and the scalars the host update reads in pinned host memory too.
+
     Stage weights come as flat leaf lists of one part (StageParts): `embed` and `embed_bwd` take
     the `first` part, `head` and `head_loss` (the loss without gradients, for evaluation) the
-    `last` part. Accumulators are fp32 and donated; with several devices they hold one partial sum
-    per device until `reduce` (parallel.py)."""
+    `last` part. `block_fwd` and `block_bwd` are one micro-batch's block alone on one device
+    (what a layer's call computes per micro-batch; a long-context bench reads their workspace,
+    tests call them one micro-batch at a time). A layer comes to `block_*` and `layer_*` as
+    (its weights, its Constants: stage_units.py; {} where it has none); only the weights are
+    differentiated. counters (stream.Counters): each function's calls on the dispatching thread
+    counted there."""
 
     def __init__(self, stages_def, stages_treedef, parts: StageParts, block_def, grad_dtype,
-                 aux_loss=None, placement: Placement | None = None):
+                 aux_loss=None, placement: Placement | None = None, counters=None,
+                 copies: str = EAGER, unroll: bool = False):
         # Several devices: each function runs on every device over its rows (parallel.py); sums
         # over tokens (loss, weight, aux) are then summed over the devices, gradients accumulate
-        # per device until `reduce`.
+        # per device until `on.reduce`.
         on = placement or Placement([jax.local_devices()[0]])
         everywhere = on.sum_over_devices
+        each = functools.partial(jax.lax.scan, unroll=unroll)
+        f32_zeros = lambda w: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), w)
 
         def merge_stages(part: str, leaves):
             return merge_part(stages_def, stages_treedef, getattr(parts, part), leaves)
 
-        def embed(w, inputs):
+        def embed_one(w, inputs):
             return merge_stages("first", w)[0](inputs)
 
-        def head(w, x, targets, acc):
+        def embed(w, inputs):
+            return each(lambda _, x: (None, embed_one(w, x)), None, inputs)[1]
+
+        def head_one(w, x, targets, acc):
             def loss_fn(w, x):
                 loss_sum, weight, stats = split_loss(merge_stages("last", w)[1](x, targets))
                 return loss_sum, (weight, stats)
@@ -139,83 +174,158 @@ class DeviceFunctions:
             return (everywhere(loss_sum), everywhere(weight), everywhere(stats), dx,
                     tree_add(acc, dw))
 
-        def head_loss(w, x, targets):
-            """The loss alone, for evaluation: (loss_sum, weight, stats), no gradient."""
-            return everywhere(split_loss(merge_stages("last", w)[1](x, targets)))
+        def totals(loss_sums, weights, stats):
+            """(loss, its weight, the statistics) over the micro-batches."""
+            loss_sum, weight, stats = fold((loss_sums, weights, stats))
+            return loss_sum / jnp.where(weight > 0, weight, 1.0), loss_sum, weight, stats
+
+        def head(w, xs, targets):
+            """(loss, total weight, statistics, dx[m] stacked, the last part's gradient in fp32
+            summed over the devices)."""
+            def body(acc, xt):
+                loss_sum, weight, stats, dx, acc = head_one(w, *xt, acc)
+                return acc, (loss_sum, weight, stats, dx)
+            acc, (loss_sums, weights, stats, dxs) = each(body, f32_zeros(w), (xs, targets))
+            loss, _, weight, stats = totals(loss_sums, weights, stats)
+            return loss, weight, stats, dxs, on.reduce(acc)[0]
+
+        def head_loss(w, xs, targets):
+            """The loss alone, for evaluation: (loss, loss_sum, weight, stats), no gradient."""
+            out = each(lambda _, xt: (None, everywhere(split_loss(
+                merge_stages("last", w)[1](*xt)))), None, (xs, targets))[1]
+            return totals(*out)
 
         self._merge_stages = merge_stages
         self._outputs = {}
+        self._each = each
 
-        def embed_bwd(w, inputs, dx, acc):
+        def embed_bwd_one(w, inputs, dx, acc):
             # Differentiated at fp32 weights with an fp32 cotangent, so that the embedding's
             # scatter-add of a frequent token's many rows accumulates in fp32, not in bf16.
             w32 = [p.astype(jnp.float32) for p in w]
-            _, vjp = jax.vjp(lambda w: embed(w, inputs), w32)
+            _, vjp = jax.vjp(lambda w: embed_one(w, inputs), w32)
             return tree_add(acc, vjp(dx.astype(jnp.float32))[0])
 
-        def block_fwd(w, x, context):
-            """(y, aux): aux None for a block that returns y alone."""
-            block = nnx.merge(block_def, w)
+        def embed_bwd(w, inputs, dxs):
+            """The first part's gradient in fp32, summed over the devices."""
+            acc = each(lambda acc, xd: (embed_bwd_one(w, *xd, acc), None), f32_zeros(w),
+                       (inputs, dxs))[0]
+            return on.reduce(acc)[0]
+
+        def block_fwd(layer, x, context):
+            """(y, aux): aux None for a block that returns y alone. layer: (its weights, its
+            Constants, stage_units.py; {} where it has none)."""
+            w, constants = layer
+            block = nnx.merge(block_def, w, constants)
             out = block(x) if context is None else block(x, context)
             return tuple(out) if isinstance(out, (tuple, list)) else (out, None)
 
-        def block_fwd_total(w, x, context):
-            y, aux = block_fwd(w, x, context)
+        def block_fwd_total(layer, x, context):
+            y, aux = block_fwd(layer, x, context)
             return y, everywhere(aux)
 
-        def block_bwd(w, x, context, dy, acc, daux=None):
-            # Recompute the block from its saved input, then differentiate it. Each device's aux
-            # is its rows' part of the total, so its cotangent is the total's: daux as given.
-            (_, aux), vjp = jax.vjp(lambda w, x: block_fwd(w, x, context), w, x)
+        def block_bwd(layer, x, context, dy, acc, daux=None):
+            # Recompute the block from its saved input, then differentiate it (its weights, not
+            # its Constants). Each device's aux is its rows' part of the total, so its cotangent
+            # is the total's: daux as given.
+            w, constants = layer
+            (_, aux), vjp = jax.vjp(lambda w, x: block_fwd((w, constants), x, context), w, x)
             if daux is None:  # e.g. compiled alone for its memory: a zero cotangent
                 daux = jax.tree.map(jnp.zeros_like, aux)
             dw, dx = vjp((dy, daux))
             return dx, tree_add(acc, dw)
 
-        def aux_grad(total, weight):
-            """(aux_loss(total), its gradient times the loss weight: every layer's cotangent)."""
+        def layer_fwd(layer, xs, contexts):
+            """(y[m], aux[m]) stacked; aux None for blocks that return y alone."""
+            return each(lambda _, xc: (None, block_fwd_total(layer, *xc)), None,
+                        (xs, contexts))[1]
+
+        def layer_bwd(layer, xs, contexts, dys, daux=None):
+            """(dx[m] stacked, the layer's gradient summed over the devices in `grad_dtype`, its
+            sum of squares taken in fp32)."""
+            def body(acc, xcd):
+                dx, acc = block_bwd(layer, *xcd, acc, daux)
+                return acc, dx
+            acc, dxs = each(body, f32_zeros(layer[0]), (xs, contexts, dys))
+            grads, sq = on.reduce(acc)
+            return dxs, cast(grads), sq
+
+        def cast(grads):
+            return jax.tree.map(lambda g: g.astype(grad_dtype), grads)
+
+        def stages(first, last, layers_sq, weight, held, sharding):
+            """The stages' gradient leaves `held` ((index, shape) of each, as
+            stage_units.gradient) in `grad_dtype` from the two parts' (first, last), their sum of
+            squares, and (global norm, scale) from it and the layers' (`layers_sq`, in the
+            backward's order) and the total loss weight: (leaves, (norm, scale), stages_sq)."""
+            leaves = stage_units.gradient(first, last, parts.first, parts.last, held, grad_dtype,
+                                          sharding)
+            stages_sq = sum_squares(leaves)
+            return leaves, norm_and_scale(layers_sq, stages_sq, weight), stages_sq
+
+        def last_unit(last, held):
+            """The host lookup's: the last unit's gradient leaves `held` in `grad_dtype` from the
+            last part's, and each one's sum of squares."""
+            leaves = stage_units.gradient([], last, (), parts.last, held, grad_dtype, None)
+            return leaves, [sum_squares(x) for x in leaves]
+
+        def aux_grad(auxs, weight, loss):
+            """From each layer's aux[m] (stacked): (loss + aux_loss(total), aux_loss(total), its
+            gradient times the loss weight: every layer's cotangent)."""
+            num_micro = len(jax.tree.leaves(auxs[0])[0])
+            each_aux = [jax.tree.map(lambda a: a[m], aux) for aux in auxs for m in range(num_micro)]
+            total = jax.tree.map(lambda *xs: functools.reduce(operator.add, xs), *each_aux)
             value, grad = jax.value_and_grad(lambda t: jnp.asarray(aux_loss(t), jnp.float32))(
                 total)
-            return value, jax.tree.map(lambda g: g * weight, grad)
+            return loss + value, value, jax.tree.map(lambda g: g * weight, grad)
 
+        # The streaming calls, as (fetch, out, *args): the copies inside them on one device
+        # (transfer.with_copies); with several, none (the eager form's, always None)
+        if on.data_parallel:
+            streaming = lambda fn, **kw: (lambda fetch, out, *args: (fn(*args), None, None))
+        else:
+            streaming = lambda fn, **kw: jax.jit(with_copies(fn, on.local_devices[0]), **kw)
         self.embed = on.spread(embed, ("w", "b"), "b")
-        self.head = on.spread(head, ("w", "b", "b", "b"), ("w", "w", "w", "b", "b"),
-                              donate_argnums=(3,))
-        self.head_loss = on.spread(head_loss, ("w", "b", "b"), ("w", "w", "w"))
-        self.embed_bwd = on.spread(embed_bwd, ("w", "b", "b", "b"), "b", donate_argnums=(3,))
-        self.block_fwd = on.spread(block_fwd_total, ("w", "b", "b"), ("b", "w"))
-        self.block_bwd = on.spread(block_bwd, ("w", "b", "b", "b", "b", "w"), ("b", "b"),
-                                   donate_argnums=(3, 4))
-        # The jit form's calls (engine/schedule.py): the same functions with copies made inside
-        # them (transfer.with_copies: the next layer's fetch in, the previous one's gradient
-        # out), as (fetch, out, *args); one device only
-        if not on.data_parallel:
-            carrying = lambda fn, **kw: jax.jit(with_copies(fn, on.local_devices[0]), **kw)
-            self.block_fwd_carry = carrying(block_fwd_total)
-            self.block_bwd_carry = carrying(block_bwd, donate_argnums=(5, 6))
-            self.embed_bwd_carry = carrying(embed_bwd, donate_argnums=(5,))
-        self.zeros = zeros_like_acc(on)
-        # The devices' partial gradients summed (or reduce-scattered), on the devices; a layer's
-        # with its sum of squares: (grads, sq).
-        self.reduce = on.reducer()
-        self.reduce_squares = on.reducer(squares=True)
+        self.head = on.spread(head, ("w", "b", "b"), ("w", "w", "w", "b", "r"))
+        self.head_loss = on.spread(head_loss, ("w", "b", "b"), ("w", "w", "w", "w"))
+        self.layer_fwd = streaming(on.spread(layer_fwd, ("w", "b", "b"), ("b", "w")))
+        self.layer_bwd = streaming(on.spread(layer_bwd, ("w", "b", "b", "b", "w"),
+                                             ("b", "r", "w"), donate_argnums=(3,)),
+                                   donate_argnums=(5,))
+        self.embed_bwd = streaming(on.spread(embed_bwd, ("w", "b", "b"), "r"))
+        self.block_fwd = jax.jit(block_fwd)
+        self.block_bwd = jax.jit(block_bwd, donate_argnums=(3, 4))
+        pinned = (jax.sharding.SingleDeviceSharding(on.local_devices[0], memory_kind=PINNED)
+                  if copies == JIT else None)
+        self.stages = jax.jit(stages, static_argnums=(4, 5),
+                              out_shardings=pinned and (pinned, pinned, None))
+        self.last_unit = jax.jit(last_unit, static_argnums=(1,))
         self.aux_loss = aux_loss
         self.aux_grad = jax.jit(aux_grad) if aux_loss is not None else None
-        self.tree_total = jax.jit(lambda trees: jax.tree.map(lambda *xs: sum(xs), *trees))
-        self.cast_grads = jax.jit(lambda g: jax.tree.map(lambda x: x.astype(grad_dtype), g))
-        self.sum_squares = jax.jit(sum_squares)
+        # One dispatch for what would otherwise be L eager adds (the host lookup's layers' sums of
+        # squares)
+        self.total = jax.jit(lambda xs: sum(xs))
         # each leaf's, in the order sum_squares adds them (the host lookup adds them up there)
         self.leaf_squares = jax.jit(lambda xs: [sum_squares(x) for x in xs])
         # The first stage on the host CPU device (engine/lookup.py), where its inputs are.
         self.host_embed = jax.jit(embed)
-        self.host_embed_bwd = jax.jit(embed_bwd, donate_argnums=(3,))
-        # One dispatch each for what would otherwise be L (or M) eager adds per step.
-        self.total = jax.jit(lambda xs: sum(xs))
+        self.host_embed_bwd = jax.jit(
+            lambda w, inputs, dxs, acc: each(lambda acc, xd: (embed_bwd_one(w, *xd, acc), None),
+                                             acc, (inputs, dxs))[0], donate_argnums=(3,))
+        self.norm_and_scale = jax.jit(norm_and_scale)
+        # (stream.Counters) every call on the dispatching thread; not the user's aux_loss nor the
+        # helpers traced inside the calls
+        self._count = (lambda fn: fn) if counters is None else counters.counted
+        for name, fn in list(vars(self).items()):
+            if callable(fn) and not name.startswith("_") and name != "aux_loss":
+                setattr(self, name, self._count(fn))
 
     def head_output(self, output):
-        """jit of `output(last, x, targets)` with the last stage merged from its part's leaves
-        (`output` may read what `last` reads), compiled once per `output` and shape."""
+        """jit of `output(last, x, targets)` over the stacked micro-batches (its results stacked)
+        with the last stage merged from its part's leaves (`output` may read what `last` reads),
+        compiled once per `output` and shape."""
         if output not in self._outputs:
-            merge = self._merge_stages
-            self._outputs[output] = jax.jit(lambda w, x, t: output(merge("last", w)[1], x, t))
+            merge, each = self._merge_stages, self._each
+            self._outputs[output] = self._count(jax.jit(lambda w, xs, ts: each(
+                lambda _, xt: (None, output(merge("last", w)[1], *xt)), None, (xs, ts))[1]))
         return self._outputs[output]

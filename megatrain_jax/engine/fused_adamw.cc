@@ -8,8 +8,10 @@
 //
 // The moments are float32 (exact AdamW) or bfloat16 (optimizer.state_dtype): read as bf16,
 // computed in f32, written back stochastically rounded, each rounding's random bits a hash of
-// (the step's Adam count, the leaf's index in its unit, the element's index in its leaf) so that a
-// resumed run rounds as the uninterrupted one did.
+// (the step's Adam count, the unit's index, the leaf's index in its unit, the element's index in
+// the whole leaf): a resumed run rounds as the uninterrupted one did, two units' roundings are
+// independent however alike their values, and a process holding some rows of a leaf (the sharded
+// host layout) rounds them as a process holding all of it.
 //
 // One call per unit, not per leaf: XLA:CPU runs independent custom calls concurrently on its own
 // threads, so one call per leaf ran several leaves at once, each over its own threads, more
@@ -18,6 +20,7 @@
 // on a persistent pool of one thread per core. The same loop is called two ways: as an XLA FFI
 // handler (FusedAdamw, FusedAdamwBus) inside a jit, and directly (megatrain_adamw, through
 // ctypes: engine/direct.py) on buffers the caller owns.
+#include <pthread.h>
 #include <sched.h>
 #include <unistd.h>
 
@@ -26,6 +29,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cmath>
 #include <cstdint>
@@ -41,10 +45,13 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// The per-call scalars (engine/fused_adamw.py SCALARS), in this order; then one decay flag a leaf.
+// The per-call scalars (engine/fused_adamw.py SCALARS), in this order; then, in the FFI call, per
+// leaf its decay flag, then per leaf the index of its first element in the whole leaf (`first`,
+// mod 2^32) in two exact 16-bit halves: all the low halves, then all the high ones.
 enum {
   kScale, kClip, kNorm, kMaxNorm, kStep, kBc1, kBc2, kWd, kB1, kC1, kB2, kC2, kEps,
   kCountLo, kCountHi,  // the Adam count after this step, in two exact 16-bit halves
+  kUnit,  // the unit's index (exact in f32)
   kNumScalars
 };
 
@@ -73,10 +80,13 @@ inline uint32_t Mix(uint32_t x) {
   return x;
 }
 
-// The key of one leaf's roundings at one step; element i's random bits are Mix(key + i).
+// The key of one leaf's roundings at one step; element i's random bits are Mix(key + i), i its
+// index in the whole leaf.
 inline uint32_t LeafKey(const float* s, uint32_t leaf) {
   const uint32_t count = uint32_t(s[kCountLo]) | (uint32_t(s[kCountHi]) << 16);
-  return Mix(Mix(count * 0x9e3779b9u ^ 0x5bd1e995u) + leaf * 0x85ebca6bu);
+  const uint32_t unit = uint32_t(s[kUnit]);
+  return Mix(Mix(Mix(count * 0x9e3779b9u ^ 0x5bd1e995u) + unit * 0xc2b2ae35u) +
+             leaf * 0x85ebca6bu);
 }
 
 // f32 to bf16 rounded stochastically: up with probability (the dropped 16 bits) / 2^16, so the
@@ -90,7 +100,8 @@ inline uint16_t f32_to_bf16_stochastic(float f, uint32_t r) {
 
 // Elements [lo, hi) of a leaf: params and moments updated in place, the new weights' bf16 copy
 // written to out[i - lo] (kBus). M: the moments' type (float, or uint16_t for bf16); `key` and
-// `first` (the leaf index of element 0 of these pointers) give a bf16 moment's random bits. One
+// `first` (the index in the whole leaf of element 0 of these pointers) give a bf16 moment's
+// random bits. One
 // variant per (gradient type, moments' type, clip, decay, bus): no branch inside, so the compiler
 // vectorizes it.
 template <typename G, typename M, bool kClip, bool kDecay, bool kBus>
@@ -243,9 +254,17 @@ void RunLeaf(const float* s, const Leaf& x, size_t lo, size_t hi) {
   x.loop(s, x.p, x.m, x.v, x.g, x.bus, lo, hi, x.key, x.first);
 }
 
-int Threads() {
+// The CPUs of the process's affinity, in order (one pool thread each).
+std::vector<int> Cpus() {
   cpu_set_t set;
-  return sched_getaffinity(0, sizeof(set), &set) == 0 ? std::max(1, CPU_COUNT(&set)) : 1;
+  std::vector<int> cpus;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if (CPU_ISSET(c, &set)) cpus.push_back(c);
+    }
+  }
+  if (cpus.empty()) cpus.push_back(-1);  // unknown: one thread, never pinned
+  return cpus;
 }
 
 // A position in the leaves laid end to end: leaf `leaf`, element `i` of it.
@@ -279,22 +298,35 @@ void RunRange(const float* s, const std::vector<Leaf>& leaves, Cut from, Cut to)
 // one of them): a thread spawned per call costs page faults and tens of microseconds a unit.
 // One job at a time (the host-update thread and XLA's FFI calls may both submit). A child process
 // made by fork() has no workers: it builds a pool of its own on first use.
+//
+// Limit(k) runs every later job on k threads (optimizer.host_threads), worker t then pinned to
+// the t-th CPU of the affinity, so the CPUs past k stay free for the thread that dispatches the
+// device's work (the caller, t = 0, is pinned by its owner: engine/host.py).
 class Pool {
  public:
   static Pool& Get() {
     static std::mutex made;
     static Pool* pool = nullptr;
     std::lock_guard<std::mutex> lock(made);
-    if (pool == nullptr || pool->pid_ != getpid()) pool = new Pool(Threads());  // never freed
+    if (pool == nullptr || pool->pid_ != getpid()) pool = new Pool(Cpus());  // never freed
     return *pool;
   }
 
-  int size() const { return n_; }
+  int size() const { return limit_.load(); }
+  int cores() const { return n_; }
+
+  // Returns the limit taken: k clamped to [1, cores()].
+  int Limit(int k) {
+    std::lock_guard<std::mutex> job(job_);  // between jobs
+    limit_ = std::max(1, std::min(k, n_));
+    ++placement_;
+    return limit_;
+  }
 
   // fn(t) for t in [0, k), k <= size(); the calling thread runs t = 0.
   void Run(int k, const std::function<void(int)>& fn) {
     std::lock_guard<std::mutex> job(job_);
-    k = std::max(1, std::min(k, n_));
+    k = std::max(1, std::min(k, limit_.load()));
     if (k > 1) {
       std::lock_guard<std::mutex> lock(m_);
       task_ = &fn;
@@ -311,12 +343,26 @@ class Pool {
   }
 
  private:
-  explicit Pool(int n) : n_(n), pid_(getpid()) {
+  explicit Pool(std::vector<int> cpus)
+      : n_(int(cpus.size())), pid_(getpid()), cpus_(std::move(cpus)), limit_(n_) {
     for (int t = 1; t < n_; ++t) std::thread([this, t] { Work(t); }).detach();
   }
 
+  // Worker t on its own CPU while the pool is limited, else on any of the affinity's.
+  void Place(int t) {
+    if (cpus_[0] < 0) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (limit_.load() < n_) {
+      CPU_SET(cpus_[t], &set);
+    } else {
+      for (int c : cpus_) CPU_SET(c, &set);
+    }
+    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+  }
+
   void Work(int t) {
-    uint64_t seen = 0;
+    uint64_t seen = 0, placed = 0;
     for (;;) {
       const std::function<void(int)>* task;
       {
@@ -326,6 +372,10 @@ class Pool {
         if (t >= k_) continue;
         task = task_;
       }
+      if (placed != placement_.load()) {
+        placed = placement_.load();
+        Place(t);
+      }
       (*task)(t);
       std::lock_guard<std::mutex> lock(m_);
       if (--pending_ == 0) finished_.notify_one();
@@ -334,6 +384,9 @@ class Pool {
 
   const int n_;
   const pid_t pid_;
+  const std::vector<int> cpus_;
+  std::atomic<int> limit_;
+  std::atomic<uint64_t> placement_{0};
   std::mutex job_, m_;
   std::condition_variable cv_, finished_;
   const std::function<void(int)>* task_ = nullptr;
@@ -356,14 +409,15 @@ T* Data(ffi::AnyBuffer b) {
   return static_cast<T*>(b.untyped_data());
 }
 
-// Arguments: the scalars (SCALARS, then one decay flag per leaf), then per leaf in groups:
+// Arguments: the scalars (SCALARS, then per leaf its decay flag and its first element's index),
+// then per leaf in groups:
 // params, m, v (f32 or bf16, both alike), gradients (f32 or bf16)[, the old bf16 copy]. Results:
 // params, m, v[, bf16 copy], aliased to the matching arguments.
 ffi::Error Update(ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
                   ffi::RemainingRets rets, bool with_bus) {
   const size_t groups = with_bus ? 5 : 4, n_leaves = args.size() / groups;
   if (args.size() != groups * n_leaves || rets.size() != (groups - 1) * n_leaves ||
-      scalars.element_count() != kNumScalars + n_leaves) {
+      scalars.element_count() != kNumScalars + 3 * n_leaves) {
     return ffi::Error::InvalidArgument("fused_adamw: wrong number of arguments");
   }
   const float* s = scalars.typed_data();
@@ -393,6 +447,8 @@ ffi::Error Update(ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
       bus = Data<uint16_t>(b);
     }
     const bool clip = s[kClip] != 0.0f, decay = s[kNumScalars + l] != 0.0f;
+    const uint64_t first = uint32_t(s[kNumScalars + n_leaves + l]) |
+                           (uint32_t(s[kNumScalars + 2 * n_leaves + l]) << 16);
     Loop loop;
     if (in[3].element_count() != n) {
       return ffi::Error::InvalidArgument("fused_adamw: a gradient's size differs from its param's");
@@ -406,7 +462,7 @@ ffi::Error Update(ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
     leaves.push_back({Data<float>(out[0]), out[1].untyped_data(), out[2].untyped_data(),
                       Data<float>(in[0]), in[1].untyped_data(), in[2].untyped_data(),
                       in[3].untyped_data(), bus, n, loop, size_t(half ? 2 : 4),
-                      LeafKey(s, uint32_t(l)), 0});
+                      LeafKey(s, uint32_t(l)), first});
   }
   Parallel(s, leaves);
   return ffi::Error::Success();
@@ -451,8 +507,8 @@ struct MegatrainRange {
   int32_t grad_bf16;
   int32_t decay;
   int32_t moments_bf16;
-  uint32_t leaf;   // the leaf's index in its unit, and the index in the leaf of the range's
-  uint64_t first;  // first element: a bf16 moment's rounding (as the FFI call's whole leaf)
+  uint32_t leaf;   // the leaf's index in its unit, and the index in the whole leaf of the
+  uint64_t first;  // range's first element: a bf16 moment's rounding (as the FFI call's)
 };
 
 // scalars: SCALARS (engine/fused_adamw.py) without the decay flags. Returns 0, or -1 when a range
@@ -487,7 +543,21 @@ void megatrain_to_bf16(uint16_t* dst, const float* src, uint64_t n) {
   });
 }
 
+// dst[0, nbytes) = 0, spread over the pool (a persistent buffer cleared where it lies).
+void megatrain_zero(void* dst, uint64_t nbytes) {
+  InRanges(nbytes, size_t(1) << 20, 64, [&](size_t lo, size_t hi) {
+    std::memset(static_cast<char*>(dst) + lo, 0, hi - lo);
+  });
+}
+
+// The threads a job runs on (optimizer.host_threads; every CPU of the affinity by default).
 int megatrain_threads() { return Pool::Get().size(); }
+
+// The CPUs of the process's affinity: the most threads a job can run on.
+int megatrain_cores() { return Pool::Get().cores(); }
+
+// Every later job on k threads (clamped to [1, cores]); returns the number taken.
+int megatrain_set_threads(int k) { return Pool::Get().Limit(k); }
 
 }  // extern "C"
 

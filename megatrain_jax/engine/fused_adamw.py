@@ -101,7 +101,8 @@ def _bf16_moments(inner: optax.GradientTransformation) -> tuple:
         adam, *rest = state
         updates, (adam, *rest) = inner.update(updates, (cast(adam, jnp.float32), *rest), params)
         treedef = jax.tree.structure(adam.mu)
-        rounded = [round_moments(adam.count, i, m, v) for i, (m, v) in enumerate(zip(
+        # (a plain optax transform: its whole tree is one unit, unit 0)
+        rounded = [round_moments(adam.count, 0, i, m, v) for i, (m, v) in enumerate(zip(
             jax.tree.leaves(adam.mu), jax.tree.leaves(adam.nu), strict=True))]
         mu, nu = (jax.tree.unflatten(treedef, [r[k] for r in rounded]) for k in (0, 1))
         return updates, (adam._replace(mu=mu, nu=nu), *rest)
@@ -156,8 +157,27 @@ def kernel():
     dll.megatrain_copy.restype = None
     dll.megatrain_to_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
     dll.megatrain_to_bf16.restype = None
+    dll.megatrain_zero.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+    dll.megatrain_zero.restype = None
     dll.megatrain_threads.restype = ctypes.c_int
+    dll.megatrain_cores.restype = ctypes.c_int
+    dll.megatrain_set_threads.argtypes = [ctypes.c_int]
+    dll.megatrain_set_threads.restype = ctypes.c_int
     return dll
+
+
+def use_threads(lib, threads) -> list:
+    """Runs the kernel's later jobs on `threads` threads (None: one per CPU of the process's
+    affinity); returns the CPUs the update's own thread is to be pinned to ([]: none, every CPU
+    is the pool's). With fewer threads than CPUs the pool's workers are pinned to the first CPUs
+    and the rest stay free for the thread that dispatches the device's work. One ValueError line
+    for a count outside [1, the CPUs]."""
+    cores = lib.megatrain_cores()
+    if threads is not None and not (isinstance(threads, int) and 1 <= threads <= cores):
+        raise ValueError(f"host_threads must be an integer from 1 to the {cores} CPUs of this "
+                         f"process's affinity, got {threads!r}")
+    lib.megatrain_set_threads(cores if threads is None else threads)
+    return [] if threads is None or threads == cores else sorted(os.sched_getaffinity(0))[:1]
 
 
 @functools.cache
@@ -192,11 +212,12 @@ def _mix(x):
     return x ^ (x >> 16)
 
 
-def _leaf_key(count, leaf: int):
-    """fused_adamw.cc `LeafKey`: the key of leaf `leaf`'s roundings at Adam count `count`."""
-    count = jnp.asarray(count).astype(jnp.uint32)
-    return _mix(_mix(count * jnp.uint32(0x9E3779B9) ^ jnp.uint32(0x5BD1E995))
-                + jnp.uint32(leaf) * jnp.uint32(0x85EBCA6B))
+def _leaf_key(count, unit, leaf: int):
+    """fused_adamw.cc `LeafKey`: the key of leaf `leaf` of unit `unit`'s roundings at Adam count
+    `count`."""
+    count, unit = (jnp.asarray(x).astype(jnp.uint32) for x in (count, unit))
+    return _mix(_mix(_mix(count * jnp.uint32(0x9E3779B9) ^ jnp.uint32(0x5BD1E995))
+                     + unit * jnp.uint32(0xC2B2AE35)) + jnp.uint32(leaf) * jnp.uint32(0x85EBCA6B))
 
 
 def to_bf16_stochastic(x, r):
@@ -209,25 +230,28 @@ def to_bf16_stochastic(x, r):
     return jax.lax.bitcast_convert_type(h.astype(jnp.uint16), jnp.bfloat16)
 
 
-def round_moments(count, leaf: int, m, v) -> tuple:
-    """(m, v) in f32 rounded to bf16 stochastically, as the kernel rounds leaf `leaf`'s moments
-    at Adam count `count` (the count after the step): element i's random bits are
-    Mix(key + i) (i its row-major index), the low 16 for m, the high 16 for v."""
+def round_moments(count, unit, leaf: int, m, v, first=0) -> tuple:
+    """(m, v) in f32 rounded to bf16 stochastically, as the kernel rounds leaf `leaf` of unit
+    `unit`'s moments at Adam count `count` (the count after the step): element i's random bits
+    are Mix(key + first + i) (i its row-major index; `first`, the index of element 0 in the whole
+    leaf, where m holds some of its rows), the low 16 for m, the high 16 for v."""
     index = jax.lax.iota(jnp.uint32, max(m.size, 1))[:m.size].reshape(m.shape)
-    r = _mix(_leaf_key(count, leaf) + index)
+    r = _mix(_leaf_key(count, unit, leaf) + jnp.asarray(first).astype(jnp.uint32) + index)
     return to_bf16_stochastic(m, r), to_bf16_stochastic(v, r >> 16)
 
 
 # ----------------------------------------------------------------------------- the update
 SCALARS = ("scale", "clip", "norm", "max_norm", "step", "bc1", "bc2", "wd", "b1", "c1", "b2", "c2",
-           "eps", "count_lo", "count_hi")  # fused_adamw.cc's order; then the leaves' decay flags
+           "eps", "count_lo", "count_hi", "unit")  # fused_adamw.cc's order; then (the FFI call)
+# the leaves' decay flags, then their first elements' indices (`first`) in two 16-bit halves
 
 
-def _leaf_jax(s: dict, leaf: int, p, m, v, g):
+def _leaf_jax(s: dict, leaf: int, first, p, m, v, g):
     """The kernel's arithmetic in JAX (fused_adamw.cc `Span`), operation for operation and
     rounding for rounding: each product that a sum takes is rounded to f32 first (`alone`), where
     XLA would contract the two into an FMA (one rounding) and the kernel, built with
-    -ffp-contract=off, does not. m, v: f32, or bf16 (widened, and stochastically rounded back)."""
+    -ffp-contract=off, does not. m, v: f32, or bf16 (widened, and stochastically rounded back;
+    `first`: round_moments')."""
     # A product ANDed with all ones is no longer a multiplication that a sum could contract. The
     # ones are made from a value known only at run time (the count's high half, < 2^15), so that
     # neither XLA nor LLVM can fold the AND away.
@@ -247,15 +271,18 @@ def _leaf_jax(s: dict, leaf: int, p, m, v, g):
     if dtype == jnp.bfloat16:
         count = (s["count_lo"].astype(jnp.uint32)
                  | (s["count_hi"].astype(jnp.uint32) << 16))
-        m, v = round_moments(count, leaf, m, v)
+        m, v = round_moments(count, s["unit"], leaf, m, v, first)
     return p, m, v
 
 
-def _unit_native(s: dict, decays: list, ps, ms, vs, gs, buses):
+def _unit_native(s: dict, decays: list, firsts, ps, ms, vs, gs, buses):
     """Every leaf through one kernel call (one call, so XLA does not run leaves concurrently, each
     over all cores); the outputs are the inputs' buffers (donated by the caller). `buses`: the old
-    bf16 copies, or None (no bus copy)."""
-    scalars = jnp.stack([s[k] for k in SCALARS] + [jnp.float32(d) for d in decays])
+    bf16 copies, or None (no bus copy). firsts: uint32, per leaf (update's)."""
+    halves = [(firsts & jnp.uint32(0xFFFF)).astype(jnp.float32),
+              (firsts >> 16).astype(jnp.float32)]  # each exact in f32
+    scalars = jnp.concatenate([jnp.stack([s[k] for k in SCALARS] +
+                                         [jnp.float32(d) for d in decays]), *halves])
     shapes = lambda xs, dtype: [jax.ShapeDtypeStruct(x.shape, dtype) for x in xs]
     results = [*shapes(ps, jnp.float32), *shapes(ms, ms[0].dtype if ms else jnp.float32),
                *shapes(vs, vs[0].dtype if vs else jnp.float32)]
@@ -273,9 +300,11 @@ def _unit_native(s: dict, decays: list, ps, ms, vs, gs, buses):
     return p, m, v, bus[0] if bus else None
 
 
-def step_scalars(hyper: Hyper, adam_count, lr_count, grad_norm, scale, max_grad_norm) -> tuple:
+def step_scalars(hyper: Hyper, adam_count, lr_count, grad_norm, scale, max_grad_norm,
+                 unit=0) -> tuple:
     """(the kernel's scalars as a dict of f32, the new Adam count, the new schedule count or None),
-    as optax.adamw computes them at this step (bias corrections, the schedule at its count). To be
+    as optax.adamw computes them at this step (bias corrections, the schedule at its count) for
+    unit `unit` (its index: a bf16 moment's rounding key). To be
     traced inside a jit: the FFI path traces it in its update, the direct path (engine/direct.py)
     jits it alone, so both compute the same bits."""
     count = numerics.safe_increment(adam_count)
@@ -292,7 +321,7 @@ def step_scalars(hyper: Hyper, adam_count, lr_count, grad_norm, scale, max_grad_
          "bc1": f32(1 - hyper.b1 ** count), "bc2": f32(1 - hyper.b2 ** count),
          "wd": f32(hyper.weight_decay), "b1": f32(hyper.b1), "c1": f32(1 - hyper.b1),
          "b2": f32(hyper.b2), "c2": f32(1 - hyper.b2), "eps": f32(hyper.eps),
-         "count_lo": f32(halves & 0xFFFF), "count_hi": f32(halves >> 16)}
+         "count_lo": f32(halves & 0xFFFF), "count_hi": f32(halves >> 16), "unit": f32(unit)}
     return s, count, lr_count
 
 
@@ -305,19 +334,23 @@ def decay_flags(hyper: Hyper, params) -> list:
 
 
 def update(hyper: Hyper, params, opt_state, grads, old_bus, grad_norm, scale, max_grad_norm,
-           bus_dtype, use_native: bool) -> tuple:
+           bus_dtype, use_native: bool, unit=0, firsts=None) -> tuple:
     """(params, opt_state, bus) after one AdamW step, as optax.adamw's update + apply_updates of
     the gradient `grads * scale` clipped to `max_grad_norm` (None: not clipped) by `grad_norm`,
     exactly as optax.clip_by_global_norm. `bus` is the new weights in `bus_dtype` (None: none
-    wanted), written into `old_bus` when given. To be traced inside a jit."""
+    wanted), written into `old_bus` when given. `unit` (the unit's index) and `firsts` (per leaf,
+    the index in the whole leaf of its first element here: a process's rows of it in the sharded
+    host layout; None: all zero) key bf16 moments' rounding. To be traced inside a jit."""
     adam, decay_state, lr_state = opt_state
     s, count, lr_count = step_scalars(
         hyper, adam.count, lr_state.count if callable(hyper.learning_rate) else None, grad_norm,
-        scale, max_grad_norm)
+        scale, max_grad_norm, unit)
     if callable(hyper.learning_rate):
         lr_state = lr_state._replace(count=lr_count)
     decays = decay_flags(hyper, params)
     leaves, treedef = jax.tree.flatten(params)
+    firsts = jnp.zeros(len(leaves), jnp.uint32) if firsts is None else jnp.asarray(
+        firsts).astype(jnp.uint32)
     fused_bus = use_native and jnp.dtype(bus_dtype or jnp.float32) == jnp.bfloat16
     state = (leaves, jax.tree.leaves(adam.mu), jax.tree.leaves(adam.nu), jax.tree.leaves(grads))
     if use_native:
@@ -325,9 +358,9 @@ def update(hyper: Hyper, params, opt_state, grads, old_bus, grad_norm, scale, ma
         if fused_bus:  # (no old copy to write into: fresh ones)
             buses = (jax.tree.leaves(old_bus) if old_bus is not None
                      else [jnp.empty(p.shape, jnp.bfloat16) for p in leaves])
-        out = _unit_native(s, decays, *state, buses)
+        out = _unit_native(s, decays, firsts, *state, buses)
     else:
-        rows = [_leaf_jax({**s, "decay": jnp.float32(d)}, i, p, m, v, g)
+        rows = [_leaf_jax({**s, "decay": jnp.float32(d)}, i, firsts[i], p, m, v, g)
                 for i, (p, m, v, g, d) in enumerate(zip(*state, decays, strict=True))]
         out = [[row[i] for row in rows] for i in range(3)] + [None]
     new = [None if o is None else jax.tree.unflatten(treedef, list(o)) for o in out]

@@ -1,5 +1,6 @@
-"""Host-resident training state: per unit the fp32 master weights, the optax state, the bus copy,
-and the optax update that runs on the host CPU device in a background thread."""
+"""Host-resident training state: per unit the fp32 master weights, the optax state and the bus
+copy, and the background thread that runs each unit's host update (update.py's strategy: the
+fused AdamW kernel called directly, or a jitted update on the host CPU device)."""
 
 import concurrent.futures
 import ctypes
@@ -24,6 +25,7 @@ from megatrain_jax.engine import store as store_lib
 from megatrain_jax.engine import tier as tier_lib
 from megatrain_jax.engine import transfer
 from megatrain_jax.engine import update as update_lib
+from megatrain_jax.engine.schedule import UPDATE_WAIT
 
 log = logging.getLogger(__name__)
 DEBUG_BUS = "MEGATRAIN_DEBUG_BUS"
@@ -69,7 +71,8 @@ class HostState:
                  compute_dtype, grad_dtype, compute_device, host_device, counters, num_blocks: int,
                  disk_tier: Optional[tier_lib.DiskTierOptions] = None, shards=None,
                  host_update: str = "auto", bus: str = bus_lib.RESIDENT, prefetch: int = 1,
-                 data_parallel: bool = False, pinned_pool: Optional[int] = None):
+                 data_parallel: bool = False, pinned_pool: Optional[int] = None,
+                 host_threads: Optional[int] = None):
         """stages: the stages' params (param_split((first, last))); blocks: an iterable of the
         blocks' params (with the disk tier, one in RAM at a time); bus: bus_lib.FORMS' RESIDENT
         (every unit's bus copy kept all step), RING (the layer units' in a ring of
@@ -82,7 +85,8 @@ class HostState:
         self.update, why = update_lib.choose(
             optimizer, max_grad_norm, host_update, disk_tier, compute_dtype=compute_dtype,
             grad_dtype=grad_dtype, host_device=host_device, counters=counters)
-        log.info("host update: %s", why)
+        pinned, threads = update_lib.threads(self.update, host_threads)
+        log.info("host update: %s", f"{why} ({threads})" if threads else why)
         self.optimizer = optimizer
         self.compute_dtype = jnp.dtype(compute_dtype)
         self.grad_dtype = jnp.dtype(grad_dtype)
@@ -122,33 +126,40 @@ class HostState:
         del stages
         # the stages' units' shapes of params and optax state (load_stages splits a checkpoint's
         # stages unit by them); the last unit's layout, for the tier's files (made before it is)
-        shape = lambda params: (jax.eval_shape(lambda p: p, params),
-                                jax.eval_shape(optimizer.init, params))
-        self.stage_units = {0: shape(first), self.last: shape(last)}
-        # Debug mode (MEGATRAIN_DEBUG_BUS=1): every fetch of a unit's bus copy is kept until the
-        # unit's update, which refuses to write the copy while one of them is still copying
-        # (direct.py: when the bus copy may be written)
+        layout = lambda params: (jax.eval_shape(lambda p: p, params),
+                                 jax.eval_shape(optimizer.init, params))
+        self.stage_units = {0: layout(first), self.last: layout(last)}
+        self.block_layout = None  # a block unit's, made with the first
+        # Debug mode (MEGATRAIN_DEBUG_BUS=1), on both update paths: the fetches of a unit's bus
+        # copy still copying are kept until the unit's update, which refuses to write the copy
+        # while one of them still is (direct.py: when the bus copy may be written)
         debug = os.environ.get(DEBUG_BUS) == "1"
-        self.fetches = {} if self.direct is not None and debug else None
+        self.fetches = {} if debug else None
         self._ring_args = (bus, prefetch, debug)
         # Where params and optax state live between updates (store.py): RAM or the disk tier.
         self.store = store_lib.choose(disk_tier, self.last + 1, self.stage_units[self.last],
                                       self.host, self.direct)
         try:
-            self._build(first, blocks, last, to_host, shards, host_device)
+            self._build(first, blocks, last, to_host, shards, host_device, layout)
         except BaseException:
             self.store.close()  # the disk tier's open files, made with the first block
             raise
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-optim")
+        shapes = lambda u: [x.shape for x in jax.tree.leaves(self.layout(u)[0])]
+        self._firsts = {self._structure(u): shards.firsts(shapes(u)) if shards is not None else
+                        [0] * len(shapes(u)) for u in (0, 1, self.last)}
+        # the update's thread runs the kernel's share t = 0: on its CPU when the pool is pinned
+        self._thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="host-optim",
+            initializer=(lambda: os.sched_setaffinity(0, pinned)) if pinned else None)
 
-    def _build(self, first, blocks, last, to_host, shards, host_device):
+    def _build(self, first, blocks, last, to_host, shards, host_device, layout):
         """The jitted updates, and every unit made from its weights (into the store)."""
         if self.direct is None:
             # Donating (store.donate) params, optax state and the old bus copy makes the update
             # write in place. keep_unused: the old bus is never read, only donated; jit would
             # otherwise prune it.
             self._update = jax.jit(self.update.step, donate_argnums=self.store.donate,
-                                   static_argnums=(6,), keep_unused=True)
+                                   static_argnums=(8,), keep_unused=True)
             if self.update.prepare_first:
                 self._prepare_in_place = jax.jit(self.update.prepare, donate_argnums=(0,))
         # out_shardings: optax state that does not depend on the params (counts, zeros) would
@@ -159,7 +170,10 @@ class HostState:
             for params in blocks:
                 params = to_host(params)
                 self.shapes.setdefault(1, [tuple(p.shape) for p in jax.tree.leaves(params)])
-                yield shards.cut(params) if shards is not None else params
+                params = shards.cut(params) if shards is not None else params
+                if self.block_layout is None:
+                    self.block_layout = layout(params)
+                yield params
 
         bus, prefetch, debug = self._ring_args
         size = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
@@ -177,7 +191,8 @@ class HostState:
             self.units.append(self._new_unit(params, in_ring and u not in (0, self.last)))
             self.store.add(self.units)  # the disk tier: the state to its file
         if in_ring:  # its buffers made like a bus copy of layer 0's weights (then rewritten)
-            self.ring = bus_lib.Ring(lambda: self.make_bus(self.unit_state(1)[0], 1),
+            layer_0 = lambda: self.store.view(1, self.units[1])[0]
+            self.ring = bus_lib.Ring(lambda: self.make_bus(layer_0(), 1),
                                      bus_lib.ring_size(prefetch), self._write_slot, debug)
         for u in (0, 1, self.last):  # one per structure (pinned bus copies only)
             if self.direct is None and not self.in_ring(u):
@@ -192,7 +207,7 @@ class HostState:
         unit = Unit(None, None, arrays=direct_lib.UnitArrays.of(params, self._init(params),
                                                                 self.direct.lib))
         if not in_ring:
-            self._direct_bus(u, unit, fresh=True)
+            self._direct_bus(u, unit)
         return unit
 
     def in_ring(self, u: int) -> bool:
@@ -221,16 +236,13 @@ class HostState:
         """A bus copy of a layer unit, as the fetches take it (for Transfers.check)."""
         return self.ring.slots[0].bus if self.ring is not None else self.units[1].bus
 
-    def _direct_bus(self, u: int, unit: Unit, fresh: bool):
-        """The direct update's bus copy of unit u: the weights themselves (wrapped, ParamsBus), or
-        a persistent buffer per leaf, made (`fresh`) or rewritten in place from the weights."""
-        if self.buses[u].is_params:
-            unit.bus = self.store.view(u, unit)[0]
-        elif fresh or unit.bus is None:
-            unit.bus = self.make_bus(self.store.view(u, unit)[0], u)
-        else:
-            self.direct.write_bus(unit.arrays, jax.tree.leaves(unit.bus))
-        unit.arrays.settle()
+    def _direct_bus(self, u: int, unit: Unit):
+        """A new bus copy of unit u for the direct update (which then rewrites it in place): the
+        weights themselves (wrapped, ParamsBus), or a buffer per leaf made from them. New, never
+        the old one rewritten: a fetch of the old one may still be copying (a load right after an
+        evaluation), and keeps it until it is done."""
+        view = self.store.view(u, unit)[0]
+        unit.bus = view if self.buses[u].is_params else self.make_bus(view, u)
 
     @property
     def direct(self) -> Optional[direct_lib.DirectAdamW]:
@@ -258,12 +270,33 @@ class HostState:
         first, last = self.unit_state(0), self.unit_state(self.last)
         return tuple(stage_units.merge(a, b) for a, b in zip(first, last))
 
+    def layout(self, which) -> tuple:
+        """(params, opt_state) of unit `which` (an index, or "stages": the whole stages, as a
+        checkpoint holds them) as jax.ShapeDtypeStruct trees: what a loaded state must match."""
+        if which == "stages":
+            return tuple(stage_units.merge(a, b) for a, b in zip(self.stage_units[0],
+                                                                 self.stage_units[self.last]))
+        return self.stage_units.get(which, self.block_layout)
+
+    def firsts(self, u: int) -> list:
+        """Per leaf of unit u, the index in the whole leaf of the first element this process
+        holds (the sharded layout's rows; else 0): with u, what keys bf16 moments' rounding."""
+        return self._firsts[self._structure(u)]
+
+    def check_load(self, which, unit_state: dict) -> tuple:
+        """(params, opt_state) of `unit_state` if unit `which` (as `layout`) can take it, else
+        one ValueError line naming the unit and the leaf (store.check)."""
+        what = "the stages" if which in ("stages", 0, self.last) else f"layer {which - 1}"
+        return store_lib.check(unit_state, self.layout(which), what)
+
     def load_stages(self, unit_state: dict):
-        """Replaces the stages' state with `unit_state` (whole: {"params", "opt_state"})."""
+        """Replaces the stages' state with `unit_state` (whole: {"params", "opt_state"}), checked
+        first (check_load), its dtypes the units' (store.cast)."""
+        whole = store_lib.cast(self.check_load("stages", unit_state), self.layout("stages"))
         taken = set()  # scalar optax state (a count) goes to both units: each gets its own
         for u, (params, opt_state) in self.stage_units.items():
-            part = {"params": stage_units.like(unit_state["params"], params),
-                    "opt_state": stage_units.like(unit_state["opt_state"], opt_state)}
+            part = {"params": stage_units.like(whole[0], params),
+                    "opt_state": stage_units.like(whole[1], opt_state)}
             part = jax.tree.map(lambda x: x.copy() if id(x) in taken else x, part)
             taken |= {id(x) for x in jax.tree.leaves(part)}
             self.load_unit(u, part)
@@ -275,7 +308,7 @@ class HostState:
         do while it updates)."""
         if self.tier is not None:
             self.wait()
-        return self.store.view(u, self.ready(u))
+        return self.store.lend(u, self.ready(u))
 
     # ----------------------------------------------------------------- bus copies
     def make_bus(self, params, u: int):
@@ -292,7 +325,7 @@ class HostState:
         self.buses[u] = self._on_host
         if self.direct is not None:
             unit.bus = None
-            self._direct_bus(u, unit, fresh=True)
+            self._direct_bus(u, unit)
             return
         unit.bus, unit.spare = self.make_bus(self.unit_state(u)[0], u), None
 
@@ -323,9 +356,12 @@ class HostState:
 
     def fetched(self, u: int, copies):
         """Debug mode: `copies` (device arrays) are a fetch of unit u's bus copy, to be done before
-        u's update writes it."""
+        u's update writes it. The unit's earlier fetches already done are let go of (in a loop of
+        evaluations no update comes to take them: they would stay on the device)."""
         if self.fetches is not None:
-            self.fetches.setdefault(u, []).extend(jax.tree.leaves(copies))
+            copying = [x for x in self.fetches.get(u, ()) if not x.is_deleted()
+                       and not x.is_ready()]
+            self.fetches[u] = copying + jax.tree.leaves(copies)
         if self.in_ring(u):
             self.ring.fetched(u, copies)
 
@@ -373,22 +409,21 @@ class HostState:
             params_bus = self.buses[u].is_params
             # (the bus ring's units: no bus copy to write, the fills make it)
             bus = None if params_bus or self.in_ring(u) else jax.tree.leaves(unit.bus)
-            what = "the stages' unit" if u in (0, self.last) else f"layer {u - 1}"
+            what = self._name(u)
             self._check_fetches(u, what)
             arrays = self.direct.apply(u, unit.arrays, pieces, grad_norm,
-                                       np.float32(np.asarray(scale)), bus, what)
+                                       np.float32(np.asarray(scale)), bus, what, self.firsts(u))
             if arrays is not unit.arrays:  # copied: a reader holds the old state
                 unit.arrays = arrays
                 if params_bus:
-                    self._direct_bus(u, unit, fresh=True)
-                arrays.settle()
+                    self._direct_bus(u, unit)
         t2 = time.perf_counter()
         self.counters.host_compute_s += t2 - t1
         self.counters.host_update_s += t2 - t0
 
     def _apply(self, u: int, bus, grads, grad_norm, scale):
-        """Runs on the host-optimizer thread: one jitted, in-place optax step of one unit, its
-        bus copy (kept by `bus`, unit u's policy) written in the same call. XLA:CPU spreads each
+        """Runs on the host-optimizer thread: one jitted, in-place update of one unit (the fused
+        AdamW through jax.ffi, or optax), its bus copy (kept by `bus`, unit u's policy) written in the same call. XLA:CPU spreads each
         large fused loop over all cores."""
         t0 = time.perf_counter()
         if self.on_update is not None:
@@ -401,6 +436,7 @@ class HostState:
         jax.block_until_ready((grads, grad_norm))  # arrival, not the update's work
         t1 = time.perf_counter()
         unit = self.units[u]
+        self._check_fetches(u, self._name(u))  # (the update writes into the old bus copy)
         self.store.load(u, unit)  # the disk tier: the state from its file (read ahead)
         in_ring = self.in_ring(u)  # no bus copy to write: the bus ring's fills make it
         old_bus = None if in_ring else bus.old_for_update(unit)
@@ -415,8 +451,8 @@ class HostState:
             if self.update.prepare_first:
                 grads = self._prepare_in_place(grads, grad_norm, scale)
             unit.params, unit.opt_state, new_bus = self._update(
-                unit.params, unit.opt_state, grads, old_bus, grad_norm, scale,
-                bus.is_params or in_ring)
+                unit.params, unit.opt_state, grads, old_bus, grad_norm, scale, np.int32(u),
+                np.asarray(self.firsts(u), np.uint32), bus.is_params or in_ring)
             if not in_ring:
                 unit.bus = bus.after_update(unit, new_bus)
             if not bus.on_host and not in_ring:  # the refresh to the accelerator's pinned memory
@@ -480,28 +516,37 @@ class HostState:
                 continue
             future.set_result(None)
 
+    def _name(self, u: int) -> str:
+        return "the stages' unit" if u in (0, self.last) else f"layer {u - 1}"
+
     def _failure(self, u: int, e: BaseException) -> str:
         name = "the stages'" if u in (0, self.last) else f"layer {u - 1}'s"
         return f"{name} host update failed ({type(e).__name__}: {e})"
 
     def ready(self, u: int) -> Unit:
         """Unit u once its pending update has finished. An update that failed (re-raised here)
-        leaves that unit's state unknown: every later call refuses."""
+        leaves that unit's state unknown: every later call refuses. Only what the update's
+        future carries is its failure: an exception raised in the waiting thread itself (a
+        Ctrl-C while it waits) leaves the update pending, to be waited for again."""
         if self.failed:
             raise RuntimeError(f"the engine is unusable: {self.failed}")
         unit = self.units[u]
         if unit.pending is not None:
             t0 = time.perf_counter()
-            future, unit.pending = unit.pending, None
+            waits = not unit.pending.done()  # (a finished update is no wait: not counted as one)
             try:
-                future.result()  # re-raises anything the host thread raised
-            except NotRun as e:
-                self.failed = str(e)
-                raise RuntimeError(f"the engine is unusable: {self.failed}") from None
-            except BaseException as e:
-                self.failed = self._failure(u, e)
-                raise
-            self.counters.host_wait_s += time.perf_counter() - t0
+                error = unit.pending.exception()  # waits
+            except concurrent.futures.CancelledError as e:  # (by close)
+                error = e
+            unit.pending = None
+            if isinstance(error, NotRun):
+                self.failed = str(error)
+                raise RuntimeError(f"the engine is unusable: {self.failed}")
+            if error is not None:
+                self.failed = self._failure(u, error)
+                raise error
+            if waits:
+                self.counters.synced(UPDATE_WAIT, time.perf_counter() - t0)
         return unit
 
     def failure(self):
@@ -525,17 +570,20 @@ class HostState:
         self.store.flush()
 
     def load_unit(self, u: int, unit_state: dict):
-        """Replaces unit u's state with `unit_state` ({"params", "opt_state"}), once every
-        pending update has finished (with the disk tier, the file is written on this thread)."""
+        """Replaces unit u's state with `unit_state` ({"params", "opt_state"}), checked first
+        (check_load), its dtypes the unit's (store.cast: the moments of another state dtype), once
+        every pending update has finished (with the disk tier, the file is written on this
+        thread)."""
+        params, opt_state = store_lib.cast(self.check_load(u, unit_state), self.layout(u))
         self.wait()
         unit = self.ready(u)
         if self.direct is not None:
-            self.store.put(u, unit, unit_state["params"], unit_state["opt_state"])
+            self.store.put(u, unit, params, opt_state)
             if not self.in_ring(u):
-                self._direct_bus(u, unit, fresh=False)
+                self._direct_bus(u, unit)
             return
-        params = jax.device_put(unit_state["params"], self.host)
-        opt_state = jax.device_put(unit_state["opt_state"], self.host)
+        params = jax.device_put(params, self.host)
+        opt_state = jax.device_put(opt_state, self.host)
         self.store.put(u, unit, params, opt_state)
         unit.bus = None if self.in_ring(u) else self.make_bus(params, u)
 

@@ -21,14 +21,14 @@ out, the global norm and the scale: an EmbedBackward).
 
 import concurrent.futures
 import dataclasses
+import time
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from megatrain_jax.engine import stage_units, transfer
-from megatrain_jax.engine.functions import norm_and_scale
-from megatrain_jax.engine.stream import delete
+from megatrain_jax.engine import schedule, stage_units, transfer
+from megatrain_jax.engine.schedule import FIRST_STAGE_WAIT
 
 
 def serves(data_parallel: bool, parts, unit0) -> str:
@@ -55,16 +55,28 @@ def costs_more(rows_bytes: int, table: int, compute_bytes: int, grad_bytes: int)
             f"stage's weights fetched twice and their gradient ({table_bytes:,})")
 
 
+IN_CALLS = ("copies in the calls: the device path's copies of the first stage cross beside "
+            "compute, while the host lookup's backward (a table-sized gradient made on the host) "
+            "would end every step with the device idle")
+
+
 def why_off(setting, serves_why: str, rows_bytes: int, table: int, compute_bytes: int,
-            grad_bytes: int) -> str:
+            grad_bytes: int, in_calls: bool = False) -> str:
     """Why the first stage does not run on the host ('' when it does): the one rule that the
     engine (StreamedEngine._choose_lookup) and the plan and step-time model (flops.host_lookup)
-    follow. `setting`: host_lookup (False: never; True: wherever it serves; None: where it also
-    moves fewer bytes a step); `serves_why`: serves()'s answer; the rest as costs_more's."""
+    follow, by the time each way puts on the step's path. `setting`: host_lookup (False: never;
+    True: wherever it serves; None: where it also costs the step less); `serves_why`: serves()'s
+    answer; `in_calls`: the layers' copies are made inside the jitted calls (an accelerator,
+    engine/transfer.py), where the device path's bytes overlap compute and the host backward's
+    time does not, so auto keeps the device path (host_lookup=True takes the host lookup where a
+    measurement shows it faster: the GPU checklist's A/B); else (eager copies, which serialise
+    with compute) the way that moves fewer bytes a step (costs_more's, the rest its arguments)."""
     if setting is False:
         return "host_lookup=False"
     if serves_why or setting:
         return serves_why
+    if in_calls:
+        return IN_CALLS
     return costs_more(rows_bytes, table, compute_bytes, grad_bytes)
 
 
@@ -76,6 +88,60 @@ def held(host, u: int) -> tuple:
 # stage_units.gradient with the accumulator donated: its output takes the accumulator's buffer
 _gradient_in_place = jax.jit(stage_units.gradient, static_argnums=(2, 3, 4, 5, 6),
                              donate_argnums=(0,))
+
+
+class TableGradient:
+    """The first stage's gradient on the host (the table's, for an embedding), in buffers kept
+    from step to step: a fresh table-sized buffer is page-faulted in by one thread every step
+    (docs/benchmarks.md, "The host lookup's backward on the CPU"), a kept one is cleared where it
+    lies by the fused kernel's pool. `zeros` gives the fp32 accumulator (last step's gradient
+    leaves, cleared, or new ones the first time and wherever a buffer was taken: donated by a jit
+    update, or the kernel not built); `cast` makes unit 0's gradient in the gradient dtype from
+    lookup.unit0_gradient's fp32 leaves, a bf16 one cast by the pool into a kept buffer too (the
+    update reads it in place), rounded as XLA rounds (to nearest even). Runs on the host
+    thread, after the previous step's updates have read the buffers."""
+
+    def __init__(self, lib):
+        self.lib = lib  # fused_adamw.kernel(), or None: fresh buffers and XLA's cast
+        self._fp32, self._out = None, None
+
+    @staticmethod
+    def _kept(leaves, shapes, dtype) -> bool:
+        return leaves is not None and [(x.shape, x.dtype) for x in leaves] == [
+            (tuple(s), dtype) for s in shapes] and not any(x.is_deleted() for x in leaves)
+
+    def zeros(self, shapes: list, device) -> list:
+        kept, self._fp32 = self._fp32, None
+        if self.lib is None or not self._kept(kept, shapes, jnp.float32):
+            return [jnp.zeros(s, jnp.float32, device=device) for s in shapes]
+        jax.block_until_ready(kept)  # (done long since: last step's update read them)
+        for x in kept:
+            self.lib.megatrain_zero(x.unsafe_buffer_pointer(), x.nbytes)
+        return kept
+
+    def cast(self, leaves: list, grad_dtype) -> list:
+        """Unit 0's gradient in grad_dtype from its fp32 leaves (kept for the next step's
+        accumulator)."""
+        self._fp32 = leaves
+        grad_dtype = jnp.dtype(grad_dtype)
+        if grad_dtype == jnp.float32:
+            return leaves
+        if self.lib is None or grad_dtype != jnp.bfloat16:
+            return _cast(leaves, grad_dtype)
+        shapes = [x.shape for x in leaves]
+        if not self._kept(self._out, shapes, grad_dtype):
+            device = next(iter(leaves[0].sharding.device_set))
+            self._out = [jnp.zeros(s, grad_dtype, device=device) for s in shapes]
+        # the pool reads and writes through pointers: the leaves' computation done, and the
+        # buffer's (made, or read by the last step's squares)
+        jax.block_until_ready(leaves + self._out)
+        for out, x in zip(self._out, leaves):
+            self.lib.megatrain_to_bf16(out.unsafe_buffer_pointer(), x.unsafe_buffer_pointer(),
+                                       x.size)
+        return self._out
+
+
+_cast = jax.jit(lambda leaves, dtype: [x.astype(dtype) for x in leaves], static_argnums=(1,))
 
 
 def unit0_gradient(acc: list, first: tuple, held_leaves: tuple, grad_dtype) -> list:
@@ -93,13 +159,14 @@ def unit0_gradient(acc: list, first: tuple, held_leaves: tuple, grad_dtype) -> l
 class HostBackward:
     """Unit 0's gradient, the global norm and the scale, made on the host thread by the first
     update that asks (unit 0's, queued first), from: the step's parts `sp` (step.StepParts), the
-    first stage's bus leaves `w` (host), the micro-batches' inputs (host), the rows' gradient (a
-    transfer.Parcel of a list, one per micro-batch) and the device's scalars (the layers' total
-    sum of squares, the last unit's per leaf, the total loss weight). `grads`, `norm` and `scale` are what HostState.submit takes;
-    `result()` waits for (norm, stages' sum of squares) on the calling thread."""
+    first stage's bus leaves `w` (host), the micro-batches' inputs (host, stacked), the rows'
+    gradient (a transfer.Parcel of the micro-batches', stacked) and the device's scalars (the
+    layers' total sum of squares, the last unit's per leaf, the total loss weight). `grads`,
+    `norm` and `scale` are what HostState.submit takes; `result()` waits for (norm, stages' sum
+    of squares) on the calling thread."""
 
-    def __init__(self, sp, w, inputs, rows_grad, scalars):
-        self.sp, self.w, self.inputs = sp, w, inputs
+    def __init__(self, sp, table, w, inputs, rows_grad, scalars):
+        self.sp, self.table, self.w, self.inputs = sp, table, w, inputs
         self.rows_grad, self.scalars = rows_grad, scalars
         self._done = concurrent.futures.Future()
 
@@ -116,15 +183,15 @@ class HostBackward:
         on_host = host.host
         dxs = self.rows_grad.arrive(on_host)
         layers_sq, last_sq, weight = transfer.arrive(self.scalars, on_host)
-        acc = [jnp.zeros(x.shape, jnp.float32, device=host.host_device) for x in self.w]
-        for x, dx in zip(self.inputs, dxs):
-            acc = f.host_embed_bwd(self.w, x, dx, acc)
-        leaves = unit0_gradient(acc, parts.first, held(host, 0), host.grad_dtype)
+        acc = self.table.zeros([x.shape for x in self.w], host.host_device)
+        acc = f.host_embed_bwd(self.w, self.inputs, dxs, acc)
+        leaves = self.table.cast(unit0_gradient(acc, parts.first, held(host, 0), jnp.float32),
+                                 host.grad_dtype)
         # the stages' sum of squares, leaf by leaf in the order the device's sum_squares adds them
         squares = dict(zip(host.stage_leaves(0), f.leaf_squares(leaves)))
         squares.update(zip(host.stage_leaves(host.last), last_sq))
         stages_sq = f.total([squares[i] for i in sorted(squares)])
-        norm, scale = norm_and_scale([layers_sq], stages_sq, weight)
+        norm, scale = f.norm_and_scale([layers_sq], stages_sq, weight)
         return stage_units.fill(host.stage_units[0][0], leaves), norm, scale, stages_sq
 
     def grads(self):
@@ -135,6 +202,9 @@ class HostBackward:
 
     def scale(self):
         return self._compute()[2]
+
+    def done(self) -> bool:
+        return self._done.done()
 
     def result(self) -> tuple:
         """(global norm, the stages' sum of squares), host scalars, once the host thread made
@@ -147,14 +217,13 @@ class HostBackward:
 class EmbedBackward:
     """The embed backward's outcome: unit 0's and the last unit's gradients, the norm and the
     scale, as HostState.submit_all takes them; layer 0's gradient Parcel when it went out here
-    (the jit form) else None; the total loss weight; `totals()` (global norm, stages' sum of
-    squares), to call once the update is queued."""
+    (the jit form) else None; `totals()` (global norm, stages' sum of squares), to call once the
+    update is queued."""
     first_out: object
     last_out: object
     norm: object
     scale: object
     layer0: object
-    total_weight: object
     totals: Callable[[], tuple]
 
 
@@ -170,10 +239,10 @@ def _stage_shapes(sp) -> tuple:
 class DeviceFirst:
     """The first stage on the device, from its fetched weights; its gradient merged with the last
     stage's on the device (the stages' gradient), where the global norm is taken."""
-    def forward(self, sp, inputs) -> list:
+    def forward(self, sp, inputs):
         w = sp.fetch_stage("first")
-        xs = [sp.functions.embed(w, x) for x in inputs]
-        delete(sp.fetched(w))
+        xs = sp.functions.embed(w, inputs)
+        sp.delete(sp.fetched(w))
         return xs
 
     def last_gradient(self, sp, last_grads):
@@ -181,61 +250,69 @@ class DeviceFirst:
 
     def backward(self, sp, inputs, head, layer_sq, leaving) -> EmbedBackward:
         """`head` a step.Head; `leaving` (layer 0's unit, gradient, device arrays to free once it
-        is out) to send out beside the first micro-batch's compute, or None."""
+        is out) to send out beside the embedding backward's compute, or None. In the jit form
+        the stages' gradient and the scalars are made in pinned host memory (DeviceFunctions
+        .stages), so nothing is copied here."""
         f, host = sp.functions, sp.host
         w = sp.fetch_stage("first")
-        acc, layer0 = f.zeros(w), None
-        for m, (x, dx) in enumerate(zip(inputs, head.dxs)):
-            if m == 0 and leaving is not None:  # layer 0's gradient out beside this compute
-                acc, _, layer0 = sp.carried_call(f.embed_bwd_carry, (w, x, dx, acc),
-                                                 grads=leaving[1])
-                delete(leaving[2])
-            else:
-                acc = f.embed_bwd(w, x, dx, acc)
-        delete(sp.fetched(w))
-        total_weight = f.total(head.weights)
+        first_grads, _, layer0 = sp.call(f.embed_bwd, (w, inputs, head.dxs),
+                                         grads=leaving and leaving[1])
+        sp.delete((sp.fetched(w), head.dxs, leaving and leaving[2]))
         held_leaves, sharding = _stage_shapes(sp)
-        stage_grads = stage_units.gradient(f.reduce(acc), head.last, sp.parts.first,
-                                           sp.parts.last, held_leaves, host.grad_dtype, sharding)
-        stages_sq = f.sum_squares(stage_grads)  # the whole gradient's, on the devices
-        grad_norm, scale = norm_and_scale(layer_sq, stages_sq, total_weight)
-        norm, scale_out = sp.transfers.scalars_out((grad_norm, scale))
-        first_out, last_out = (sp.out(stage_units.like(stage_grads, host.stage_units[u][0]))[0]
-                               for u in (0, host.last))
-        return EmbedBackward(first_out, last_out, norm, scale_out, layer0, total_weight,
-                             lambda: (grad_norm, stages_sq))
+        stage_grads, scalars, stages_sq = f.stages(first_grads, head.last, layer_sq, head.weight,
+                                                   held_leaves, sharding)
+        sp.delete((first_grads, head.last))  # the parts' fp32 sums, once merged
+        if sp.copies == schedule.JIT:
+            norm, scale = scalars
+            first_out, last_out = (sp.transfers.made_out(stage_units.like(
+                stage_grads, host.stage_units[u][0])) for u in (0, host.last))
+        else:
+            norm, scale = sp.transfers.scalars_out(scalars)
+            first_out, last_out = (sp.out(stage_units.like(stage_grads, host.stage_units[u][0]))[0]
+                                   for u in (0, host.last))
+        return EmbedBackward(first_out, last_out, norm, scale, layer0,
+                             lambda: (scalars[0], stages_sq))
 
 
 class HostFirst:
     """The host lookup: the first stage on the host, on unit 0's bus copy; only its rows cross.
     The last unit's gradient goes out as soon as the loss is done; the first stage's backward
-    and the global norm run on the host thread (HostBackward)."""
-    def forward(self, sp, inputs) -> list:
+    and the global norm run on the host thread (HostBackward), into the table's gradient
+    buffers kept from step to step (TableGradient)."""
+
+    def __init__(self, lib=None):
+        self.table = TableGradient(lib)
+
+    def forward(self, sp, inputs):
         w = sp.host.stage_bus(sp.parts.first)
-        return sp.transfers.rows_in([sp.functions.host_embed(w, x) for x in inputs])
+        return sp.transfers.rows_in(sp.functions.host_embed(w, inputs))
 
     def last_gradient(self, sp, last_grads) -> tuple:
         """Nothing to merge it with: (the last unit's gradient on its way out, its sums of
         squares per leaf)."""
         host = sp.host
-        leaves = stage_units.gradient([], last_grads, (), sp.parts.last, held(host, host.last),
-                                      host.grad_dtype, None)
-        squares = sp.functions.leaf_squares(leaves)
+        leaves, squares = sp.functions.last_unit(last_grads, held(host, host.last))
         parcel = sp.out(stage_units.fill(host.stage_units[host.last][0], leaves))[0]
-        delete(last_grads)  # its fp32 sum; the cast leaves are freed once they are out
+        sp.delete(last_grads)  # its fp32 sum; the cast leaves are freed once they are out
         return parcel, squares
 
     def backward(self, sp, inputs, head, layer_sq, leaving) -> EmbedBackward:
         """As DeviceFirst.backward, on the host thread, from the rows' gradient."""
         f, transfers = sp.functions, sp.transfers
         last_out, last_squares = head.last
-        total_weight = f.total(head.weights)
-        scalars = (f.total(layer_sq), last_squares, total_weight)
+        scalars = (f.total(layer_sq), last_squares, head.weight)
         layer0 = None
         if leaving is not None:  # no device function runs after it: layer 0's gradient goes out now
-            layer0 = transfers.grads_out(leaving[1])
-            delete(leaving[2])
-        backward = HostBackward(sp, sp.host.stage_bus(sp.parts.first), inputs,
+            layer0 = transfers.grads_out(leaving[1], layer=True)
+            sp.delete(leaving[2])
+        backward = HostBackward(sp, self.table, sp.host.stage_bus(sp.parts.first), inputs,
                                 transfers.grads_out(head.dxs), transfers.scalars_out(scalars))
+
+        def totals():
+            t0, waits = time.perf_counter(), not backward.done()
+            made = backward.result()
+            if waits:  # (made already: no wait)
+                sp.host.counters.synced(FIRST_STAGE_WAIT, time.perf_counter() - t0)
+            return made
         return EmbedBackward(backward.grads, last_out, backward.norm, backward.scale, layer0,
-                             total_weight, backward.result)
+                             totals)

@@ -6,12 +6,12 @@ axis, `data`, over every compute device of every process, and
 
     weights     each unit's bus copy is put on every device (replicated, P()): it crosses each
                 device's own link once
-    batch       each micro-batch's batch dimension is split over `data` (P("data")); a process
-                gives only its own rows (`put_batch`)
-    gradients   each device accumulates its own partial sum over its rows and micro-batches, a
-                (devices, ...) array split over `data`; `reduce` sums them over the devices on the
-                device side (an XLA all-reduce: NCCL on GPUs, gloo between CPU processes) once per
-                unit and step, and the sum crosses to the host once per process
+    batch       a step's micro-batches stacked (M, rows, ...), the rows split over `data`
+                (P(None, "data")); a process gives only its own rows (`put_batch`)
+    gradients   each device accumulates its own partial sum over its rows and micro-batches inside
+                the call that makes a unit's gradient, which ends by summing them over the devices
+                (`reduce`: an XLA all-reduce, NCCL on GPUs, gloo between CPU processes) once per
+                unit and step; the sum crosses to the host once per process
     scalars     loss sums, loss weights and a block's aux statistics are summed over the devices
                 inside the function that makes them (psum)
 
@@ -47,10 +47,12 @@ def sum_squares(tree):
 class Placement:
     """Where a step's arrays live, for `devices`: the compute devices of every process, in mesh
     order (one device and one process: no mesh). shard: the sharded host layout (`shards`, a
-    shard.Shards; None when the host state is replicated, always on one device)."""
+    shard.Shards; None when the host state is replicated, always on one device). put: what
+    makes its copies (jax.device_put's signature)."""
 
-    def __init__(self, devices, shard: bool = False):
+    def __init__(self, devices, shard: bool = False, put=jax.device_put):
         self.devices = tuple(devices)
+        self.put = put  # every copy it makes (the engine's counts them: stream.Counters.put)
         if not self.devices:
             raise ValueError("no compute device")
         self.data_parallel = len(self.devices) > 1
@@ -61,7 +63,7 @@ class Placement:
         if self.data_parallel:
             self.mesh = Mesh(np.array(self.devices), (AXIS,))
             self.weights = NamedSharding(self.mesh, P())
-            self.batch = NamedSharding(self.mesh, P(AXIS))
+            self.batch = NamedSharding(self.mesh, P(None, AXIS))  # (micro-batch, rows, ...)
         else:
             self.mesh = None
             self.weights = self.batch = SingleDeviceSharding(self.devices[0])
@@ -86,10 +88,10 @@ class Placement:
     def put_weights(self, tree):
         """`tree` (host or pinned-host arrays) copied to every compute device: replicated."""
         if not self.data_parallel:
-            return jax.device_put(tree, self.weights)
+            return self.put(tree, self.weights)
 
         def replicate(x):
-            copies = [jax.device_put(x, SingleDeviceSharding(d)) for d in self.local_devices]
+            copies = [self.put(x, SingleDeviceSharding(d)) for d in self.local_devices]
             return jax.make_array_from_single_device_arrays(x.shape, self.weights, copies)
 
         return jax.tree.map(replicate, tree)
@@ -101,7 +103,7 @@ class Placement:
         shards = self.shards
 
         def assemble(x, shape):
-            pieces = [jax.device_put(piece, SingleDeviceSharding(d))
+            pieces = [self.put(piece, SingleDeviceSharding(d))
                       for piece, d in zip(shards.pieces(x), self.local_devices)]
             return jax.make_array_from_single_device_arrays(shards.padded_shape(shape),
                                                             self.pieces, pieces)
@@ -110,14 +112,15 @@ class Placement:
         return jax.tree.unflatten(treedef, self._gather(padded, tuple(s[0] for s in shapes)))
 
     def put_batch(self, tree):
-        """This process's rows of a micro-batch (numpy arrays, batch first; or a pytree of them)
-        as global arrays split over `data`. One process: all the rows."""
+        """This process's rows of a step's micro-batches (numpy arrays shaped (M, rows, ...); or a
+        pytree of them) as global arrays, the rows split over `data`. One process: all the
+        rows."""
         if not self.data_parallel or jax.process_count() == 1:
-            return jax.device_put(tree, self.batch)
+            return self.put(tree, self.batch)
 
         def put(x):
             x = np.asarray(x)
-            global_shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
+            global_shape = (x.shape[0], x.shape[1] * jax.process_count()) + x.shape[2:]
             return jax.make_array_from_process_local_data(self.batch, x, global_shape)
 
         return jax.tree.map(put, tree)
@@ -130,7 +133,7 @@ class Placement:
         return jax.tree.map(lambda x: x.addressable_data(0), tree)
 
     def own_pieces(self, x) -> list:
-        """A reduced gradient leaf (`reducer`'s) as the arrays of it this process sends to its
+        """A reduced gradient leaf (`reduce`'s) as the arrays of it this process sends to its
         host: the whole sum (on its first device), or in the sharded layout this process's
         pieces, in row order (concatenated on the host)."""
         if self.shards is None:
@@ -143,18 +146,14 @@ class Placement:
         """Inside a device function: the sum over every device (identity on one device)."""
         return jax.lax.psum(tree, AXIS) if self.data_parallel else tree
 
-    def acc_shape(self, shape) -> tuple:
-        """A device's gradient accumulator of a weight shaped `shape`: one partial sum per device
-        along a leading axis split over `data`."""
-        return (1,) + tuple(shape) if self.data_parallel else tuple(shape)
-
     def spread(self, fn, in_specs, out_specs, **jit_kwargs):
         """fn (written for one device) jitted to run on every device of the mesh over its rows.
-        Specs per argument/result: "w" replicated, "b" split over `data` (batch rows, or the
-        accumulators' device axis); a pytree argument takes one spec for all its leaves."""
+        Specs per argument/result: "w" replicated, "b" stacked micro-batches (their rows split
+        over `data`), "r" a gradient `reduce` made (replicated, or split by rows in the sharded
+        layout); a pytree argument takes one spec for all its leaves."""
         if not self.data_parallel:
             return jax.jit(fn, **jit_kwargs)
-        spec = {"w": P(), "b": P(AXIS)}
+        spec = {"w": P(), "b": P(None, AXIS), "r": P() if self.shards is None else P(AXIS)}
         to_spec = lambda s: None if s is None else spec[s]  # None: an argument that is None
         ins = tuple(to_spec(s) for s in in_specs)
         outs = tuple(to_spec(s) for s in out_specs) if isinstance(out_specs, tuple) else \
@@ -164,37 +163,21 @@ class Placement:
         return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=ins, out_specs=outs,
                                      check_vma=False), **jit_kwargs)
 
-    def reducer(self, squares: bool = False):
-        """acc -> the sum over the devices of their partial sums (and with `squares`, its sum of
-        squares: (sum, sq)), jitted. The sum is replicated, or in the sharded layout
+    def reduce(self, acc) -> tuple:
+        """Inside a device function (spread's): (the sum over the devices of their partial sums
+        `acc`, its sum of squares). The sum is replicated, or in the sharded layout
         reduce-scattered: leaves padded to N c rows, split over `data` (device k holds rows
-        [k c, (k + 1) c) of the total); the sum of squares is the whole gradient's either way,
-        on every device."""
+        [k c, (k + 1) c) of the total); the sum of squares is the whole gradient's either way, on
+        every device. One device: acc itself."""
         if not self.data_parallel:
-            of = jax.jit(sum_squares)
-            return (lambda acc: (acc, of(acc))) if squares else (lambda acc: acc)
+            return acc, sum_squares(acc)
+        if self.shards is None:
+            g = jax.tree.map(lambda a: jax.lax.psum(a, AXIS), acc)
+            return g, sum_squares(g)
 
-        def total(acc):
-            g = jax.tree.map(lambda a: jax.lax.psum(a[0], AXIS), acc)
-            return (g, sum_squares(g)) if squares else g
-
-        def scatter(acc):
-            def one(a):
-                g = a[0]
-                padded = self.shards.padded_shape(g.shape)[0]
-                g = jnp.pad(g, [(0, padded - g.shape[0])] + [(0, 0)] * (g.ndim - 1))
-                return jax.lax.psum_scatter(g, AXIS, scatter_dimension=0, tiled=True)
-            g = jax.tree.map(one, acc)
-            return (g, jax.lax.psum(sum_squares(g), AXIS)) if squares else g
-
-        fn, out = (total, P()) if self.shards is None else (scatter, P(AXIS))
-        out = (out, P()) if squares else out
-        return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=P(AXIS), out_specs=out,
-                                     check_vma=False))
-
-
-def zeros_like_acc(placement: Placement):
-    """w -> fp32 zero accumulators (see Placement.acc_shape), jitted."""
-    def zeros(w):
-        return jax.tree.map(lambda p: jnp.zeros(placement.acc_shape(p.shape), jnp.float32), w)
-    return placement.spread(zeros, ("w",), "b")
+        def one(g):
+            padded = self.shards.padded_shape(g.shape)[0]
+            g = jnp.pad(g, [(0, padded - g.shape[0])] + [(0, 0)] * (g.ndim - 1))
+            return jax.lax.psum_scatter(g, AXIS, scatter_dimension=0, tiled=True)
+        g = jax.tree.map(one, acc)
+        return g, jax.lax.psum(sum_squares(g), AXIS)

@@ -12,6 +12,7 @@ them off or add them (checkpoint.py). All the arithmetic of the layout is here.
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,12 @@ class Shards:
             x = jnp.pad(x, [(0, c * self.size - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
             return x[self.first * c:(self.first + self.local) * c]
         return jax.tree_util.tree_map_with_path(one, tree)
+
+    def firsts(self, shapes) -> list:
+        """Per leaf of this process's rows (shaped `shapes`: c D rows each), the index in the whole
+        padded leaf of its first element (row k0 c): what keys a bf16 moment's rounding, so that
+        the rows round as in a process holding the whole leaf."""
+        return [self.first * (s[0] // self.local) * math.prod(s[1:]) for s in shapes]
 
     def pieces(self, x) -> list:
         """This process's part of a leaf as its D devices' pieces (row slices), in mesh order."""

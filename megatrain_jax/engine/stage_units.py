@@ -17,14 +17,32 @@ import jax.numpy as jnp
 from flax import nnx
 
 
+class Constant(nnx.Variable):
+    """A block's per-layer constant (Gemma 3's layer kind): it reaches the block beside its
+    weights, as data, so blocks that differ only in their constants share one compiled function;
+    but it is no parameter: no gradient, no optimizer state, no checkpoint (make_block(i) gives it
+    again). Kept on the compute device for the whole run: meant for a few numbers a layer."""
+
+
 def param_split(module: nnx.Module, what: str):
-    """(graphdef, params as a pure dict) of a streamed module, which may hold only nnx.Param
-    state (`what` names it in the error)."""
-    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    """(graphdef, params, constants), each a pure dict, of a streamed module, which may hold only
+    nnx.Param and Constant variables (`what` names it in the error)."""
+    graphdef, params, constants, rest = nnx.split(module, nnx.Param, Constant, ...)
     if jax.tree.leaves(rest):
-        raise ValueError(f"{what} holds non-Param state ({list(rest.flat_state())[0][0]}); "
-                         "streamed modules may only hold nnx.Param variables")
-    return graphdef, nnx.to_pure_dict(params)
+        raise ValueError(f"{what} holds state that is neither nnx.Param nor Constant "
+                         f"({list(rest.flat_state())[0][0]}); streamed modules may only hold "
+                         "those")
+    return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(constants)
+
+
+def stages_split(stages) -> tuple:
+    """(graphdef, params) of the (first, last) stages, which hold no Constant (there is one
+    of each stage, so nothing to share a compiled function with)."""
+    graphdef, params, constants = param_split(stages, "the first/last stages")
+    if constants:
+        raise ValueError(f"the first/last stages hold a Constant ({next(iter(constants))}); "
+                         "only blocks may")
+    return graphdef, params
 
 
 def _is_none(x) -> bool:
@@ -83,7 +101,7 @@ def gradient(first, last, first_idx, last_idx, held, dtype, out_sharding):
             if i in idx:
                 leaf = leaf + part[idx.index(i)].astype(jnp.float32)
         leaf = leaf.astype(dtype)
-        if out_sharding is not None:  # the sharded layout: as the reducer leaves a gradient
+        if out_sharding is not None:  # the sharded layout: as Placement.reduce leaves a gradient
             leaf = jax.lax.with_sharding_constraint(leaf, out_sharding)
         leaves.append(leaf)
     return leaves

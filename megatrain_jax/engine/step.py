@@ -1,60 +1,73 @@
 """One training step, top to bottom: the schedule of transfers and device work.
 
-    embed     fetch the first stage's weights (unit 0); x_0[m] = first(inputs[m])
-    forward   for layer i (weights prefetched, at most prefetch + 1 resident):
-                x_{i+1}[m] (, aux_i[m]) = block_i(x_i[m]); save x_i[m] (on the device, or
-                offloaded to host)
-    loss      fetch the last stage's weights (the last unit; tied leaves from unit 0); loss_sum[m], weight[m] (, stats[m]),
-              dx[m] = grad(last)(x_L[m]); its gradient stays on the device until the embed
-              backward; with aux: aux loss and daux = grad(aux_loss) of the sum of every
-              aux_i[m] (see functions.py)
-    backward  for layer i in reverse (weights and saved inputs fetched ahead):
-                dx[m], dW_i += vjp(block_i)(x_i[m], (dx[m], daux))   (the block is recomputed)
-              dW_i and its sum of squares; dW_i goes out to the host while the next layer
-              computes (the layer retires on its sum of squares, not on the copy)
-    embed     fetch the first stage's weights; dW_first += vjp(first)(inputs[m], dx[m]);
-              the stages' gradient (the two parts merged, on the device) and its sum of squares;
-              the global norm and the scale, on the device; the stages' gradient goes out
-    update    on the host thread: each unit's gradient and the norm cross to the host CPU
-              device there, then clip, one optax update per unit, its bus copy refreshed (the
-              next step's fetch of a unit waits for its update), in the order the next forward
-              needs them: unit 0 (the first stage's variables: the embedding, tied or not), the
-              layers, then the last unit (the last stage's own: final norm, untied head). The
-              stages' gradient is split between the two units (engine/stage_units.py)
+The step's M micro-batches are stacked, (M, rows, ...), and every call on the device takes them
+all: one jitted call per layer and pass (a lax.scan over the micro-batches inside it, each computed as it
+would be alone, every sum over them in their order: engine/functions.py), so the dispatching
+thread's work is O(layers), not O(layers x micro-batches).
+
+    embed     fetch the first stage's weights (unit 0); x_0[m] = first(inputs[m]), one call
+    forward   for layer i (weights prefetched, at most prefetch + 1 resident), one call:
+                x_{i+1}[m] (, aux_i[m]) = block_i(x_i[m]) for every m; save x_i (on the device,
+                or offloaded to host)
+    loss      fetch the last stage's weights (the last unit; tied leaves from unit 0); one call:
+              loss = sum(loss_sum[m]) / sum(weight[m]) (, stats summed), dx[m] = grad(last)(x_L[m])
+              and its gradient, which stays on the device until the embed backward; with aux:
+              aux loss and daux = grad(aux_loss) of the sum of every aux_i[m] (see functions.py)
+    backward  for layer i in reverse (weights and saved inputs fetched ahead), one call:
+                dW_i = 0; dx[m], dW_i += vjp(block_i)(x_i[m], (dx[m], daux)) for every m (the
+                block recomputed); dW_i summed over the devices, its sum of squares, cast
+              dW_i goes out to the host while the next layer computes (the layer retires on its
+              sum of squares, not on the copy)
+    embed     fetch the first stage's weights; one call: dW_first = sum of vjp(first)(inputs[m],
+              dx[m]); one call: the stages' gradient (the two parts merged), its sum of squares,
+              the global norm and the scale; the stages' gradient goes out
+    update    on the host thread, one host update per unit (engine/update.py's: the fused AdamW
+              kernel called directly on the gradient where the device left it, or a jitted
+              update on the host CPU device), the gradient scaled and clipped by the global
+              norm, leaving the unit's new bus copy (none for a layer in the bus ring: its
+              fills make it); the next step's fetch of a unit waits for its update. In the
+              order the next forward needs them: unit 0 (the first stage's variables: the
+              embedding, tied or not), the layers, then the last unit (the last stage's own:
+              final norm, untied head). The stages' gradient is split between the two units
+              (engine/stage_units.py)
 
 The order of a pass's fetches, dispatches and waits is engine/schedule.py's (LayerStream); every
-copy is engine/transfer.py's. `run` reads only its StepParts (what the engine built: host state,
-transfers, device functions, placement, ...) and returns each unit's gradient's sum of squares
-beside the result. With the host lookup (engine/lookup.py's HostFirst, else DeviceFirst: the
-first stage's way, chosen once) the embed runs on the host, the last unit's gradient goes out
-after the loss, and the embed backward and the global norm run on the host thread.
+copy between host and device memory is engine/transfer.py's. The dispatching thread waits only at the retires the schedule
+names (and for a unit's host update not yet done when its fetch comes); the result's scalars are
+read by the caller (a training loop reads them once the next step is dispatched). `run` reads
+only its StepParts (what the engine built: host state, transfers, device functions, placement,
+...) and returns each unit's gradient's sum of squares beside the result. With the host lookup
+(engine/lookup.py's HostFirst, else DeviceFirst: the first stage's way, chosen once) the embed
+runs on the host, the last unit's gradient goes out after the loss, and the embed backward and
+the global norm run on the host thread, which the step's end waits for.
 
 The copies' form (StepParts.copies, schedule.EAGER or JIT). Eager: every fetch and every gradient's
-copy out is a `device_put` of its own. Jit: a layer's fetch is made inside the first call
-(micro-batch 0) of the layer `prefetch` before it in the pass, its bus copy, and in the backward
-its offloaded inputs too, returned in device memory; a layer's gradient (reduced, cast) goes out
-inside the next layer's first backward call, returned in pinned host memory, and layer 0's inside
-the embedding backward's first call (the host lookup: eagerly, as no device function runs after
-it). Eager in both forms: the first `prefetch` layers of each pass (no compute precedes them in
-the pass), the stages' fetches and gradient, the activations' offload in the forward, the
-scalars. A fetch made inside a call is an output of it and an input of its own layer's calls,
-which feed that layer's gradient: it is done before the gradient is ready, so a unit's bus copy
-is still written only after every fetch of it has been read (engine/direct.py).
+copy out is a `device_put` of its own. Jit: a layer's fetch is made inside the call of the layer
+`prefetch` before it in the pass, its bus copy, and in the backward its offloaded inputs too,
+returned in device memory; a layer's gradient goes out inside the next layer's backward call,
+returned in pinned host memory, and layer 0's inside the embedding backward's call (the host
+lookup: eagerly, as no device function runs after it); the stages' gradient and the scalars the
+update reads are made in pinned host memory by their call. Eager in both forms: the first
+`prefetch` layers of each pass (no compute precedes them in the pass), the stages' fetches, the
+activations' offload in the forward, the batch (one copy). A fetch made inside a call is an
+output of it and an input of its own layer's call, which feeds that layer's gradient: it is done
+before the gradient is ready, so a unit's bus copy is still written only after every fetch of it
+has been read (engine/direct.py).
 
 Each block weight crosses the bus twice per step whatever the number of micro-batches M is.
 Data parallel over several devices (parallel.py): every fetch goes to each device, each
 micro-batch's rows are split over them, and each gradient (dW_i, the stages' parts) is summed over
-the devices on the devices (f.reduce) before it crosses to the host, once per process. With the
-sharded host layout (engine/shard.py) each device is sent only its rows of a unit and the devices
-all-gather them; f.reduce reduce-scatters each gradient instead, and only this process's rows
-cross to the host; every sum of squares is taken on the devices over the whole gradient.
+the devices on the devices (Placement.reduce, inside the call that makes it) before it crosses to
+the host, once per process. With the sharded host layout (engine/shard.py) each device is sent
+only its rows of a unit and the devices all-gather them; the sum is reduce-scattered instead, and
+only this process's rows cross to the host; every sum of squares is taken on the devices over the
+whole gradient.
 """
 
 import dataclasses
 from typing import Callable, Optional
 
 import jax
-import jax.numpy as jnp
 
 from megatrain_jax.engine import schedule
 from megatrain_jax.engine.stream import LayerStream, delete
@@ -65,8 +78,9 @@ class StepParts:
     """What a step (and an evaluation, engine/evaluate.py) reads: the host state, the transfers,
     the jitted device functions, the placement, the stage parts (functions.StageParts), the saved
     activations, the prefetch depth, the copies' form (schedule.EAGER or JIT), the first stage's
-    way (engine/lookup.py: DeviceFirst or HostFirst) and the hooks (StreamedEngine's on_phase,
-    on_event; None: none)."""
+    way (engine/lookup.py: DeviceFirst or HostFirst), each layer's Constants on the compute
+    device (stage_units.Constant) and the hooks (StreamedEngine's on_phase, on_event; None:
+    none)."""
     host: object
     transfers: object
     functions: object
@@ -77,6 +91,7 @@ class StepParts:
     prefetch: int
     copies: str
     first: object
+    constants: list
     on_phase: Optional[Callable] = None
     on_event: Optional[Callable] = None
 
@@ -90,11 +105,15 @@ class StepParts:
             return None
         return lambda kind, layer: self.on_event(kind, phase, layer)
 
+    def delete(self, tree):
+        """stream.delete, counted."""
+        delete(tree, self.host.counters)
+
     def fetch_unit(self, u):
-        """Unit u's bus copy put on the compute device, once u's pending host update has
+        """Layer unit u's bus copy put on the compute device, once u's pending host update has
         finished."""
         shapes = None if self.placement.shards is None else self.host.shapes[1]
-        w = self.transfers.weights_in(self.host.bus(u), shapes)
+        w = self.transfers.weights_in(self.host.bus(u), shapes, layer=True)
         self.host.fetched(u, w)
         return w
 
@@ -125,11 +144,12 @@ class StepParts:
             return ()
         return w
 
-    def carried_call(self, fn, args, carry=None, grads=None) -> tuple:
-        """The jit form: fn (a DeviceFunctions `*_carry`) on args, with `carry` = (unit, its bus
-        copy, offloaded inputs or None) fetched and `grads` (a gradient on the device) sent out
-        inside the call. Returns (fn's result, (the unit's weights, its inputs) on the device,
-        the gradient's Parcel or None)."""
+    def call(self, fn, args, carry=None, grads=None) -> tuple:
+        """fn (a streaming DeviceFunctions call: layer_fwd, layer_bwd, embed_bwd) on args, with
+        `carry` = (unit, its bus copy, offloaded inputs or None) fetched and `grads` (a gradient
+        on the device) sent out inside the call (the jit form; None: nothing). Returns (fn's
+        result, (the unit's weights, its inputs) on the device, the gradient's Parcel or
+        None)."""
         u, bus, saved = carry or (None, None, None)
         result, (w, xs), parcel = self.transfers.in_call(fn, args, weights=bus, activations=saved,
                                                          grads=grads)
@@ -137,50 +157,32 @@ class StepParts:
             self.host.fetched(u, w)
         return result, (w, xs), parcel
 
-    def cast(self, grads):
-        """(`grads` in the host's gradient dtype, every device array of both). `grads` is reduced
-        over the devices already (f.reduce)."""
-        device = jax.tree.leaves(grads)
-        if device and device[0].dtype != self.host.grad_dtype:
-            grads = self.functions.cast_grads(grads)  # on the device: fewer bytes cross and wait
-            device += jax.tree.leaves(grads)
-        return grads, device
-
-    def out(self, grads):
-        """(the gradient on its way to the host, a Parcel; the device arrays to free once the
-        layer retires)."""
-        grads, device = self.cast(grads)
-        parcel = self.transfers.grads_out(grads)
+    def out(self, grads, layer: bool = False):
+        """(the gradient (reduced, in the host's dtype) on its way to the host, a Parcel; the
+        device arrays to free once the layer retires); layer: a layer's."""
+        parcel = self.transfers.grads_out(grads, layer)
         kept = {id(x) for x in parcel.token()}  # no copy when they share a device
-        return parcel, [x for x in device if id(x) not in kept]
-
-
-def reduced_away(partial, reduced) -> list:
-    """The per-device partial sums that f.reduce replaced (none on one device, where it returns
-    its input)."""
-    kept = {id(x) for x in jax.tree.leaves(reduced)}
-    return [x for x in jax.tree.leaves(partial) if id(x) not in kept]
+        return parcel, [x for x in jax.tree.leaves(grads) if id(x) not in kept]
 
 
 @dataclasses.dataclass
 class Head:
-    """The loss phase's results: per micro-batch loss sums, weights, statistics and dx at the
-    last block's output; the last unit's gradient as the first stage's way keeps it (`last`);
-    the per-device partial sums to free at the backward's first retire; the aux loss and its
-    cotangent (None: no aux)."""
-    loss_sums: list
-    weights: list
-    stats: list
-    dxs: list
+    """The loss phase's results: the loss (with the aux loss), the total loss weight, the
+    statistics summed over the micro-batches (None: none), dx[m] at the last block's output
+    (stacked), the last unit's gradient as the first stage's way keeps it (`last`), the aux loss
+    and its cotangent (None: no aux)."""
+    loss: object
+    weight: object
+    stats: object
+    dxs: object
     last: object
-    head_device: list
     aux_loss: object = None
     daux: object = None
 
 
-def _forward(sp: StepParts, xs: list, contexts: list) -> tuple:
-    """(x_L[m] for every micro-batch, every layer's and micro-batch's aux statistics): each layer
-    streamed in, its inputs saved (sp.activations)."""
+def _forward(sp: StepParts, xs, contexts) -> tuple:
+    """(x_L[m] stacked, each layer's aux[m] stacked): each layer streamed in, one call over the
+    micro-batches, its inputs saved (sp.activations)."""
     f, acts = sp.functions, sp.activations
     auxs = []
     carry = ((lambda i: (1 + i, sp.host.bus(1 + i), None)) if sp.copies == schedule.JIT
@@ -188,15 +190,11 @@ def _forward(sp: StepParts, xs: list, contexts: list) -> tuple:
     stream = LayerStream(range(sp.num_layers), lambda i: sp.fetch_unit(1 + i), sp.prefetch,
                          sp.events("forward"), carry, sp.read(), sp.host.counters)
     for i, w in stream:
-        outs, ahead = [], None
-        for m, (x, c) in enumerate(zip(xs, contexts)):
-            if m == 0 and stream.carry is not None:  # the layer ahead's copy beside this compute
-                made, (ahead, _), _ = sp.carried_call(f.block_fwd_carry, (w, x, c), stream.carry)
-            else:
-                made = f.block_fwd(w, x, c)
-            outs.append(made)
-        ys = [y for y, _ in outs]
-        auxs += [aux for _, aux in outs if aux is not None]
+        # (the layer ahead's copy beside this compute, in the jit form)
+        (ys, aux), (ahead, _), _ = sp.call(f.layer_fwd, ((w, sp.constants[i]), xs, contexts),
+                                           stream.carry)
+        if aux is not None:
+            auxs.append(aux)
         # nothing donates a block's outputs
         stream.done(ys, acts.save(i, xs), drop=sp.fetched(w), carried=ahead)
         xs = ys
@@ -207,33 +205,25 @@ def _forward(sp: StepParts, xs: list, contexts: list) -> tuple:
     return xs, auxs
 
 
-def _loss(sp: StepParts, xs: list, targets: list, auxs: list) -> Head:
-    """The last stage's loss and dx for every micro-batch, its gradient accumulated on the
-    device; the aux loss's cotangent."""
+def _loss(sp: StepParts, xs, targets, auxs: list) -> Head:
+    """The last stage's loss and dx for every micro-batch, its gradient summed on the device
+    (one call); the aux loss and its cotangent."""
     f, host = sp.functions, sp.host
     w = sp.fetch_stage("last")
-    acc = f.zeros(w)
-    loss_sums, weights, stats, dxs = [], [], [], []
-    for x, t in zip(xs, targets):
-        loss_sum, weight, stat, dx, acc = f.head(w, x, t, acc)
-        loss_sums.append(loss_sum)
-        weights.append(weight)
-        stats.append(stat)
-        dxs.append(dx)
-    delete((sp.fetched(w), xs))
+    loss, weight, stats, dxs, last_grads = f.head(w, xs, targets)
+    sp.delete((sp.fetched(w), xs))
     host.release_bus(host.last)
-    last_grads, head_partial = f.reduce(acc), acc
-    head = Head(loss_sums, weights, stats, dxs, None, reduced_away(head_partial, last_grads))
-    head.last = sp.first.last_gradient(sp, last_grads)
+    head = Head(loss, weight, stats, dxs, sp.first.last_gradient(sp, last_grads))
     if auxs:  # every layer's gets the same cotangent: the gradient at the total
-        head.aux_loss, head.daux = f.aux_grad(f.tree_total(auxs), f.total(weights))
+        head.loss, head.aux_loss, head.daux = f.aux_grad(auxs, weight, loss)
     return head
 
 
-def _backward(sp: StepParts, dxs: list, contexts: list, head: Head) -> tuple:
-    """Every layer's backward in reverse, dx[m] updated in place: (each layer unit's gradient
-    Parcel, the layers' sums of squares in the pass's order, layer 0's gradient still to go out
-    in the jit form as (unit, gradient, device arrays to free once it is out), else None)."""
+def _backward(sp: StepParts, contexts, head: Head) -> tuple:
+    """Every layer's backward in reverse, one call each over the micro-batches, head.dxs updated:
+    (each layer unit's gradient Parcel, the layers' sums of squares in the pass's order, layer
+    0's gradient still to go out in the jit form as (unit, gradient, device arrays to free once
+    it is out), else None)."""
     f, host, acts = sp.functions, sp.host, sp.activations
     jit = sp.copies == schedule.JIT
     layer_grads, layer_sq = {}, []
@@ -241,62 +231,50 @@ def _backward(sp: StepParts, dxs: list, contexts: list, head: Head) -> tuple:
     stream = LayerStream(reversed(range(sp.num_layers)),
                          lambda i: (sp.fetch_unit(1 + i), acts.load(i)), sp.prefetch,
                          sp.events("backward"), carry, sp.read(), sp.host.counters)
-    head_device, leaving = head.head_device, None  # leaving: the jit form's gradient before
+    leaving = None  # the jit form's: (unit, gradient) of the layer before, out in this call
     for i, (w, xs) in stream:
-        dw, ahead = f.zeros(w), None
-        for m in range(len(dxs)):
-            args = (w, xs[m], contexts[m], dxs[m], dw, head.daux)
-            if m == 0 and (stream.carry is not None or leaving is not None):
-                (dxs[m], dw), (w_ahead, xs_ahead), parcel = sp.carried_call(
-                    f.block_bwd_carry, args, stream.carry, leaving and leaving[1])
-                if stream.carry is not None:  # its inputs: copied here, or kept on the device
-                    ahead = (w_ahead, xs_ahead if acts.offload else
-                             acts.load(stream.carry[0] - 1))
-                if leaving is not None:
-                    layer_grads[leaving[0]], leaving = parcel, None
-            else:
-                dxs[m], dw = f.block_bwd(*args)
-        (dw, sq), partial = f.reduce_squares(dw), dw  # summed over the devices, on them
+        (head.dxs, grads, sq), (w_ahead, xs_ahead), parcel = sp.call(
+            f.layer_bwd, ((w, sp.constants[i]), xs, contexts, head.dxs, head.daux),
+            stream.carry, leaving and leaving[1])
+        ahead = None
+        if stream.carry is not None:  # its inputs: copied here, or kept on the device
+            ahead = (w_ahead, xs_ahead if acts.offload else acts.load(stream.carry[0] - 1))
+        if leaving is not None:
+            layer_grads[leaving[0]] = parcel
         layer_sq.append(sq)
         if jit:  # goes out inside the next call (layer 0's: the embedding backward's)
-            grads, device_grads = sp.cast(dw)
-            leaving = (1 + i, grads, ())
+            leaving, device_grads = (1 + i, grads), jax.tree.leaves(grads)
         else:
-            layer_grads[1 + i], device_grads = sp.out(dw)
-        device_grads += reduced_away(partial, dw)
+            layer_grads[1 + i], device_grads = sp.out(grads, layer=True)
         host.release_bus(1 + i)
         if leaving is not None and i == 0:  # freed once it is out, after the loop
-            leaving, device_grads = (*leaving[:2], device_grads), []
-        # retired on its sum of squares: made after every micro-batch's work, never donated;
-        # the gradient's copy out goes on while the next layer computes
-        # (the jit form drops its fetch right after the dispatch: the weights, and the inputs
-        # when they were loaded back; inputs kept on the device since the forward go with the
-        # rest at its retire)
+            leaving, device_grads = (*leaving, device_grads), []
+        # retired on its sum of squares: made at the end of the call, never donated; the
+        # gradient's copy out goes on while the next layer computes (the jit form drops its
+        # fetch right after the dispatch: the weights, and the inputs when they were loaded
+        # back; inputs kept on the device since the forward go with the rest at its retire)
         fetched_inputs = acts.offload or not jit
-        stream.done(sq, (device_grads, head_device, () if fetched_inputs else xs),
+        stream.done(sq, (device_grads, () if fetched_inputs else xs),
                     drop=(sp.fetched(w), xs if fetched_inputs else ()), carried=ahead)
-        head_device = ()
         sp.hook("backward", i)
     return layer_grads, layer_sq, leaving
 
 
-def _result(sp: StepParts, head: Head, grad_norm, total_weight) -> dict:
+def _result(sp: StepParts, head: Head, grad_norm) -> dict:
     """The step's loss (with the aux loss), the global norm and the statistics, local to this
     process."""
-    f, local = sp.functions, sp.placement.local
-    loss = local(f.total(head.loss_sums) / jnp.where(total_weight > 0, total_weight, 1.0))
-    aux_loss = None if head.aux_loss is None else local(head.aux_loss)
-    result = {"loss": loss, "grad_norm": local(grad_norm)}
-    if head.stats[0] is not None:  # the last stage's statistics, summed over the micro-batches
-        result["stats"] = local(f.tree_total(head.stats))
-    if aux_loss is not None:
-        result.update(loss=loss + aux_loss, aux_loss=aux_loss)
+    local = sp.placement.local
+    result = {"loss": local(head.loss), "grad_norm": local(grad_norm)}
+    if head.stats is not None:  # the last stage's statistics, summed over the micro-batches
+        result["stats"] = local(head.stats)
+    if head.aux_loss is not None:
+        result["aux_loss"] = local(head.aux_loss)
     return result
 
 
 def run(sp: StepParts, inputs, targets, contexts) -> tuple:
-    """One step over M micro-batches already on the device (with the host lookup, their inputs
-    on the host device): (the result dict: loss, grad_norm (, stats, aux_loss), each unit's
+    """One step over M micro-batches stacked on the device (with the host lookup, their inputs on
+    the host device): (the result dict: loss, grad_norm (, stats, aux_loss), each unit's
     gradient's sum of squares by unit, for StreamedEngine.nonfinite_units)."""
     host, L = sp.host, sp.num_layers
     sp.activations.clear()
@@ -312,7 +290,7 @@ def run(sp: StepParts, inputs, targets, contexts) -> tuple:
     sp.hook("loss")
 
     # ---- backward
-    layer_grads, layer_sq, leaving = _backward(sp, head.dxs, contexts, head)
+    layer_grads, layer_sq, leaving = _backward(sp, contexts, head)
 
     # ---- embed backward (the stages' gradient, the global norm and the scale)
     embed = sp.first.backward(sp, inputs, head, layer_sq, leaving)
@@ -328,4 +306,4 @@ def run(sp: StepParts, inputs, targets, contexts) -> tuple:
                      (host.last, embed.last_out)], embed.norm, embed.scale)
     grad_norm, stages_sq = embed.totals()
     unit_sq = sp.placement.local([stages_sq] + layer_sq[::-1] + [stages_sq])
-    return _result(sp, head, grad_norm, embed.total_weight), unit_sq
+    return _result(sp, head, grad_norm), unit_sq

@@ -5,10 +5,15 @@ updates, only its bus copy in RAM). HostState chooses one at construction (`choo
 
 Each store: `add(units)` at construction, as each unit is made; `expect(u)` when u's update is
 queued; `load(u, unit)` and `store(u, unit)` around the update, on the host thread;
-`put(u, unit, params, opt_state)` a loaded state; `view(u, unit)` (params, opt_state) to read;
-`flush()`, `close()`. `donate`: the update's arguments it may donate (params 0, optax state 1, the
-old bus copy 3).
+`put(u, unit, params, opt_state)` a loaded state; `view(u, unit)` (params, opt_state) for the
+engine to read, `lend(u, unit)` the same for a reader outside it (the direct store tracks those:
+direct.py, "Readers of the state"); `flush()`, `close()`. `donate`: the update's arguments it
+may donate (params 0, optax state 1, the old bus copy 3).
 """
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from megatrain_jax.engine import direct as direct_lib
 from megatrain_jax.engine import tier as tier_lib
@@ -37,6 +42,9 @@ class RamStore:
 
     def view(self, u: int, unit) -> tuple:
         return unit.params, unit.opt_state
+
+    def lend(self, u: int, unit) -> tuple:
+        return self.view(u, unit)
 
     def flush(self):
         pass
@@ -94,6 +102,9 @@ class DiskStore:
         """Read-only numpy arrays mapped from its file."""
         return self.tier.view(u)
 
+    def lend(self, u: int, unit) -> tuple:
+        return self.view(u, unit)
+
     def flush(self):
         self.tier.flush()
 
@@ -117,6 +128,10 @@ class DirectStore(RamStore):
     def view(self, u: int, unit) -> tuple:
         return unit.arrays.trees(self.update.wrap)
 
+    def lend(self, u: int, unit) -> tuple:
+        """Leased views: the unit's update copies it while they may be read."""
+        return unit.arrays.lend(self.update.wrap)
+
 
 def choose(disk_tier, num_units: int, last_shapes, host, direct=None):
     """The store for `disk_tier` (DiskTierOptions, or None: RAM; `direct`, a direct.DirectAdamW:
@@ -124,3 +139,63 @@ def choose(disk_tier, num_units: int, last_shapes, host, direct=None):
     if direct is not None:
         return DirectStore(direct)
     return RamStore() if disk_tier is None else DiskStore(disk_tier, num_units, last_shapes, host)
+
+
+# ----------------------------------------------------------------------------- a loaded state
+def _path(path) -> str:
+    """A leaf's path as params/w or opt_state/0/mu/w (as a checkpoint names it)."""
+    keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path[1:]]
+    return "/".join([("params", "opt_state")[path[0].idx], *keys])
+
+
+def _leaves(tree) -> dict:
+    return {_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _dtype(x) -> np.dtype:
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def _same_kind(a, b) -> bool:
+    """Both floating (of any width: a cast), both integers, or equal."""
+    kinds = (jnp.floating, jnp.integer)
+    return a == b or any(jnp.issubdtype(a, k) and jnp.issubdtype(b, k) for k in kinds)
+
+
+def check(unit_state, layout: tuple, what: str) -> tuple:
+    """(params, opt_state) of `unit_state` ({"params", "opt_state"}) once checked against the
+    unit's `layout` ((params, opt_state) as jax.ShapeDtypeStruct trees): the same structure, every
+    leaf's shape, a dtype of the same kind (floating, integer). Else one ValueError line naming
+    `what` (the unit) and the leaf, before anything is replaced."""
+    if not isinstance(unit_state, dict) or set(unit_state) != {"params", "opt_state"}:
+        keys = sorted(unit_state) if isinstance(unit_state, dict) else type(unit_state).__name__
+        raise ValueError(f"cannot load {what}: give {{'params': ..., 'opt_state': ...}}, got "
+                         f"{keys}")
+    given = (unit_state["params"], unit_state["opt_state"])
+    have, want = _leaves(given), _leaves(layout)
+    for path in want:
+        if path not in have:
+            raise ValueError(f"cannot load {what}: it has no {path}")
+    for path in have:
+        if path not in want:
+            raise ValueError(f"cannot load {what}: {path} is not in the unit")
+    if jax.tree.structure(given) != jax.tree.structure(layout):
+        raise ValueError(f"cannot load {what}: its containers differ from the unit's "
+                         f"({jax.tree.structure(layout)})")
+    for path, x in have.items():
+        shape, dtype = tuple(np.shape(x)), _dtype(x)
+        if shape != want[path].shape or not _same_kind(dtype, np.dtype(want[path].dtype)):
+            raise ValueError(f"cannot load {what}: {path} has shape {shape} {dtype}, the unit's "
+                             f"has shape {want[path].shape} {np.dtype(want[path].dtype)}")
+    return given
+
+
+def cast(state: tuple, layout: tuple) -> tuple:
+    """`state` (checked) with each leaf in the layout's dtype: the Adam moments of another
+    optimizer.state_dtype take the engine's (rounded to the nearest). Leaves already in it are
+    the caller's own arrays, not copies."""
+    def one(x, like):
+        if _dtype(x) == like.dtype:
+            return x
+        return x.astype(like.dtype) if hasattr(x, "astype") else np.asarray(x, like.dtype)
+    return jax.tree.map(one, state, layout)

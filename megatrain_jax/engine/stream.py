@@ -10,11 +10,14 @@ micro-batch.
 """
 
 import dataclasses
+import threading
 import time
+from typing import Optional
 
 import jax
 
 from megatrain_jax.engine import schedule, transfer
+from megatrain_jax.engine.schedule import FIRST_STAGE_WAIT, RETIRE_WAIT, UPDATE_WAIT
 
 
 @dataclasses.dataclass
@@ -41,14 +44,76 @@ class Counters:
     # Seconds the step (main thread) waited at the schedule's retires for a layer's device work:
     # with host_wait_s, what of a step's time the main thread did not spend dispatching
     device_wait_s: float = 0.0
+    # The dispatching thread's own work, counted at the engine's call sites (its device functions,
+    # copies, deletes and waits), on the thread that runs the step alone (`dispatcher`, set as
+    # each step starts): jitted calls and the array leaves passed to them, eager device_puts and
+    # their leaves, arrays deleted, its waits by kind (schedule.SYNCS; a wait for a host update
+    # or for the first stage's host backward only where that was not done yet), and the seconds
+    # it waited for the first stage's host backward (the host lookup's, engine/lookup.py)
+    calls: int = 0
+    arg_leaves: int = 0
+    device_puts: int = 0
+    put_leaves: int = 0
+    deleted: int = 0
+    syncs: dict = dataclasses.field(default_factory=dict)  # replaced, never changed in place:
+    # a snapshot (dataclasses.replace) keeps its own
+    first_stage_wait_s: float = 0.0
+    dispatcher: Optional[int] = None
+
+    def dispatching(self) -> bool:
+        return threading.get_ident() == self.dispatcher
+
+    def counted(self, fn):
+        """fn (a jitted function) with its calls on the dispatching thread counted."""
+        return Counted(fn, self)
+
+    def put(self, tree, sharding):
+        """jax.device_put(tree, sharding), counted on the dispatching thread."""
+        if self.dispatching():
+            self.device_puts += 1
+            self.put_leaves += len(jax.tree.leaves(tree))
+        return jax.device_put(tree, sharding)
+
+    def synced(self, kind: str, seconds: float = 0.0):
+        """A wait of `kind` (schedule.SYNCS) that took `seconds`: added to its bucket of seconds (a
+        retire's to device_wait_s, an update's to host_wait_s, the first stage's to
+        first_stage_wait_s), and counted when the dispatching thread made it."""
+        bucket = {RETIRE_WAIT: "device_wait_s", UPDATE_WAIT: "host_wait_s",
+                  FIRST_STAGE_WAIT: "first_stage_wait_s"}.get(kind)
+        if bucket:
+            setattr(self, bucket, getattr(self, bucket) + seconds)
+        if self.dispatching():
+            self.syncs = {**self.syncs, kind: self.syncs.get(kind, 0) + 1}
 
 
-def delete(tree):
+class Counted:
+    """A jitted function whose calls on the dispatching thread a Counters counts (calls, array
+    leaves passed); anything else (lower, eval_shape, ...) is the function's own."""
+
+    def __init__(self, fn, counters: Counters):
+        self.fn, self.counters = fn, counters
+
+    def __call__(self, *args, **kwargs):
+        counters = self.counters
+        if counters.dispatching():
+            counters.calls += 1
+            counters.arg_leaves += len(jax.tree.leaves((args, kwargs)))
+        return self.fn(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.fn, name)
+
+
+def delete(tree, counters: Optional[Counters] = None):
     """Frees device arrays now (the runtime frees them once their pending work is done), instead
-    of whenever Python drops its last reference."""
+    of whenever Python drops its last reference; counted in `counters` when given."""
+    n = 0
     for x in jax.tree.leaves(tree):
         if isinstance(x, jax.Array) and not x.is_deleted():
             x.delete()
+            n += 1
+    if counters is not None and counters.dispatching():
+        counters.deleted += n
 
 
 class LayerStream:
@@ -58,7 +123,8 @@ class LayerStream:
     that no later work donates (its outputs, or a scalar computed from them), `drop` the arrays
     of its fetch that the step may delete (the fetched weights, unless fetching made no copy
     because they already lived on the device) and `free` the other arrays deleted then.
-    on_event(kind, layer), when given, is told of each dispatch and wait.
+    The order is schedule.walk's, which tells on_event(kind, layer), when given, of each
+    dispatch and wait.
 
         stream = LayerStream(order, fetch, prefetch)
         for i, w in stream:
@@ -75,13 +141,14 @@ class LayerStream:
     on_retire(layer, token), when given, is told as each layer's fetch has been read: token None
     once the retire waited for the layer's work, else (the pass's last layer, released without a
     wait) its token, still being computed (the bus ring's: engine/bus.py). `counters`
-    (Counters), when given, adds the retires' waits to device_wait_s."""
+    (Counters), when given, counts the retires' waits (and their seconds in device_wait_s) and
+    the deletes."""
 
     def __init__(self, order, fetch, prefetch: int, on_event=None, carry=None, on_retire=None,
                  counters=None):
         self.order, self.fetch, self.prefetch = list(order), fetch, prefetch
         self.counters = counters
-        self.on_event = on_event or (lambda kind, layer: None)
+        self.on_event = on_event
         self.on_retire = on_retire
         self.carry_fetch = carry
         self.copies = schedule.EAGER if carry is None else schedule.JIT
@@ -89,47 +156,35 @@ class LayerStream:
         self._done = None
 
     def __iter__(self):
-        fetched, finished, dropped, carried = {}, {}, {}, None
-        jit = self.copies == schedule.JIT
-        for op, pos in schedule.layer_ops(len(self.order), self.prefetch, self.copies):
-            layer = self.order[pos]
-            if op == schedule.FETCH:
-                fetched[pos] = self.fetch(layer)
-            elif op == schedule.CARRY:
-                carried, self.carry = pos, self.carry_fetch(layer)
-            elif op == schedule.DISPATCH:
-                yield layer, fetched.pop(pos)
-                self.on_event("dispatch", layer)
-                token, free, drop, copy = self._done or ((), (), (), None)
+        for op, work in schedule.walk(self.order, self.prefetch, self.copies, self.fetch,
+                                      self.carry_fetch, self.on_event):
+            if op == schedule.DISPATCH:
+                self.carry = work.ahead
+                yield work.layer, work.payload
+                token, free, drop, work.carried = self._done or ((), (), (), None)
                 self._done, self.carry = None, None
-                if carried is not None:
-                    if copy is None:
-                        raise RuntimeError(f"layer {layer}'s dispatch did not hand over its "
-                                           f"copy of layer {self.order[carried]}")
-                    fetched[carried], carried = copy, None
-                finished[pos] = (token, free) if jit else (token, (drop, free))
-                if jit:
-                    dropped[pos] = drop
+                work.done = [token, free, drop]
             elif op == schedule.DROP:  # the runtime frees them once the layer's work is done
-                delete(dropped.pop(pos))
+                delete(work.done[2], self.counters)
+                work.done[2] = ()
             else:  # retire (wait, then free) or release (the rest of the step goes on)
-                token, free = finished.pop(pos)
+                token, free, drop = work.done
                 if op == schedule.RETIRE:
-                    self.on_event("wait", layer)
                     t0 = time.perf_counter()
                     jax.block_until_ready(token)
                     if self.counters is not None:
-                        self.counters.device_wait_s += time.perf_counter() - t0
+                        self.counters.synced(RETIRE_WAIT, time.perf_counter() - t0)
                 if self.on_retire is not None:
-                    self.on_retire(layer, None if op == schedule.RETIRE else token)
-                delete(free)
+                    self.on_retire(work.layer, None if op == schedule.RETIRE else token)
+                delete((drop, free), self.counters)
 
     def done(self, token, free=(), drop=(), carried=None):
         self._done = (token, free, drop, carried)
 
 
 class Activations:
-    """The input of every layer for every micro-batch, saved in the forward for the backward.
+    """The input of every layer (the micro-batches' stacked), saved in the forward for the
+    backward.
 
     Kept on the compute device, or (`offload`) copied to its pinned host memory as soon as the
     layer has run and fetched back, with the layer's weights, for the layer's backward."""
@@ -148,7 +203,7 @@ class Activations:
             self.host = self.device.with_memory_kind("pinned_host")
         self._saved = {}
 
-    def save(self, layer: int, xs: list):
+    def save(self, layer: int, xs):
         """Saves layer's inputs; returns the device arrays to free when the layer retires (the
         runtime frees them once their copy out is done)."""
         if not self.offload:
@@ -162,7 +217,7 @@ class Activations:
         made inside a jitted call (the jit form); else None (load gives them)."""
         return self._saved.pop(layer) if self.offload else None
 
-    def load(self, layer: int) -> list:
+    def load(self, layer: int):
         xs = self._saved.pop(layer)
         if not self.offload:
             return xs

@@ -3,6 +3,7 @@ state)."""
 
 import logging
 import math
+import threading
 from typing import Callable, Optional
 
 import jax
@@ -13,12 +14,12 @@ from flax import nnx
 
 from megatrain_jax.engine import bus as bus_lib
 from megatrain_jax.engine import evaluate as evaluate_lib
-from megatrain_jax.engine import lookup
+from megatrain_jax.engine import fused_adamw, lookup
 from megatrain_jax.engine import step, transfer
 from megatrain_jax.engine.functions import DeviceFunctions, stage_parts
 from megatrain_jax.engine.host import HostState
 from megatrain_jax.engine.parallel import Placement
-from megatrain_jax.engine.stage_units import param_split
+from megatrain_jax.engine.stage_units import param_split, stages_split
 from megatrain_jax.engine.stream import Activations, Counters
 from megatrain_jax.engine.tier import DiskTierOptions
 from megatrain_jax.engine.transfer import Transfers
@@ -40,7 +41,9 @@ class StreamedEngine:
       make_block: `make_block(i) -> nnx.Module`, layer i's block, all of one structure, called as
         `block(x)`, or `block(x, context)` when `train_step` is given a context. Called once per
         layer at construction, under the host device, so the stack is never built whole on the
-        accelerator. Blocks (and stages) may hold only `nnx.Param` state. A block may return
+        accelerator. Blocks (and stages) may hold only `nnx.Param` state, and blocks per-layer
+        `Constant`s (stage_units.py: data beside the weights that no optimizer sees, e.g. a
+        layer's kind; `block_constants`). A block may return
         `(x, aux)`, aux a pytree of per-layer fp32 statistics that add up over tokens (e.g. a
         mixture of experts' router counts): then `aux_loss` is required.
       aux_loss: `aux_loss(total) -> scalar`, total the sum of every layer's aux over the layers
@@ -82,9 +85,11 @@ class StreamedEngine:
       host_lookup: run the first stage on the host device when it shares no variable with the
         last (an untied embedding) and there is one compute device (engine/lookup.py): the
         embedding's rows cross, its table never does, and only the rows' gradient comes back.
-        None (default): where that moves fewer bytes a step than the table's two fetches and its
-        gradient (decided at the first step, from its shapes); True: wherever it serves; False:
-        never. Where it does not run the first stage runs on the device, and the log says why.
+        None (default): never with copies made inside the jitted calls (`copies`: the device's
+        copies of the table then ride beside compute, while the host backward would end every
+        step with the device idle), else where it moves fewer bytes a step than the table's two
+        fetches and its gradient (decided at the first step, from its shapes: lookup.why_off);
+        True: wherever it serves; False: never. Where it does not run the first stage runs on the device, and the log says why.
         Training equals the device path.
       host_update: how the host update runs. "auto" (default): with fused_adamw.adamw (the
         project's AdamW) and its kernel built, the kernel called directly on numpy state the
@@ -92,6 +97,11 @@ class StreamedEngine:
         written in place), else a jitted update per unit; "direct": the direct update or an error
         saying why it cannot run; "jit": a jitted update per unit (the kernel through jax.ffi, or
         optax). The log says which. The direct and jit paths give the same bits.
+      host_threads: the fused AdamW kernel's threads (None, default: one per CPU of the process's
+        affinity, as measured fastest for the update alone). Fewer are pinned to the first CPUs,
+        the update's own thread among them, so the rest stay free for the thread that dispatches
+        the device's work. A process has one kernel pool: the last engine built sets it. Outside
+        [1, the CPUs], or where the kernel does not run: a ValueError line.
       copies: how a layer's weights come in and its gradient goes out (engine/step.py). "eager":
         each a `device_put` of its own between the jitted calls; "jit": made inside the jitted
         calls, beside their compute (the next layer's fetch inside this layer's first call, the
@@ -121,7 +131,8 @@ class StreamedEngine:
                  offload_activations: bool = False, aux_loss: Optional[Callable] = None,
                  disk_tier: Optional[DiskTierOptions] = None, compute_devices=None,
                  shard_host_state: bool = False, host_lookup: Optional[bool] = None,
-                 host_update: str = "auto", copies: str = "auto", bus: str = "auto"):
+                 host_update: str = "auto", copies: str = "auto", bus: str = "auto",
+                 host_threads: Optional[int] = None):
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         if prefetch < 0:
@@ -130,8 +141,9 @@ class StreamedEngine:
             raise ValueError(f"grad_dtype must be a floating dtype, got {jnp.dtype(grad_dtype)}")
         self.num_layers = num_layers
         self.prefetch = prefetch
+        self.counters = Counters()
         self.placement = Placement(compute_devices or [compute_device or jax.local_devices()[0]],
-                                   shard=shard_host_state)
+                                   shard=shard_host_state, put=self.counters.put)
         self.compute_device = self.placement.local_devices[0]
         self.host_device = host_device or jax.local_devices(backend="cpu")[0]
         if self.placement.data_parallel and self.host_device in self.placement.devices:
@@ -139,7 +151,6 @@ class StreamedEngine:
                              f"compute devices; give the host state a device of its own")
         self.compute = self.placement.weights  # where fetched weights go
         self.host_sharding = jax.sharding.SingleDeviceSharding(self.host_device)
-        self.counters = Counters()
         self.transfers = Transfers(self.placement, self.host_device, self.counters)
         self.copies = transfer.copies_form(
             copies, accelerator=self.transfers.accelerator,
@@ -161,17 +172,19 @@ class StreamedEngine:
         self.on_event = None
 
         with jax.default_device(self.host_device):
-            self._stages_def, stages = param_split((first, last), "the first/last stages")
+            self._stages_def, stages = stages_split((first, last))
+        self.block_constants = []  # per layer: its Constants, a pure dict (empty: none)
 
         def blocks():  # one at a time: the disk tier never holds the whole model in RAM
             with jax.default_device(self.host_device):
                 for i in range(num_layers):
-                    graphdef, params = param_split(make_block(i), f"block {i}")
+                    graphdef, params, constants = param_split(make_block(i), f"block {i}")
                     if i == 0:
                         self._block_def, structure = graphdef, jax.tree.structure(params)
                     elif graphdef != self._block_def or jax.tree.structure(params) != structure:
                         raise ValueError(f"block {i} differs in structure from block 0; all "
                                          "streamed blocks must share one structure")
+                    self.block_constants.append(constants)
                     yield params
 
         self.host = HostState(stages, blocks(), optimizer, max_grad_norm=max_grad_norm,
@@ -184,8 +197,12 @@ class StreamedEngine:
                               pinned_pool=(bus_lib.pinned_pool_bytes()
                                            if self.compute_device.platform == "gpu"
                                            and self.transfers.out_kind == transfer.PINNED
-                                           else None))
+                                           else None),
+                              host_threads=host_threads)
         del stages
+        # kept on the compute device for the run (a few numbers a layer), each passed beside its
+        # layer's weights
+        self._constants_on_device = [self.placement.put_weights(c) for c in self.block_constants]
         self.bus = self.host.bus_form
         ring = self.host.ring
         log.info("bus copies: %s (%s)", f"the layers' in a ring of {len(ring.slots)} buffers, the "
@@ -203,6 +220,7 @@ class StreamedEngine:
         self.first_stage = None  # lookup.HostFirst or DeviceFirst, with host_lookup
         self.unit_sq = None
         self._broken = None
+        self._closed = False
         self.aux_loss = aux_loss
 
     # ----------------------------------------------------------------- one step
@@ -214,23 +232,27 @@ class StreamedEngine:
             self.parts = stage_parts(self._stages_def, stages, inputs, targets)
             self.functions = DeviceFunctions(self._stages_def, jax.tree.structure(stages),
                                              self.parts, self._block_def, self.host.grad_dtype,
-                                             self.aux_loss, self.placement)
+                                             self.aux_loss, self.placement, self.counters,
+                                             self.copies)
         return self.functions
 
-    def _choose_lookup(self, micro_batch, num_micro: int):
+    def _choose_lookup(self, inputs):
         """Whether the first stage runs on the host (engine/lookup.py), for the whole run, from
-        the shapes of its first step (lookup.why_off: the plan's rule too)."""
+        the shapes of its first step's inputs (jax.ShapeDtypeStruct, the micro-batches stacked;
+        lookup.why_off: the plan's rule too)."""
         host, first = self.host, self.parts.first
         weights = [jax.ShapeDtypeStruct(host.shapes[0][i], host.compute_dtype) for i in first]
-        rows = jax.eval_shape(self.functions.host_embed, weights, micro_batch)
+        rows = jax.eval_shape(self.functions.host_embed, weights, inputs)
         why = lookup.why_off(
             self._host_lookup, lookup.serves(self.placement.data_parallel, self.parts,
                                              host.stage_leaves(0)),
-            rows_bytes=num_micro * rows.size * rows.dtype.itemsize,
+            rows_bytes=rows.size * rows.dtype.itemsize,
             table=sum(math.prod(host.shapes[0][i]) for i in first),
-            compute_bytes=host.compute_dtype.itemsize, grad_bytes=host.grad_dtype.itemsize)
+            compute_bytes=host.compute_dtype.itemsize, grad_bytes=host.grad_dtype.itemsize,
+            in_calls=self.copies == transfer.JIT)
         self.host_lookup = not why
-        self.first_stage = lookup.HostFirst() if self.host_lookup else lookup.DeviceFirst()
+        self.first_stage = (lookup.HostFirst(fused_adamw.kernel()) if self.host_lookup
+                            else lookup.DeviceFirst())
         if self.host_lookup:
             self.host.keep_bus_on_host(0)
         elif self._host_lookup:  # asked for: said where the user sees it
@@ -285,22 +307,26 @@ class StreamedEngine:
         (step.StepParts, made here: the hooks may change between calls). If it raises,
         the saved activations are dropped and the state is as before (or, raised after the
         step's updates were queued, as after it: they are queued all or none); a host update
-        that failed leaves the engine unusable, saying which."""
+        that failed leaves the engine unusable, saying which, as does a bus ring slot whose
+        reader's computation failed (its state can still be read)."""
+        self._check_open()
         if self._broken:
             raise RuntimeError(f"the engine is unusable: {self._broken}")
         self.transfers.on_event = self.on_event and (lambda kind, what: self.on_event(kind, what,
                                                                                       None))
         self.host.on_update = self.on_event and self._update_event
+        self.counters.dispatcher = threading.get_ident()  # what it counts is this thread's
         shape = lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype)  # of a micro-batch
         self.device_functions(shape(inputs), jax.tree.map(shape, targets))
         if self.host_lookup is None:
-            self._choose_lookup(shape(inputs), len(inputs))
+            self._choose_lookup(jax.ShapeDtypeStruct(np.shape(inputs), inputs.dtype))
         inputs, targets, contexts = self._put_batch(inputs, targets, context)
         try:
             return schedule(self._step_parts(), inputs, targets, contexts)
-        except BaseException:
+        except BaseException as e:
             self.activations.clear()
-            self._broken = self.host.failure()
+            self._broken = self.host.failure() or (
+                e.cause if isinstance(e, bus_lib.ReaderFailed) else None)
             raise
 
     def _step_parts(self) -> step.StepParts:
@@ -308,39 +334,72 @@ class StreamedEngine:
             host=self.host, transfers=self.transfers, functions=self.functions,
             placement=self.placement, parts=self.parts, activations=self.activations,
             num_layers=self.num_layers, prefetch=self.prefetch, copies=self.copies,
-            first=self.first_stage, on_phase=self.on_phase, on_event=self.on_event)
+            first=self.first_stage, constants=self._constants_on_device,
+            on_phase=self.on_phase, on_event=self.on_event)
 
     def _update_event(self, u: int):
+        on_event = self.on_event  # (the caller may unset it while updates are still queued)
+        if on_event is None:
+            return
         if u in (0, self.host.last):
-            self.on_event("update", "first stage" if u == 0 else "last stage", None)
+            on_event("update", "first stage" if u == 0 else "last stage", None)
         else:
-            self.on_event("update", "layer", u - 1)
+            on_event("update", "layer", u - 1)
 
     def _put_batch(self, inputs, targets, context):
-        """(inputs, targets, contexts) as per-micro-batch lists on the compute device."""
-        num_micro = len(inputs)
+        """(inputs, targets, contexts), the micro-batches stacked, on the compute device (with
+        the host lookup, the inputs on the host device); contexts None without a context."""
         rows, devices = np.shape(inputs)[1], self.placement.size // jax.process_count()
         if rows % devices:
             raise ValueError(f"a micro-batch of {rows} rows does not split over this process's "
                              f"{devices} compute devices")
-        put = self.transfers.batch_in
-        contexts = ([None] * num_micro if context is None else
-                    [put(jax.tree.map(lambda c: c[m], context)) for m in range(num_micro)])
-        targets = [put(jax.tree.map(lambda t: t[m], targets)) for m in range(num_micro)]
-        put_inputs = self.transfers.batch_to_host if self.host_lookup else put
-        return [put_inputs(x) for x in inputs], targets, contexts
+        put = self.transfers.batch_in  # one copy of them all
+        if self.host_lookup:
+            return (self.transfers.batch_to_host(inputs), *put((targets, context)))
+        return put((inputs, targets, context))
 
-    def nonfinite_units(self) -> list:
-        """Units whose gradient in the last step was not finite: "stages" or a layer index."""
-        if self.unit_sq is None:
+    def nonfinite_units(self, unit_sq=None) -> list:
+        """Units whose gradient in the last step was not finite: "stages" or a layer index.
+        unit_sq: an earlier step's `unit_sq` (its units' sums of squares, kept as it ended)."""
+        unit_sq = self.unit_sq if unit_sq is None else unit_sq
+        if unit_sq is None:
             return []
-        bad = [u for u, sq in enumerate(self.unit_sq) if not jnp.isfinite(sq)]
+        bad = [u for u, sq in enumerate(unit_sq) if not jnp.isfinite(sq)]
         stages = {0, self.host.last} & set(bad)
         return ["stages"] * bool(stages) + [u - 1 for u in bad if u not in stages]
+
+    def apply_gradients(self, grads: dict, grad_norm, scale):
+        """Queues the host update of each unit in `grads`, {unit: its gradient}, as a step's end
+        queues its own: each unit's bus copy released (its last use in a step), then their
+        updates as one job on the host thread, in the order given (`wait()` waits for them). A
+        unit is an index into `unit_shapes()`; its gradient, of the unnormalised loss sum, a tree
+        shaped as that unit's params, in float32 or `grad_dtype`, on the host device or in the
+        compute device's pinned host memory (where a step leaves it), which the update may take
+        over. Each is scaled by `scale`, clipped to `max_grad_norm` by `grad_norm` (the global
+        norm of the scaled gradient: the caller's word for it), and a `grad_norm` that is not
+        finite changes nothing. For measuring and testing the host update alone
+        (scripts/bench_optimizer.py); a unit or a gradient that does not fit is one ValueError
+        line, nothing queued."""
+        self._check_open()
+        shapes = self.unit_shapes()
+        for u, g in grads.items():
+            if not (isinstance(u, (int, np.integer)) and not isinstance(u, bool)
+                    and 0 <= u < len(shapes)):
+                raise ValueError(f"apply_gradients: unit {u!r} is not one of 0 to "
+                                 f"{len(shapes) - 1} (unit_shapes())")
+            want = [x.shape for x in jax.tree.leaves(shapes[u])]
+            if (jax.tree.structure(g) != jax.tree.structure(shapes[u])
+                    or [tuple(np.shape(x)) for x in jax.tree.leaves(g)] != want):
+                raise ValueError(f"apply_gradients: unit {u}'s gradient is not shaped as its "
+                                 f"params (unit_shapes()[{u}])")
+        for u in grads:
+            self.host.release_bus(u)
+        self.host.submit_all(list(grads.items()), grad_norm, scale)
 
     # ----------------------------------------------------------------- reading state
     def wait(self):
         """Blocks until every pending host update has finished."""
+        self._check_open()
         try:
             self.host.wait()
         except BaseException as e:
@@ -355,17 +414,22 @@ class StreamedEngine:
 
     @property
     def block_graphdef(self):
+        """`nnx.merge(engine.block_graphdef, params["layers"][i], engine.block_constants[i])`
+        gives back layer i's block (its Constants are no parameters: `block_constants`)."""
         return self._block_def
 
     def params(self) -> dict:
         """fp32 master weights on the host: {"stages": tree, "layers": [tree, ...]}.
 
         A view, not a copy. With the host update called directly (engine/direct.py, the fused
-        AdamW with its kernel built) it stays the state of this moment: while anything holds it,
-        each unit's update first copies the unit (slower steps), so drop it or copy what you keep
-        (`jax.tree.map(np.array, ...)`). Otherwise it is valid until the next `train_step`, which
-        updates these buffers in place (reading one afterwards raises "Array has been deleted"). `nnx.merge(engine.stages_graphdef, params["stages"])`
-        gives back (first, last)."""
+        AdamW with its kernel built) it stays the state of this moment for as long as anything
+        can read it (any of its arrays, a numpy array or a slice taken of one): each unit it
+        reaches is copied once, at its next update, and left to it (counted in
+        `counters.host_snapshot_bytes`), so drop what you do not keep, or copy it
+        (`jax.tree.map(np.array, ...)`). With the jitted update it is valid until the next
+        `train_step`, which updates these buffers in place (reading one afterwards raises "Array
+        has been deleted"). `nnx.merge(engine.stages_graphdef, params["stages"])` gives back
+        (first, last)."""
         self.wait()
         layers = [self.host.unit_state(1 + i)[0] for i in range(self.num_layers)]
         return {"stages": self.host.stages_state()[0], "layers": layers}
@@ -397,8 +461,9 @@ class StreamedEngine:
         return self.placement.shards
 
     def state(self) -> dict:
-        """The full training state (params and optax state per unit), host-resident; a view
-        valid until the next `train_step`, like `params()`."""
+        """The full training state (params and optax state per unit), host-resident: a view
+        that stays the state of this moment, or is valid until the next `train_step`, as
+        `params()` says."""
         self.wait()
         unit = lambda state: dict(zip(("params", "opt_state"), state))
         return {"stages": unit(self.host.stages_state()),
@@ -409,22 +474,84 @@ class StreamedEngine:
         """The DiskTier (engine/tier.py) holding the state, or None when it is in RAM."""
         return self.host.tier
 
+    @property
+    def host_update(self) -> str:
+        """How the host update runs, as chosen at construction (engine/update.py): "direct" (the
+        fused AdamW kernel called directly, engine/direct.py), "ffi" (the fused AdamW in a jitted
+        call per unit) or "optax" (any other optax transform, jitted per unit)."""
+        return self.host.update.kind
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        """The dtype of the bus copies and of the device's compute."""
+        return self.host.compute_dtype
+
+    @property
+    def grad_dtype(self) -> np.dtype:
+        """The dtype in which each unit's gradient crosses to the host and waits there."""
+        return self.host.grad_dtype
+
+    def unit_shapes(self) -> list:
+        """Each unit's params as a tree of jax.ShapeDtypeStruct, in the order of the host
+        thread's updates: the first stage's unit (its variables: the embedding, tied or not),
+        layer 0, ..., layer L-1, then the last stage's own (final norm, an untied head). A unit
+        is what one host update updates; with `shard_host_state`, this process's rows."""
+        return [self.host.layout(u)[0] for u in range(self.num_layers + 2)]
+
+    def bus_bytes(self) -> int:
+        """Bytes of the bus copies (the weights in the compute dtype, which the fetches read)
+        the engine holds now, besides the state: each unit's, or the buffer kept for its update
+        to write (`bus="ring"`: the stage units' and the ring's buffers), and the update's
+        staging buffers; none for a unit whose bus copy is its fp32 weights themselves."""
+        host = self.host
+        trees = [(unit.bus, unit.spare) for unit, policy in zip(host.units, host.buses)
+                 if not policy.is_params]
+        trees += [slot.bus for slot in host.ring.slots] if host.ring is not None else []
+        return transfer.nbytes((trees, list(host.staging.values())))
+
     def load_state(self, state: dict):
-        """Replaces the training state with `state` (same structure as `state()`).
+        """Replaces the training state with `state` (same structure as `state()`), unit by unit,
+        once every unit is checked (structure, shapes, kinds of dtype: one ValueError line naming
+        the unit and the leaf, nothing replaced). The Adam moments take the engine's dtype.
 
         The engine takes the arrays over: later steps update them in place (donation), so do
         not keep using them."""
+        layers = state["layers"]
+        if len(layers) != self.num_layers:
+            raise ValueError(f"cannot load a state of {len(layers)} layers into an engine of "
+                             f"{self.num_layers}")
+        self.host.check_load("stages", state["stages"])
+        for i, layer in enumerate(layers):
+            self.host.check_load(1 + i, layer)
         self.load_unit("stages", state["stages"])
-        for i, layer in enumerate(state["layers"]):
+        for i, layer in enumerate(layers):
             self.load_unit(i, layer)
 
     def load_unit(self, which, unit_state: dict):
         """Replaces one unit's state, `{"params", "opt_state"}`: which is "stages" or a layer
-        index. Restoring unit by unit keeps the extra host memory to one unit's state."""
+        index. Restoring unit by unit keeps the extra host memory to one unit's state. Checked
+        and cast as in `load_state`."""
+        self._check_open()
+        layer = isinstance(which, (int, np.integer)) and not isinstance(which, bool)
+        if which != "stages" and not (layer and 0 <= which < self.num_layers):
+            raise ValueError(f"load_unit: which must be 'stages' or a layer index (0 to "
+                             f"{self.num_layers - 1}), got {which!r}")
         if which == "stages":
             self.host.load_stages(unit_state)
         else:
             self.host.load_unit(1 + which, unit_state)
 
     def close(self):
-        self.host.close()
+        """Waits for the pending updates and ends the host thread (and the disk tier): every
+        later call that steps or touches the state raises, saying the engine is closed."""
+        if self._closed:
+            return
+        try:
+            self.host.close()
+        finally:
+            self._closed = True
+
+    def _check_open(self):
+        if self._closed:  # its thread is gone, the disk tier's files too: nothing to step or read
+            raise RuntimeError("the engine is closed (close() was called): it cannot step nor "
+                               "give or take state; build a new engine")

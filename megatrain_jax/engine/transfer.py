@@ -21,10 +21,13 @@ figures), so on an accelerator the jit form is the default.
 """
 
 import logging
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from megatrain_jax.engine.schedule import HOST_READ
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +40,15 @@ def nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def across_clients(x, sharding):
+def across_clients(x, sharding, counters=None):
     """x copied to `sharding`. Between two clients (the GPU's pinned host memory and the CPU
     backend) jax's own copy is slow; a numpy view of host-resident x (zero-copy for the CPU
     backend and pinned_host) put on `sharding` is one host memcpy, several times faster
-    (docs/benchmarks.md, "Transfers": between jax's clients). Within one client: jax's copy."""
+    (docs/benchmarks.md, "Transfers": between jax's clients). Within one client: jax's copy.
+    counters (stream.Counters): the copy and the view's wait counted there."""
+    put = jax.device_put if counters is None else counters.put
     if not isinstance(x, jax.Array):  # numpy (the disk tier's views): one host copy already
-        return jax.device_put(x, sharding)
+        return put(x, sharding)
     if x.sharding == sharding:  # already there (state and compute on one device): device_put
         # would only commit x, at a cost of host-thread time for every leaf
         # (docs/results/2026-11-26-host-optimizer.md, the host thread's gaps); an uncommitted x
@@ -53,8 +58,12 @@ def across_clients(x, sharding):
     target = next(iter(sharding.device_set))
     host_resident = device.platform == "cpu" or x.sharding.memory_kind == PINNED
     if not crosses_clients(device, target) or not host_resident:
-        return jax.device_put(x, sharding)
-    return jax.device_put(np.asarray(x), sharding)
+        return put(x, sharding)
+    t0 = time.perf_counter()
+    view = np.asarray(x)  # waits for x
+    if counters is not None:
+        counters.synced(HOST_READ, time.perf_counter() - t0)
+    return put(view, sharding)
 
 
 def crosses_clients(source, target) -> bool:
@@ -153,6 +162,10 @@ class Transfers:
 
     def __init__(self, placement, host_device, counters):
         self.placement, self.counters, self.on_event = placement, counters, None
+        self.put = counters.put
+        # bytes of a layer's bus copy (per link) and gradient (this process's), each counted at
+        # its first copy: every layer has one structure
+        self._layer_bytes = {}
         compute = placement.local_devices[0]
         self.accelerator = compute != host_device
         self.out_kind = None  # where gradients go: the compute device's pinned host memory
@@ -168,30 +181,38 @@ class Transfers:
         if self.on_event is not None:
             self.on_event("transfer", what)
 
-    def weights_in(self, bus, shapes=None):
+    def _bytes(self, kind: str, tree, layer: bool) -> int:
+        """nbytes(tree), a layer's computed once (`kind` "weights" or "gradient")."""
+        if not layer:
+            return nbytes(tree)
+        if kind not in self._layer_bytes:
+            self._layer_bytes[kind] = nbytes(tree)
+        return self._layer_bytes[kind]
+
+    def weights_in(self, bus, shapes=None, layer: bool = False):
         """A unit's bus copy (or a part of it) on every compute device; shapes: the logical leaf
-        shapes, in the sharded layout (each device gets its piece, then they all-gather)."""
+        shapes, in the sharded layout (each device gets its piece, then they all-gather); layer:
+        it is a layer unit's."""
         placement = self.placement
-        if placement.shards is None:
-            self.counters.bytes_h2d += nbytes(bus)  # per link: each device gets its own copy
-            out = placement.put_weights(bus)
-        else:
-            self.counters.bytes_h2d += nbytes(bus) // placement.shards.local
-            out = placement.put_shards(bus, shapes)
+        # per link: each device gets its own copy, or its piece
+        self.counters.bytes_h2d += self._bytes("weights", bus, layer) // (
+            1 if placement.shards is None else placement.shards.local)
+        out = (placement.put_weights(bus) if placement.shards is None else
+               placement.put_shards(bus, shapes))
         self._event("weights in")
         return out
 
     def in_call(self, fn, args, weights=None, activations=None, grads=None):
         """fn(fetch, out, *args) (a jitted with_copies function) with its copies made inside the
-        call: `weights` (a unit's bus copy, or a part of it) and `activations` (saved inputs in
-        pinned host memory) to the compute device, `grads` (a reduced gradient on the device) to
-        its pinned host memory. Returns (fn's result, (weights, activations) on the device, the
+        call: `weights` (a layer unit's bus copy) and `activations` (saved inputs in pinned host
+        memory) to the compute device, `grads` (a layer's reduced gradient on the device) to its
+        pinned host memory. Returns (fn's result, (weights, activations) on the device, the
         gradient on its way out as a Parcel, or None). Counted and announced as the eager
         copies are, as "... in the call"."""
         fetch = None if weights is None and activations is None else (weights, activations)
         result, fetched, sent = fn(fetch, grads, *args)
         if weights is not None:
-            self.counters.bytes_h2d += nbytes(weights)
+            self.counters.bytes_h2d += self._bytes("weights", weights, layer=True)
             self._event("weights in, in the call")
         if activations is not None:
             self._event("activations in, in the call")
@@ -199,59 +220,68 @@ class Transfers:
         if grads is not None:
             leaves, treedef = jax.tree.flatten(sent)
             parcel = Parcel(treedef, [[x] for x in leaves])
-            self.counters.bytes_d2h += nbytes(leaves)
+            self.counters.bytes_d2h += self._bytes("gradient", leaves, layer=True)
             self._event("gradient out, in the call")
         return result, (None, None) if fetched is None else fetched, parcel
 
-    def rows_in(self, rows: list) -> list:
-        """The first stage's output rows, computed on the host device (the host lookup,
-        engine/lookup.py), put on the compute device: they cross instead of its weights. On an
-        accelerator a hop between clients made on the dispatching thread, at the step's start,
-        where the device has nothing queued that these rows would not be waited for by."""
+    def rows_in(self, rows):
+        """The first stage's output rows (the micro-batches' stacked), computed on the host
+        device (the host lookup, engine/lookup.py), put on the compute device: they cross instead
+        of its weights. On an accelerator a hop between clients made on the dispatching thread,
+        at the step's start, where the device has nothing queued that these rows would not be
+        waited for by."""
         target = jax.sharding.SingleDeviceSharding(self.placement.local_devices[0])
-        out = [across_clients(x, target) for x in rows]
+        out = across_clients(rows, target, self.counters)
         self.counters.bytes_h2d += nbytes(rows)
         self._event("rows in")
         return out
 
     def batch_to_host(self, x):
-        """A micro-batch's inputs for the host lookup: to the host device, not across the bus."""
-        return jax.device_put(x, self.host)
+        """A step's inputs for the host lookup: to the host device, not across the bus."""
+        return self.put(x, self.host)
 
     def batch_in(self, tree):
-        """This process's rows of a micro-batch on the compute devices."""
+        """This process's rows of a step's micro-batches (stacked) on the compute devices."""
         out = self.placement.put_batch(tree)
         self._event("batch in")
         return out
 
     def activations(self, xs, sharding, what):
-        """Saved activations to or from the compute device's pinned host memory (`sharding`)."""
-        out = [jax.device_put(x, sharding) for x in xs]
+        """A layer's saved inputs (the micro-batches' stacked) to or from the compute device's
+        pinned host memory (`sharding`)."""
+        out = self.put(xs, sharding)
         self._event(what)
         return out
 
-    def grads_out(self, tree) -> Parcel:
-        """A gradient reduced over the devices (f.reduce) to this process's host side: its pieces
-        copied to the compute devices' pinned host memory (the fallback: to the host device).
-        With no accelerator the arrays stay where they are."""
+    def grads_out(self, tree, layer: bool = False) -> Parcel:
+        """A gradient reduced over the devices (Placement.reduce) to this process's host side:
+        its pieces copied to the compute devices' pinned host memory (the fallback: to the host
+        device). With no accelerator the arrays stay where they are. layer: a layer's."""
         leaves, treedef = jax.tree.flatten(tree)
-        pieces = []
-        for leaf in leaves:
-            parts = self.placement.own_pieces(leaf)
-            if self.accelerator:
-                parts = [jax.device_put(p, self._out(p)) for p in parts]
-            pieces.append(parts)
+        pieces = [self.placement.own_pieces(leaf) for leaf in leaves]
+        if self.accelerator:  # one copy of them all
+            flat = [p for parts in pieces for p in parts]
+            moved = iter(self.put(flat, [self._out(p) for p in flat]))
+            pieces = [[next(moved) for _ in parts] for parts in pieces]
         parcel = Parcel(treedef, pieces)
-        self.counters.bytes_d2h += nbytes(parcel.token())  # per process
+        self.counters.bytes_d2h += self._bytes("gradient", parcel.token(), layer)  # per process
         self._event("gradient out")
         return parcel
+
+    def made_out(self, tree) -> Parcel:
+        """A gradient a call made in the compute device's pinned host memory (the jit form's
+        stages' gradient, DeviceFunctions.stages): on its way out already, as grads_out's."""
+        leaves, treedef = jax.tree.flatten(tree)
+        self.counters.bytes_d2h += nbytes(leaves)
+        self._event("gradient out, in the call")
+        return Parcel(treedef, [[x] for x in leaves])
 
     def scalars_out(self, tree):
         """Scalars the host update reads (the global norm, the scale), as grads_out."""
         tree = self.placement.local(tree)
         if not self.accelerator:
             return tree
-        return jax.tree.map(lambda x: jax.device_put(x, self._out(x)), tree)
+        return self.put(tree, jax.tree.map(self._out, tree))  # one copy of them all
 
     def _out(self, x):
         if self.out_kind is None:

@@ -8,8 +8,9 @@ its hyperparameters checked there.
     OptaxInJit          any other optax transform in one jitted call per unit
 
 The two in a jit give pure functions that HostState compiles with its store's donation:
-`step(params, opt_state, grads, old_bus, grad_norm, scale, bus_is_params)` -> (params, opt_state,
-the new bus copy or None) and, where `prepare_first`, `prepare(grads, grad_norm, scale)` run
+`step(params, opt_state, grads, old_bus, grad_norm, scale, unit, firsts, bus_is_params)` ->
+(params, opt_state, the new bus copy or None; unit and firsts: fused_adamw.update's, the keys of
+bf16 moments' rounding) and, where `prepare_first`, `prepare(grads, grad_norm, scale)` run
 before it on the gradient, in place. Each strategy's `kind` names it ("direct", "ffi", "optax").
 """
 
@@ -66,6 +67,24 @@ def why_not_direct(optimizer, disk_tier) -> Optional[str]:
     return None
 
 
+def threads(update, host_threads) -> tuple:
+    """The kernel's threads for `update` (a strategy of `choose`): host_threads of them (None:
+    every CPU of the process's affinity), fused_adamw.use_threads. Returns (the CPUs the update's
+    own thread is pinned to, [] for none; the log's words). host_threads where the kernel does
+    not run (optax, or no compiler): one ValueError line, as it could not be honoured."""
+    lib = (update.lib if update.kind == "direct" else
+           fused_adamw.kernel() if update.kind == "ffi" and update.native else None)
+    if lib is None:
+        if host_threads is not None:
+            raise ValueError(f"host_threads={host_threads!r} sets the fused AdamW kernel's "
+                             f"threads, and the kernel does not run here ({update.kind} update)")
+        return [], ""
+    pinned = fused_adamw.use_threads(lib, host_threads)
+    n = lib.megatrain_threads()
+    return pinned, (f"{n} threads, pinned to the first {n} CPUs of {lib.megatrain_cores()}"
+                    if pinned else f"{n} threads")
+
+
 def prepare(grads, grad_norm, scale, max_grad_norm):
     """The gradient of the mean loss, clipped exactly as optax.clip_by_global_norm."""
     grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
@@ -86,10 +105,11 @@ class FusedInJit:
         self.hyper, self.max_grad_norm, self.compute_dtype = hyper, max_grad_norm, compute_dtype
         self.native = fused_adamw.native()
 
-    def step(self, params, opt_state, grads, old_bus, grad_norm, scale, bus_is_params):
+    def step(self, params, opt_state, grads, old_bus, grad_norm, scale, unit, firsts,
+             bus_is_params):
         return fused_adamw.update(self.hyper, params, opt_state, grads, old_bus, grad_norm, scale,
                                   self.max_grad_norm, None if bus_is_params else self.compute_dtype,
-                                  self.native)
+                                  self.native, unit, firsts)
 
 
 class OptaxInJit:
@@ -110,8 +130,9 @@ class OptaxInJit:
     def prepare(self, grads, grad_norm, scale):
         return prepare(grads, grad_norm, scale, self.max_grad_norm)
 
-    def step(self, params, opt_state, grads, old_bus, grad_norm, scale, bus_is_params):
-        del old_bus  # donated: the new bus copy is written into its buffer
+    def step(self, params, opt_state, grads, old_bus, grad_norm, scale, unit, firsts,
+             bus_is_params):
+        del old_bus, unit, firsts  # old_bus donated: the new bus copy is written into its buffer
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)  # no-op in fp32
         if not self.prepare_first:
             grads = self.prepare(grads, grad_norm, scale)
@@ -139,7 +160,7 @@ def choose(optimizer: optax.GradientTransformation, max_grad_norm, host_update: 
     if why is None:
         lib = fused_adamw.kernel()
         return (direct_lib.DirectAdamW(hyper, max_grad_norm, host_device, counters, lib),
-                f"the fused AdamW kernel, called directly ({lib.megatrain_threads()} threads)")
+                "the fused AdamW kernel, called directly")
     if hyper is None:
         return (OptaxInJit(optimizer, max_grad_norm, compute_dtype, grad_dtype),
                 f"a jitted update per unit ({why})")

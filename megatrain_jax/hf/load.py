@@ -16,7 +16,7 @@ from megatrain_jax.hf.files import (FLOAT_DTYPES, INDEX_FILE, SINGLE_FILE, HFErr
                                     all_finite, open_safetensors, read_hf_config, read_json)
 from megatrain_jax.hf.tensors import (FUSED_EXPERTS, Expert, ExpertsFused, all_tensors,
                                       block_tensors, parts, stage_tensors, to_host_layout)
-from megatrain_jax.model import Block, Execution, ModelConfig, make_stages, sliding_flag
+from megatrain_jax.model import Block, Execution, ModelConfig, block_constants, make_stages
 
 # Buffers some older checkpoints saved next to the weights; recomputed, so skipped.
 IGNORED_TENSOR = re.compile(r".*\.rotary_emb\.inv_freq$")
@@ -188,8 +188,6 @@ def load_block(cfg: ModelConfig, source: HFSource, layer: int,
     abstract = nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0), execution=execution))
     shapes = {k: v.shape for k, v in nnx.to_pure_dict(nnx.split(abstract)[1]).items()}
     params = source.read(block_tensors(cfg, layer, source.arch), shapes)
-    if cfg.layer_types:  # the layer's kind: data, not an HF tensor
-        params["sliding"] = sliding_flag(cfg, layer)
-    return _load_module(abstract, params)
+    return _load_module(abstract, {**params, **block_constants(cfg, layer)})
 
 

@@ -1,6 +1,10 @@
 """The files a data path names, and their records.
 
-A path is a file, a glob (`data/*.parquet`) or a directory of shards, all of one format:
+A path is a file, a glob (`data/*.parquet`, `data/**/*.txt`) or a directory of shards, all of one
+format. A directory is read at its top level: its subfolders holding data files are named in the
+run's log, with the glob that reads them. A glob's `**` follows links to folders, each real
+folder once: a link back to a folder above it (a loop) is named, not followed, and a file
+reached by two paths is read once.
 
     .jsonl     one JSON object per line
     .parquet   a Parquet table (pyarrow, the `data` extra)
@@ -14,6 +18,7 @@ Record formats (jsonl, parquet, arrow) give (where, row) pairs, where = "file:li
 """
 
 import dataclasses
+import fnmatch
 import glob
 import json
 import os
@@ -35,25 +40,44 @@ NAMES_SHOWN = 3  # file names a log line lists before "and N more"
 @dataclasses.dataclass(frozen=True)
 class Source:
     """The files of one data path (given as config key `key`), in order, and their one format
-    (a KINDS value or "text"); `skipped`: the files of a directory left out as no data file."""
+    (a KINDS value or "text"); `skipped`: the files of a directory left out as no data file;
+    `subfolders`: (folder, the data files under it) of a directory's subfolders, not read;
+    `links`: (link, its folder, why) of the links to folders a glob did not follow."""
     path: str
     files: tuple
     kind: str
     key: str = "data.path"
     skipped: tuple = ()
+    subfolders: tuple = ()
+    links: tuple = ()
 
     def matched(self) -> str | None:
         """What a glob or directory matched, for the run's log (None for a file named as is)."""
         if self.files == (self.path,):
             return None
-        base = self.path if os.path.isdir(self.path) else os.path.dirname(self.path)
-        names = lambda paths: _some([os.path.relpath(f, base) for f in paths])
+        base = self.path if os.path.isdir(self.path) else _split_glob(self.path)[0]
+        rel = lambda f: os.path.relpath(f, base)
+        names = lambda paths: _some([rel(f) for f in paths])
         count = f"{len(self.files)} {self.kind} file{'s' if len(self.files) > 1 else ''}"
         line = f"{self.key}={self.path}: {count} ({names(self.files)})"
         if self.skipped:
             line += (f"; left out {names(self.skipped)} (not {', '.join(DATA_EXTENSIONS[:-1])} "
                      f"or {DATA_EXTENSIONS[-1]})")
+        if self.subfolders:
+            line += f"; {_subfolders_note(self.path, self.subfolders, self.key)}"
+        for link, target, why in self.links:
+            line += f"; not followed: {rel(link)} -> {target} ({why})"
         return line
+
+
+def _subfolders_note(directory: str, subfolders: tuple, key: str) -> str:
+    """What a directory's subfolders hold that is not read, and the glob that reads it."""
+    count = sum(len(files) for _, files in subfolders)
+    folders = _some([os.path.basename(d) + "/" for d, _ in subfolders])
+    every_level = os.path.join(directory, "**", "*" + os.path.splitext(subfolders[0][1][0])[1])
+    return (f"left out subfolders {folders} ({count} data file{'s' if count > 1 else ''} under "
+            f"{'them' if len(subfolders) > 1 else 'it'}; a directory is read at its top level: "
+            f"{key}='{every_level}' reads every level)")
 
 
 def _some(names: list) -> str:
@@ -93,9 +117,10 @@ def _datasets_files(directory: str) -> list:
 
 
 def _directory_files(directory: str, key: str) -> tuple:
-    """(the data files of `directory`, in name order, the other files left out)."""
+    """(the data files of `directory`, in name order, the other files left out, (subfolder, data
+    files under it) of its subfolders that hold any: a directory is read at its top level)."""
     if os.path.isfile(os.path.join(directory, "state.json")):
-        return _datasets_files(directory), []
+        return _datasets_files(directory), [], []
     if os.path.isfile(os.path.join(directory, "dataset_dict.json")):
         splits = sorted(d for d in os.listdir(directory)
                         if os.path.isdir(os.path.join(directory, d)))
@@ -106,15 +131,105 @@ def _directory_files(directory: str, key: str) -> tuple:
         names = sorted(os.listdir(directory))
     except OSError as e:
         raise DataError(f"{key}={directory}: cannot list the directory ({e.strerror})") from None
-    found = [os.path.join(directory, n) for n in names
-             if not n.startswith((".", "_")) and os.path.isfile(os.path.join(directory, n))]
+    shown = [os.path.join(directory, n) for n in names if not n.startswith((".", "_"))]
+    found = [f for f in shown if os.path.isfile(f)]
     files = [f for f in found if os.path.splitext(f)[1].lower() in DATA_EXTENSIONS]
     skipped = [f for f in found if f not in files]
+    subfolders = [(d, under) for d in shown
+                  if os.path.isdir(d) and (under := _data_files_under(d, directory))]
     if not files:
         left = f"; left out {_some([os.path.basename(f) for f in skipped])}" if skipped else ""
+        if subfolders:
+            left += f"; {_subfolders_note(directory, tuple(subfolders), key)}"
         raise DataError(f"{key}={directory}: the directory holds no data file (none ends in "
                         f"{', '.join(DATA_EXTENSIONS)}){left}")
-    return files, skipped
+    return files, skipped, subfolders
+
+
+def _data_files_under(folder: str, directory: str) -> tuple:
+    """The data files under `folder`, a subfolder of `directory` (a link back into it: none)."""
+    files = _walk(folder, entered={os.path.realpath(directory)})[0]
+    return tuple(f for f in files if os.path.splitext(f)[1].lower() in DATA_EXTENSIONS)
+
+
+def _walk(root: str, entered: set | None = None) -> tuple:
+    """(every file under `root`, in sorted depth-first order, [(link, its real folder, why)] of
+    the links to folders not followed). Links to folders are followed, each real folder entered
+    once (`entered`: real folders taken as entered already): a link to a folder above it (a
+    loop) or to one already entered is named instead. Hidden entries are left out, as a glob's
+    wildcards leave them."""
+    files, links, entered = [], [], set(entered or ())
+
+    def visit(folder: str):
+        real = os.path.realpath(folder)
+        entered.add(real)
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError:
+            return
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            if entry.is_dir():
+                target = os.path.realpath(entry.path)
+                if target not in entered:
+                    visit(entry.path)
+                elif real == target or real.startswith(target + os.sep):
+                    links.append((entry.path, target, "a loop: a link to a folder above it"))
+                else:
+                    links.append((entry.path, target, "a folder already read"))
+            elif entry.is_file():
+                files.append(entry.path)
+
+    visit(root)
+    return files, links
+
+
+MAGIC = "*?["
+
+
+def _split_glob(pattern: str) -> tuple:
+    """(the folder a glob starts from: its leading components with no wildcard, the components
+    of the rest of it)."""
+    parts = pattern.split(os.sep)
+    plain = next(i for i, part in enumerate(parts + ["*"]) if any(c in part for c in MAGIC))
+    root = os.sep.join(parts[:plain]) or ("/" if pattern.startswith(os.sep) else ".")
+    return root, parts[plain:]
+
+
+def _matches(parts: list, pattern: list) -> bool:
+    """Whether path components `parts` match glob components `pattern` (`**`: any number)."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_matches(parts[i:], pattern[1:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and \
+        _matches(parts[1:], pattern[1:])
+
+
+def _glob(pattern: str) -> tuple:
+    """(the files `pattern` matches, sorted, each real file once; the links to folders `**` did
+    not follow, as _walk names them). A pattern without `**` is Python's glob; with it, the
+    folders under its root are walked (_walk), as glob's recursive `**` would, but never round a
+    loop of links."""
+    links = []
+    if "**" not in pattern.split(os.sep):
+        found = sorted(f for f in glob.glob(pattern) if os.path.isfile(f))
+    else:
+        root, rest = _split_glob(pattern)
+        walked, links = _walk(root) if os.path.isdir(root) else ([], [])
+        if root == ".":  # as glob names them: "a/b.txt", not "./a/b.txt"
+            walked = [f[2:] for f in walked]
+            links = [(link[2:], target, why) for link, target, why in links]
+        found = sorted(f for f in walked
+                       if _matches(os.path.relpath(f, root).split(os.sep), rest))
+    files, seen = [], set()
+    for f in found:
+        real = os.path.realpath(f)
+        if real not in seen:
+            seen.add(real)
+            files.append(f)
+    return files, links
 
 
 def resolve(path: str, key: str = "data.path") -> Source:
@@ -123,13 +238,13 @@ def resolve(path: str, key: str = "data.path") -> Source:
     format, or a file that cannot be read."""
     if not path:
         raise DataError(f"{key} is empty; give a file, a glob or a directory of shards")
-    skipped = []
-    if any(c in path for c in "*?["):
-        files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+    skipped, subfolders, links = [], [], []
+    if any(c in path for c in MAGIC):
+        files, links = _glob(path)
         if not files:
             raise DataError(f"{key}={path}: the glob matches no file")
     elif os.path.isdir(path):
-        files, skipped = _directory_files(path, key)
+        files, skipped, subfolders = _directory_files(path, key)
     else:
         files = [path]
     kinds = [kind_of(f) for f in files]
@@ -141,7 +256,8 @@ def resolve(path: str, key: str = "data.path") -> Source:
         _check_readable(f)
         if os.path.getsize(f) == 0:
             raise DataError(f"{f}: empty file (0 bytes); {key} must name a corpus")
-    return Source(path, tuple(files), kinds[0], key, tuple(skipped))
+    return Source(path, tuple(files), kinds[0], key, tuple(skipped), tuple(subfolders),
+                  tuple(links))
 
 
 # -----------------------------------------------------------------------------
