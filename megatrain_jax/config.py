@@ -17,7 +17,7 @@ import typing
 
 import yaml
 
-from megatrain_jax.attention import IMPLEMENTATIONS
+from megatrain_jax.attention import DEFAULT_BLOCK, IMPLEMENTATIONS
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.model import ModelConfig
 
@@ -216,7 +216,9 @@ class TrainConfig:
     # fewer bytes a step). The plan and the step-time model follow the same rule.
     host_lookup: typing.Union[bool, str] = "auto"
     attention: str = "auto"  # auto (cudnn on a GPU where it can, else blockwise), cudnn, blockwise, xla
-    attention_block: int = 512  # blockwise attention's block of queries and keys
+    # blockwise attention's block of queries and keys; 0: the fastest measured on the platform
+    # that divides train.tile_size (attention.MEASURED), else 512
+    attention_block: int = 0
     tile_size: int = 8192  # tokens per tile of the block over the sequence (its backward holds one
     # tile's workspace; megatrain_jax/seqtile.py); 0: none
     loss_chunk: int = 2048  # tokens per chunk of the cross-entropy (the logits never exist whole)
@@ -232,10 +234,10 @@ class TrainConfig:
 
     def check(self):
         _at_least(1, "train", steps=self.steps, log_every=self.log_every,
-                  eval_batches=self.eval_batches, attention_block=self.attention_block,
-                  loss_chunk=self.loss_chunk, max_bad_steps=self.max_bad_steps)
+                  eval_batches=self.eval_batches, loss_chunk=self.loss_chunk,
+                  max_bad_steps=self.max_bad_steps)
         _at_least(0, "train", prefetch=self.prefetch, tile_size=self.tile_size,
-                  loss_vocab_chunk=self.loss_vocab_chunk)
+                  loss_vocab_chunk=self.loss_vocab_chunk, attention_block=self.attention_block)
         for key in ("compute_dtype", "grad_dtype"):
             if getattr(self, key) not in ("bfloat16", "float32"):
                 raise ConfigError(f"train.{key} must be bfloat16 or float32, "
@@ -698,7 +700,7 @@ def _check(cfg: Config):
     if cfg.offload.tier == "disk" and dist.shard_optimizer:
         raise ConfigError("distributed.shard_optimizer=true with offload.tier=disk: the disk tier "
                           "holds the whole state; use one or the other")
-    tile, block = cfg.train.tile_size, cfg.train.attention_block
+    tile, block = cfg.train.tile_size, cfg.train.attention_block or DEFAULT_BLOCK
     if 0 < tile < cfg.data.seq_len and tile > block and tile % block:
         # a tile's queries start at a key block: no block pair is visited by two tiles
         raise ConfigError(f"train.tile_size ({tile}) must be a multiple of train.attention_block "

@@ -49,6 +49,67 @@ def attention_flops(model: ModelConfig, seq_len: int, sliding: bool | None = Non
     return 4 * model.num_heads * model.head_size * visible_keys(model, seq_len, sliding)
 
 
+# Passes of one layer's attention kernel, forward-pass units, in the block's forward call and in its
+# backward call (the block recomputed, then its VJP: a flash backward is 5 matmuls to the
+# forward's 2, 2.5 units). Merged per query tile (attention.MergedTileAttention), each call's VJP
+# runs its forward again and its backward twice (the cotangent and the log-sum-exp's correction),
+# and one more forward gives P K: 1 + 1 + 2 * 2.5 + 1.
+ATTENTION_PASSES = {"merged": (1.0, 8.0)}
+FLASH_PASSES = (1.0, 3.5)
+
+
+def executed_attention(model: ModelConfig, execution: Execution, seq_len: int) -> tuple:
+    """(forward call, backward call) attention FLOPs per token of one layer, on average over the
+    model's layers, as `execution` runs them at seq_len tokens: blockwise flash attention computes
+    every key block pair its schedule visits whole (the diagonal blocks' masked halves, a window's
+    blocks), padded to its blocks; cuDNN, causally, the keys a query sees (its own blocks are
+    smaller); XLA's dense attention every key. The backward call recomputes the forward."""
+    T = seq_len
+    kinds = model.layer_types or ("sliding_attention",) * model.num_layers
+    per_key = 4 * model.num_heads * model.head_size
+    how = execution.tiled if execution.tiles(T) else "untiled"
+    if how == "blockwise" or (how == "untiled" and execution.attention == "blockwise"):
+        # per query tile: blocks that divide the tile, the sequence padded to whole tiles
+        bs, unit = ((execution.tile_block(), execution.tile_size) if how == "blockwise" else
+                    (min(execution.attention_block, T),) * 2)
+        blocks = -(-T // unit) * unit // bs
+        keys = [_schedule_keys(blocks, bs, model.sliding_window if kind == "sliding_attention"
+                               else 0) / T for kind in kinds]
+    elif how == "untiled" and execution.attention == "xla":
+        keys = [float(T)] * len(kinds)
+    else:  # cuDNN, whole or merged per query tile
+        keys = [visible_keys(model, T, kind == "sliding_attention") for kind in kinds]
+    forward = per_key * sum(keys) / len(kinds)
+    passes = ATTENTION_PASSES.get(how, FLASH_PASSES)
+    return passes[0] * forward, passes[1] * forward
+
+
+def _schedule_keys(blocks: int, block: int, window: int) -> int:
+    """Query-key pairs the blockwise schedule computes over `blocks` blocks of `block` tokens:
+    causally r + 1 key blocks for query block r, with a window the same c for every one."""
+    per_row = -(-(window - 1) // block) + 1 if window else 0
+    if per_row and per_row < blocks:
+        return blocks * per_row * block * block
+    return blocks * (blocks + 1) // 2 * block * block
+
+
+def host_round_trips(model: ModelConfig, execution: Execution, seq_len: int) -> tuple:
+    """(forward call, backward call) times one layer's block reads a value back to the host before
+    it goes on, on XLA:GPU: each step of a loop whose trip count it learns only at run time (none
+    here: tests/test_seqtile.py checks every loop's), and each conditional (the branch index
+    read back): a layer's kind as data (model.layer_types) picks its attention by one, once per
+    call untiled, once per group of query tiles where the block is tiled (the tiles two at a
+    time, the middle one of an odd count alone), and in the backward both in the recompute and
+    in the VJP."""
+    if not model.layer_types:
+        return 0, 0
+    if not execution.tiles(seq_len):
+        return 1, 2
+    groups = -(-seq_len // execution.tile_size)
+    groups = groups // 2 + groups % 2
+    return groups, 2 * groups
+
+
 def flops_per_token(model: ModelConfig, seq_len: int) -> float:
     """Model FLOPs of one training token (forward and backward, the recompute not counted): 6 per
     matmul parameter (the input embedding is a lookup and does not count; the output projection

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from typing import Callable
 
@@ -189,7 +190,10 @@ def decoder(model: Model, max_len: int, *, compute_dtype=None, compute_device=No
     compute = compute_device or jax.devices()[0]
     dtype = jnp.dtype(compute_dtype or model.cfg.train.compute_dtype)
     train_cfg = dataclasses.replace(model.cfg.train, compute_dtype=dtype.name)
-    execution, _ = execution_for(dataclasses.replace(model.cfg, train=train_cfg), compute.platform)
+    execution, choice = execution_for(dataclasses.replace(model.cfg, train=train_cfg),
+                                      compute.platform)
+    if choice.notice:  # what runs instead of what the run's config asked for, said once
+        print(choice.notice, file=sys.stderr)
     host = host_device or jax.devices("cpu")[0]
     with jax.default_device(host):
         first, last = model.first_last(execution)

@@ -11,6 +11,7 @@ F MLP hidden, V vocab.
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,8 @@ from flax import nnx
 from jax import lax
 
 from megatrain_jax import moe
-from megatrain_jax.attention import TileAttention, attention, cached_attention
+from megatrain_jax.attention import (TILED, MergedTileAttention, TileAttention, attention,
+                                     cached_attention)
 from megatrain_jax.engine import Constant
 from megatrain_jax.loss import cap_logits, chunked_cross_entropy, chunked_token_logprobs
 from megatrain_jax.seqtile import TileFns, tiled_block
@@ -169,12 +171,17 @@ class Execution:
     loss_chunk: int = 4096  # tokens per chunk of the chunked cross-entropy
     loss_vocab_chunk: int = 0  # vocabulary chunk of the loss (0: whole vocabulary)
     expert_tile: int = 128  # routed rows per grouped matmul tile of a MoE layer (moe.py)
+    # What attends where the block is tiled (attention.TILED, the rule's choice:
+    # attention.choose_attention): "blockwise" per query tile; "merged": per query tile two calls
+    # of `attention` (cuDNN, or XLA's standing in) merged by their log-sum-exps; "untiled":
+    # `attention` over the whole sequence, the MLP in tiles. "": blockwise, untiled with "xla".
+    tile_attention: str = ""
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"train.attention must be one of "
                              f"{', '.join(ATTENTION_IMPLEMENTATIONS)} (resolve 'auto' with "
-                             f"attention.choose_implementation), got {self.attention!r}")
+                             f"attention.choose_attention), got {self.attention!r}")
         if self.expert_tile <= 0:
             raise ValueError(f"Execution.expert_tile must be positive, got {self.expert_tile}")
         for key in ("attention_block", "loss_chunk"):
@@ -183,6 +190,42 @@ class Execution:
         for key in ("tile_size", "loss_vocab_chunk"):
             if getattr(self, key) < 0:
                 raise ValueError(f"train.{key} must be >= 0 (0: off), got {getattr(self, key)}")
+        allowed = {"xla": ("untiled", "merged"), "blockwise": ("blockwise", "untiled"),
+                   "cudnn": TILED}[self.attention]
+        if self.tile_attention and self.tile_attention not in allowed:
+            raise ValueError(f"Execution.tile_attention {self.tile_attention!r} with attention "
+                             f"{self.attention!r}: one of {', '.join(allowed)}")
+
+    @property
+    def tiled(self) -> str:
+        """What attends where the block is tiled (TILED)."""
+        return self.tile_attention or ("untiled" if self.attention == "xla" else "blockwise")
+
+    def tiles(self, seq_len: int) -> bool:
+        """Whether the whole block runs over tiles at seq_len tokens (seqtile.py)."""
+        return 0 < self.tile_size < seq_len and self.tiled != "untiled"
+
+    def tile_block(self) -> int:
+        """Blockwise attention's block where the block is tiled: a divisor of the tile, so that
+        every tile starts at a key block (the config refuses a tile that is not a multiple)."""
+        return math.gcd(self.tile_size, min(self.attention_block, self.tile_size))
+
+    def attention_at(self, seq_len: int) -> str:
+        """The attention that runs, forward and backward, for sequences of seq_len tokens."""
+        names = {"cudnn": "cuDNN flash attention",
+                 "blockwise": f"blockwise flash attention (blocks of {self.attention_block})",
+                 "xla": "XLA's dense attention (T x T scores)"}
+        if not self.tile_size or seq_len <= self.tile_size:
+            return f"{names[self.attention]} over the whole sequence, the block untiled"
+        tile = f"{self.tile_size:,}"
+        if self.tiled == "untiled":
+            return f"{names[self.attention]} over the whole sequence, the MLP in tiles of {tile}"
+        if self.tiled == "merged":
+            calls = "cuDNN" if self.attention == "cudnn" else "XLA's dot_product_attention"
+            return (f"{calls} per query tile of {tile} (the keys before it and its own, merged by "
+                    f"their log-sum-exps), the block in tiles of {tile}")
+        return (f"blockwise flash attention (blocks of {self.tile_block()}) per query tile of "
+                f"{tile}, the block in tiles of {tile}")
 
 
 def _default_inv_freq(theta: float, h: int):
@@ -252,6 +295,11 @@ def swiglu_mlp(x, weights, eps: float, activation: str = "silu", norm_offset: bo
     (B, T, D): SwiGLU, or GeGLU with activation gelu_tanh. With a fifth weight (Gemma's post-norm)
     the MLP's output is normed before the residual add. Per-token math: any slice of tokens gives
     that slice of the result."""
+    return x + swiglu_update(x, weights, eps, activation, norm_offset)
+
+
+def swiglu_update(x, weights, eps: float, activation: str = "silu", norm_offset: bool = False):
+    """swiglu_mlp without its residual: what the MLP adds to x."""
     norm, w_gate, w_up, w_down, *post_norm = weights
     y = rms_norm(x, norm, eps, norm_offset)
     gate = jnp.einsum("btd,df->btf", y, w_gate)
@@ -259,7 +307,7 @@ def swiglu_mlp(x, weights, eps: float, activation: str = "silu", norm_offset: bo
     out = jnp.einsum("btf,fd->btd", ACTIVATIONS[activation](gate) * up, w_down)
     if post_norm:
         out = rms_norm(out, post_norm[0], eps, norm_offset)
-    return x + out
+    return out
 
 
 def layer_rope(cfg: ModelConfig, w):
@@ -300,10 +348,15 @@ def attention_projections(cfg: ModelConfig, w, x, positions, which: str = "qkv")
 
 def attention_output(cfg: ModelConfig, w, x, attn):
     """x + the attention sublayer's output: attn (B, T, N, H) projected (Gemma: then normed)."""
+    return x + attention_update(cfg, w, attn)
+
+
+def attention_update(cfg: ModelConfig, w, attn):
+    """attention_output without its residual: what the attention sublayer adds to x."""
     out = jnp.einsum("btnh,nhd->btd", attn, w["wo"])
     if cfg.post_norms:
         out = _norm(cfg)(out, w["attn_post_norm"])
-    return x + out
+    return out
 
 
 def over_tiles(fn, x, weights, tile: int):
@@ -328,8 +381,9 @@ class Block(nnx.Module):
 
     `execution` picks the attention implementation and the tiling over the sequence (a static
     attribute): with execution.tile_size below the sequence's length the whole block is computed
-    a tile of tokens at a time (megatrain_jax/seqtile.py), except with the dense "xla" reference
-    attention, which only the MLP is tiled around."""
+    a tile of tokens at a time (megatrain_jax/seqtile.py), except where execution.tiled is
+    "untiled" (always with the dense "xla" reference attention): the attention then runs over the
+    whole sequence and only the MLP is tiled around it."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, execution: Execution = Execution(),
                  layer: int = 0):
@@ -386,8 +440,7 @@ class Block(nnx.Module):
             segment_ids, positions = None, jnp.arange(x.shape[1])
         else:
             segment_ids, positions = context["segment_ids"], context["positions"]
-        ex = self.execution
-        if ex.tile_size and x.shape[1] > ex.tile_size and ex.attention != "xla":
+        if self.execution.tiles(x.shape[1]):
             return self._tiled(x, segment_ids, None if context is None else positions)
         attend = lambda q, k, v, sliding: (self._self_attention(q, k, v, sliding, segment_ids),
                                            None)
@@ -396,23 +449,30 @@ class Block(nnx.Module):
         return self._mlp(self._weights(), x, None if segment_ids is None else segment_ids >= 0)
 
     def _tiled(self, x, segment_ids, positions):
-        """__call__ a tile of execution.tile_size tokens at a time (seqtile.tiled_block): the
-        attention of each query tile is blockwise, in blocks of at most a tile. cuDNN's public
-        API takes no causal offset for a tile of queries, so it does not run per tile."""
+        """__call__ a tile of execution.tile_size tokens at a time (seqtile.tiled_block), each
+        query tile's attention by execution.tiled: blockwise in blocks that divide the tile, or
+        two calls of the execution's attention merged (no window, no document mask)."""
         cfg, ex = self.cfg, self.execution
         windows = (cfg.sliding_window, 0) if cfg.layer_types else (cfg.sliding_window,)
-        attentions = tuple(TileAttention(x.shape[1], window, min(ex.attention_block,
-                                                                 ex.tile_size), self._scale())
-                           for window in windows)
+        if ex.tiled == "merged":
+            if cfg.sliding_window or segment_ids is not None:
+                raise ValueError("merged tile attention takes no sliding window and no document "
+                                 "mask (attention.choose_attention never picks it for them)")
+            attentions = (MergedTileAttention(x.shape[1], ex.attention,
+                                              self._scale()),) * len(windows)
+        else:
+            attentions = tuple(TileAttention(x.shape[1], window, ex.tile_block(), self._scale())
+                               for window in windows)
 
-        def finish(w, x, attn, valid):
-            out = self._mlp(w, attention_output(cfg, w, x, attn), valid, tile=0)
-            return out if cfg.num_experts else (out, None)
+        def update(w, x, attn, valid):
+            attn = attention_update(cfg, w, attn)
+            mlp, aux = self._mlp_update(w, x + attn, valid)
+            return attn + mlp, aux
 
         fns = TileFns(
             queries=lambda w, x, pos: attention_projections(cfg, w, x, pos, "q")[0],
             keys_values=lambda w, x, pos: attention_projections(cfg, w, x, pos, "kv"),
-            finish=finish,
+            update=update,
             # windows[0] for a local layer, windows[1] (none) for a global one
             attention=lambda w: (jnp.where(layer_rope(cfg, w)[0], 0, 1) if cfg.layer_types
                                  else 0))
@@ -498,32 +558,38 @@ class Block(nnx.Module):
         """x + the MLP sublayer (SwiGLU / GeGLU, in tiles of `tile` tokens, by default the
         execution's), or with experts (x + the sparse MLP, the router statistics over the `valid`
         tokens); w the block's weights."""
-        cfg = self.cfg
         tile = self.execution.tile_size if tile is None else tile
-        if cfg.num_experts:
-            return self._moe(w, x, valid)
+        if self.cfg.num_experts:
+            out, stats = self._mlp_update(w, x, valid)
+            return x + out, stats
         with jax.named_scope("mlp"):
-            weights = (w["mlp_norm"], w["w_gate"], w["w_up"], w["w_down"])
-            if cfg.post_norms:
-                weights += (w["mlp_post_norm"],)
-            mlp = functools.partial(swiglu_mlp, eps=cfg.rms_norm_eps, activation=cfg.activation,
-                                    norm_offset=cfg.norm_offset)
+            mlp = functools.partial(swiglu_mlp, **self._mlp_options())
             if tile and x.shape[1] > tile:
-                return over_tiles(mlp, x, weights, tile)
-            return mlp(x, weights)
+                return over_tiles(mlp, x, self._mlp_weights(w), tile)
+            return mlp(x, self._mlp_weights(w))
 
-    def _moe(self, w, x, valid):
-        """x + the sparse MLP of norm(x), and this layer's router statistics over the `valid`
-        tokens (B, T) (None: all): the block returns (x, stats), the engine sums the stats over
-        layers for moe.load_balancing_loss."""
+    def _mlp_update(self, w, x, valid):
+        """What the MLP sublayer adds to x (B, T, D), untiled, and with experts this layer's router
+        statistics over the `valid` tokens (B, T) (None: all; the block returns (x, stats), the
+        engine sums the stats over layers for moe.load_balancing_loss), else None."""
         cfg = self.cfg
+        if not cfg.num_experts:
+            with jax.named_scope("mlp"):
+                return swiglu_update(x, self._mlp_weights(w), **self._mlp_options()), None
         with jax.named_scope("moe"):
             y = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
             weights = (w["w_router"], w["experts_gate"], w["experts_up"], w["experts_down"])
-            out, stats = moe.moe_mlp(y, weights, top_k=cfg.experts_per_token,
-                                     renormalize=cfg.moe_renormalize,
-                                     tile=self.execution.expert_tile, valid=valid)
-            return x + out, stats
+            return moe.moe_mlp(y, weights, top_k=cfg.experts_per_token,
+                               renormalize=cfg.moe_renormalize, tile=self.execution.expert_tile,
+                               valid=valid)
+
+    def _mlp_weights(self, w) -> tuple:
+        weights = (w["mlp_norm"], w["w_gate"], w["w_up"], w["w_down"])
+        return weights + ((w["mlp_post_norm"],) if self.cfg.post_norms else ())
+
+    def _mlp_options(self) -> dict:
+        cfg = self.cfg
+        return dict(eps=cfg.rms_norm_eps, activation=cfg.activation, norm_offset=cfg.norm_offset)
 
 
 class Embed(nnx.Module):

@@ -40,9 +40,9 @@ def plan(cfg: Config, machine: Machine) -> Plan:
     # the engine's own: lazy, train imports us
     from megatrain_jax.recipes import build_optimizer, execution_for, host_lookup_setting
 
-    execution, attention_reason = execution_for(cfg, machine.platform)
+    execution, choice = execution_for(cfg, machine.platform)
     device = compile_device(machine.platform)
-    compiled, notes = _compiled_execution(execution, device, machine, cfg.data.seq_len)
+    compiled, notes = _compiled_execution(execution, device, machine)
     c = counts(cfg, compiled, machine, optimizer=build_optimizer(cfg.optimizer, cfg.train.steps),
                lookup_setting=host_lookup_setting(cfg))
     M, B, T = cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len
@@ -75,7 +75,8 @@ def plan(cfg: Config, machine: Machine) -> Plan:
     disk_bytes = 4 * c.params + c.optimizer
     return Plan(host=host, device=device, bus=c.bus, bus_reason=bus_reason,
                 offload_activations=offload, offload_reason=offload_reason,
-                attention=execution.attention, attention_reason=attention_reason,
+                attention=execution.attention, attention_reason=choice.reason,
+                attention_runs=execution.attention_at(T), attention_notice=choice.notice,
                 execution=execution, machine=machine, workspace=workspace, micro_batch=(M, B, T),
                 tokens_to_hide_transfers=tokens_to_hide(cfg.model, c, T, machine, offload),
                 notes=tuple(notes), counts=c, tier=cfg.offload.tier,
@@ -96,24 +97,24 @@ def plan_sweep(cfgs: list, machine: Machine) -> list:
     return plans
 
 
-def _compiled_execution(execution: Execution, device, machine: Machine,
-                        seq_len: int) -> tuple[Execution, list]:
+def _compiled_execution(execution: Execution, device, machine: Machine) -> tuple[Execution, list]:
     """The execution whose functions `device` compiles for the workspaces, and the notes on what
     stands in for what."""
     notes, compiled = [], execution
     if execution.attention == "cudnn" and device.platform != "gpu":
-        compiled = dataclasses.replace(execution, attention="blockwise")
+        # the same flash algorithm, memory linear in T: per query tile where cuDNN's calls are
+        # merged per tile, over the whole sequence where cuDNN runs untiled
+        tiled = "untiled" if execution.tiled == "untiled" else "blockwise"
+        compiled = dataclasses.replace(execution, attention="blockwise", tile_attention=tiled)
+        where = "over the whole sequence" if tiled == "untiled" else "per query tile"
         notes.append(f"cuDNN attention cannot compile on {device.platform}: blockwise attention "
-                     f"stands in for its workspace (the same flash algorithm, memory linear in T)")
+                     f"stands in for its workspace ({where} where the block is tiled, in blocks "
+                     f"of {execution.attention_block}; the same flash algorithm, memory linear "
+                     f"in T)")
     if device.platform != machine.platform:
         notes.append(f"workspaces compiled by XLA:{device.platform.upper()}, which computes bf16 "
                      f"math in fp32: an estimate of the {machine.platform.upper()}'s (plan on the "
                      f"machine itself, --device local, for its compiler's own figures)")
-    if execution.attention == "cudnn" and 0 < execution.tile_size < seq_len:
-        notes.append(f"the block is tiled over the sequence (train.tile_size "
-                     f"{execution.tile_size:,} < data.seq_len {seq_len:,}): each query tile's "
-                     f"attention is blockwise, as cuDNN's public API takes no causal offset for a "
-                     f"tile")
     return compiled, notes
 
 

@@ -58,8 +58,10 @@ class Plan:
     offload_reason: str
     bus: str  # offload.bus resolved: "resident" or "ring" (engine/bus.py)
     bus_reason: str
-    attention: str  # the resolved implementation
+    attention: str  # the resolved implementation over a whole sequence
     attention_reason: str
+    attention_runs: str  # what attends, forward and backward, at this step's sequence length
+    attention_notice: str  # one line where train.attention asked for what cannot run here, or ""
     execution: Execution  # the model's, as the engine will run it
     machine: Machine
     workspace: dict
@@ -176,7 +178,8 @@ class Plan:
         return "DOES NOT FIT: " + "; ".join(over)
 
     def summary(self) -> str:
-        """Two lines for a run's log: predicted against available, what was chosen, the verdict."""
+        """Lines for a run's log: predicted against available, what was chosen, the verdict, the
+        attention that runs (and a notice where train.attention cannot run as asked)."""
         m = self.machine
         kinds = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.host.items() if v)
         return (f"plan ({m.name}): host RAM {format_bytes(self.host_total)} of "
@@ -185,8 +188,13 @@ class Plan:
                 f"{format_bytes(self.device_peak)} of {format_bytes(m.device_memory_gb * GB)} "
                 f"in the {self.peak_phase}\n"
                 f"plan: offload activations {'on' if self.offload_activations else 'off'} "
-                f"({self.offload_reason}), attention {self.attention} ({self.attention_reason}), "
-                f"{self.bus_line()}; {self.verdict()}")
+                f"({self.offload_reason}), {self.bus_line()}; {self.verdict()}\n"
+                f"{self.attention_line()}" + (f"\n{self.attention_notice}"
+                                               if self.attention_notice else ""))
+
+    def attention_line(self) -> str:
+        """What attends at this step's sequence length, and why."""
+        return f"plan: attention {self.attention_runs} ({self.attention_reason})"
 
     def bus_line(self) -> str:
         """The bus copies' form, and why."""
@@ -199,9 +207,9 @@ class Plan:
                  f"{format_bytes(m.host_memory_gb * GB)}, {m.bf16_tflops:g} bf16 TFLOPS, "
                  f"{m.host_device_gbps:g} GB/s each way",
                  f"step: {M} micro-batch(es) of {B} x {T:,} tokens = {self.tokens_per_step:,}; "
-                 f"attention {self.attention} ({self.attention_reason}); offload activations "
-                 f"{'on' if self.offload_activations else 'off'} ({self.offload_reason}); "
-                 f"{self.bus_line()}",
+                 f"offload activations {'on' if self.offload_activations else 'off'} "
+                 f"({self.offload_reason}); {self.bus_line()}",
+                 self.attention_line(), *([self.attention_notice] if self.attention_notice else []),
                  layer_line(self.counts), "", *self.tables(), "", self.verdict(),
                  f"largest that fits: batch {self.largest_batch:,} at seq_len {T:,}; "
                  f"seq_len {self.largest_seq_len:,} at batch {B}",
@@ -294,7 +302,7 @@ class Plan:
         """Plain data, for JSON."""
         names = ("host", "host_total", "device", "device_peak", "peak_phase", "fits",
                  "offload_activations", "offload_reason", "bus", "bus_reason", "attention",
-                 "attention_reason",
+                 "attention_reason", "attention_runs", "attention_notice",
                  "workspace", "largest_batch", "largest_seq_len", "tokens_per_step", "host_lookup",
                  "tokens_to_hide_transfers", "tier", "host_by_tier", "disk_bytes",
                  "disk_gbps_to_hide", "workspace_cpu_compiled", "params",

@@ -30,19 +30,24 @@ def load_config(path: str | None = None, overrides=()) -> Config:
     return config_lib.load_config(path, overrides, hf_model=hf.model_config_from_hf)
 
 
-def execution_for(cfg: Config, platform: str | None = None) -> tuple[Execution, str]:
-    """The model's execution options from cfg.train, with `train.attention` resolved for the
-    compute platform (default: the default device's), and the reason for the choice."""
+def execution_for(cfg: Config,
+                  platform: str | None = None) -> tuple[Execution, attention.Choice]:
+    """The model's execution options from cfg.train, with `train.attention` and
+    `train.attention_block` resolved for the compute platform (default: the default device's) by
+    attention.choose_attention, and its choice (the reason, and a notice where train.attention
+    asked for what cannot run there)."""
     platform = platform or jax.local_devices()[0].platform
+    t = cfg.train
     try:
-        impl, why = attention.choose_implementation(
-            cfg.train.attention, platform=platform, dtype=cfg.train.compute_dtype,
-            head_dim=cfg.model.head_size, document_mask=cfg.data.document_mask)
+        choice = attention.choose_attention(
+            t.attention, platform=platform, dtype=t.compute_dtype, head_dim=cfg.model.head_size,
+            document_mask=cfg.data.document_mask, windowed=cfg.model.sliding_window > 0,
+            block=t.attention_block, tile=t.tile_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    t = cfg.train
-    return Execution(attention=impl, attention_block=t.attention_block, tile_size=t.tile_size,
-                     loss_chunk=t.loss_chunk, loss_vocab_chunk=t.loss_vocab_chunk), why
+    return Execution(attention=choice.attention, attention_block=choice.block,
+                     tile_size=t.tile_size, loss_chunk=t.loss_chunk,
+                     loss_vocab_chunk=t.loss_vocab_chunk, tile_attention=choice.tiled), choice
 
 
 def decay_mask(params):

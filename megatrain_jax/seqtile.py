@@ -1,42 +1,60 @@
-"""A decoder block tiled over the sequence, so that its backward holds one tile's workspace.
+"""A decoder block tiled over the sequence, so that its backward holds two tiles' workspace.
 
 The block's attention half and its MLP are per-token math except for attention itself, which reads
 the keys and values of the whole sequence. `tiled_block` therefore computes K and V of every token
-once, tile by tile (GQA: K kv heads, not N), and then each tile of tokens end to end: its queries,
-its attention to the whole K and V (blockwise, with the tile's causal offset), the output
+once, tile by tile (GQA: K kv heads, not N), and then the tiles end to end, two at a time: their
+queries, their attention to the whole K and V (each with its tile's causal offset), the output
 projection, the residual and the MLP. Nothing else of size T x hidden exists besides the block's
 input and output.
 
-The backward (a custom VJP) recomputes K and V, then walks the tiles from the last to the first:
-each tile's forward again, its VJP, its share of dK and dV added to fp32 accumulators of the whole
-sequence. Causal attention lets no earlier tile see a later tile's keys, so once tile i is done the
-keys and values of tile i have their whole gradient and are differentiated back to tile i's input
-at once: dx of a tile is written once, whole. The backward holds the block's input, dy and dx,
-K and V, dK and dV (fp32), the weights' gradient (fp32) and one tile's workspace.
+Why two at a time: causally tile t attends t + 1 tiles' keys, so attending one tile at a time would
+loop over key blocks a number of times that depends on t, which XLA:GPU learns only at run time (it
+reads the loop's predicate back to the host at every step). Tiles t and n - 1 - t of the n tiles
+together attend as many key blocks whatever t is (megatrain_jax/attention.py's schedule): every
+loop here and in the attention has a trip count known when it is traced. With an odd n the middle
+tile is a group of its own, at a static position.
 
-The model supplies the per-tile math as `TileFns` (megatrain_jax/model.py's Block), this module
-the tiling and the order of the backward.
+The backward (a custom VJP) recomputes K and V, then walks the pairs, t = 0, 1, ...: each pair's
+forward again, its VJP, its share of dK and dV added to fp32 accumulators of the whole sequence.
+No tile sees a later tile's keys, so once the pairs up to t are done the keys and values of tile
+n - 1 - t have their whole gradient and are differentiated back to that tile's input at once; the
+first half's once every pair is done, in a loop of their own. dx is written over dy, tile by
+tile. The backward holds the block's input, dy and dx, K and V, dK and dV (fp32), the weights'
+gradient (fp32) and one pair's workspace (its two tiles' output projections and MLPs one after the
+other).
+
+The model supplies the per-tile math as `TileFns` (megatrain_jax/model.py's Block) and the
+attentions (megatrain_jax/attention.py's TileAttention or MergedTileAttention), this module the
+tiling and the order of the backward.
 """
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from megatrain_jax.attention import key_accumulator, keys_of
+
 
 @dataclasses.dataclass(frozen=True)
 class TileFns:
     """A block's math on one tile of tokens, w the block's weights (a pytree of arrays):
     queries(w, x, positions) -> q (B, t, N, H) and keys_values(w, x, positions) -> (k, v)
-    (B, t, K, H), normed, projected and rotated; finish(w, x, attn, valid) -> (y, aux): the
-    output projection of attn (B, t, N, H), the residual and the MLP, aux a pytree of sums over the
-    `valid` tokens (B, t) or None; attention(w) -> which of the TileAttentions attends (an int,
-    traced where the layer's kind is data, as Gemma 3's local and global layers)."""
+    (B, t, K, H), normed, projected and rotated; update(w, x, attn, valid) -> (u, aux): what the
+    block adds to x (its output y = x + u) from the output projection of attn (B, t, N, H) and the
+    MLP, aux a pytree of sums over the `valid` tokens (B, t) or None; attention(w) -> which of
+    the tile attentions attends (an int, traced where the layer's kind is data, as Gemma 3's
+    local and global layers).
+
+    The residual x stays out of `update` so that a tile's dx, dy plus the update's VJP, is
+    written over dy reading only that tile of it: a whole-buffer copy would be kept otherwise,
+    two tiles being written at each step."""
     queries: Callable
     keys_values: Callable
-    finish: Callable
+    update: Callable
     attention: Callable
 
 
@@ -44,7 +62,8 @@ def tiled_block(fns: TileFns, attentions: tuple, w, x, segment_ids, positions, t
     """(y (B, T, D), aux summed over the tiles) of the block on x (B, T, D), `tile` tokens at a
     time (T is padded to a multiple of it; padded rows are computed and dropped, and count in no
     sum). segment_ids (B, T) or None: the document ids of packed sequences; positions (B, T): the
-    RoPE positions, or None for 0 .. T - 1. `attentions`: TileAttention (one per kind of layer), seq_len T."""
+    RoPE positions, or None for 0 .. T - 1. `attentions`: the tile attentions (one per kind of
+    layer), seq_len T."""
     B, T, _ = x.shape
     padded = -(-T // tile) * tile
     seq = _Sequence(tile, B, T, None if positions is None else _pad(positions, padded),
@@ -91,15 +110,142 @@ class _Sequence:
             return valid
         return valid & (self.take(self.segment_ids, i) >= 0)
 
+    def segments_of(self, tiles):
+        """The document ids of a group's tiles (None: none)."""
+        return None if self.segment_ids is None else tuple(self.take(self.segment_ids, t)
+                                                           for t in tiles)
+
     def put(self, a, tile_value, i):
         return lax.dynamic_update_slice_in_dim(a, tile_value.astype(a.dtype), i * self.tile, 1)
 
 
-def _attend(attentions: tuple, which, method: str, *args):
-    """attentions[which].method(*args); `which` may be traced."""
-    if len(attentions) == 1:
-        return getattr(attentions[0], method)(*args)
-    return lax.switch(which, [getattr(a, method) for a in attentions], *args)
+def _attend(attentions: tuple, which, method: str, like: tuple, *args):
+    """attentions[which].method(*args, like=like); `which` may be traced."""
+    calls = [functools.partial(getattr(a, method), like=like) for a in attentions]
+    if len(calls) == 1:
+        return calls[0](*args)
+    return lax.switch(which, calls, *args)
+
+
+def _after(value, done):
+    """`value`, used only once `done` is computed: a group's second tile's work starts after the
+    first's has ended, so that their workspaces are not held at once."""
+    return value if done is None else lax.optimization_barrier((value, done))[0]
+
+
+def _add(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+def _groups(n: int) -> tuple:
+    """(pairs, middle): the loop of n // 2 pairs (tiles p and n - 1 - p) and the static middle
+    tile of an odd n (None: none)."""
+    return n // 2, (n // 2 if n % 2 else None)
+
+
+def _tiled(fns, attentions, seq: _Sequence, w, x):
+    n = seq.count(x)
+    pairs, middle = _groups(n)
+
+    def group_forward(w, x, k, v, tiles, like):
+        """(y of each tile of the group, their aux summed)."""
+        qs = tuple(fns.queries(w, seq.take(x, t), seq.positions_of(t)) for t in tiles)
+        outs, _ = _attend(attentions, fns.attention(w), "forward", like, qs, k, v,
+                          seq.segments_of(tiles), seq.segment_ids, tiles)
+        ys, aux = [], None
+        for t, o in zip(tiles, outs):
+            x_t, o = _after((seq.take(x, t), o), ys[-1] if ys else None)
+            u_t, aux_t = fns.update(w, x_t, o, seq.valid_of(t))
+            ys.append(x_t + u_t)
+            aux = aux_t if aux is None else _add(aux, aux_t)
+        return ys, aux
+
+    @jax.custom_vjp
+    def run(w, x):
+        k, v = _keys_values(fns, seq, w, x)
+        aux0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+            lambda w, x, k, v: group_forward(w, x, k, v, (0,), (0,))[1], w, x, k, v))
+
+        def pair(p, carry):
+            y, aux = carry
+            (y_a, y_b), aux_p = group_forward(w, x, k, v, (p, n - 1 - p), (0, n - 1))
+            return seq.put(seq.put(y, y_a, p), y_b, n - 1 - p), _add(aux, aux_p)
+
+        # y written in place, tile by tile; where only the VJP is wanted (the engine's
+        # backward), y is unused and XLA drops this whole loop
+        y, aux = lax.fori_loop(0, pairs, pair, (jnp.zeros_like(x), aux0))
+        if middle is not None:
+            (y_m,), aux_m = group_forward(w, x, k, v, (middle,), (middle,))
+            y, aux = seq.put(y, y_m, middle), _add(aux, aux_m)
+        return y, aux
+
+    def run_fwd(w, x):
+        return run(w, x), (w, x)
+
+    def run_bwd(residuals, cotangents):
+        w, x = residuals
+        dy, daux = cotangents
+        k, v = _keys_values(fns, seq, w, x)
+        which = fns.attention(w)
+        f32 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+
+        def group_backward(carry, tiles, like, dys):
+            """The VJP of a group's tiles (their dy given: `dys`): dx = dy (the residual) plus the
+            update's and the queries' shares written over dy, dk and dv added to."""
+            dw, dk, dv, dy_dx = carry
+            q_vjps = [jax.vjp(lambda w, x, pos=seq.positions_of(t): fns.queries(w, x, pos), w,
+                              seq.take(x, t)) for t in tiles]
+            qs = tuple(q for q, _ in q_vjps)
+            segs = seq.segments_of(tiles)
+            outs, res = _attend(attentions, which, "forward", like, qs, k, v, segs,
+                                seq.segment_ids, tiles)
+            dos, dxs = [], []
+            for t, o, dy_t in zip(tiles, outs, dys):
+                x_t, o = _after((seq.take(x, t), o), dxs[-1] if dxs else None)
+                _, update_vjp = jax.vjp(lambda w, x, o, valid=seq.valid_of(t):
+                                        fns.update(w, x, o, valid), w, x_t, o)
+                dw_u, dx_u, do_t = update_vjp((dy_t, daux))
+                dw = _add(dw, f32(dw_u))
+                dos.append(do_t)
+                dxs.append(dy_t + dx_u)
+            dqs, dk, dv = _attend(attentions, which, "backward", like, qs, k, v, segs,
+                                  seq.segment_ids, tiles, outs, res, tuple(dos), dk, dv)
+            for t, dx, dq, (_, q_vjp) in zip(tiles, dxs, dqs, q_vjps):
+                dw_q, dx_q = q_vjp(dq)
+                dw, dy_dx = _add(dw, f32(dw_q)), seq.put(dy_dx, dx + dx_q, t)
+            return dw, dk, dv, dy_dx
+
+        def keys_backward(carry, t):
+            """Tile t's keys and values, whose gradient is whole, back to its input."""
+            dw, dk, dv, dy_dx = carry
+            _, kv_vjp = jax.vjp(lambda w, x, pos=seq.positions_of(t): fns.keys_values(w, x, pos),
+                                w, seq.take(x, t))
+            dw_kv, dx_kv = kv_vjp((keys_of(dk, k, t * seq.tile, seq.tile),
+                                   keys_of(dv, v, t * seq.tile, seq.tile)))
+            return _add(dw, f32(dw_kv)), dk, dv, seq.put(dy_dx, seq.take(dy_dx, t) + dx_kv, t)
+
+        def pair(p, carry):
+            *carry, dys = carry
+            carry = group_backward(tuple(carry), (p, n - 1 - p), (0, n - 1), dys)
+            carry = keys_backward(carry, n - 1 - p)  # every tile that sees them is done
+            # The next pair's dy, read once this pair's dx is written over the buffer and carried:
+            # a read of the buffer as it was before those writes would keep a copy of all of it.
+            dy_dx = carry[-1]
+            return (*carry, (seq.take(dy_dx, p + 1), seq.take(dy_dx, n - 2 - p)))
+
+        acc = key_accumulator(k)
+        dw0 = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), w)
+        dy = dy.astype(x.dtype)
+        *carry, dys = lax.fori_loop(0, pairs, pair, (dw0, acc, acc, dy,
+                                                      (seq.take(dy, 0), seq.take(dy, n - 1))))
+        carry = tuple(carry)
+        if middle is not None:  # its dy: the last pair's next (p + 1 = n - 2 - p = middle)
+            carry = keys_backward(group_backward(carry, (middle,), (middle,), dys[:1]), middle)
+        dw, _, _, dx = lax.fori_loop(0, pairs, lambda p, carry: keys_backward(carry, p), carry)
+        return jax.tree.map(lambda g, p: g.astype(p.dtype), dw, w), dx
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(w, x)
 
 
 def _keys_values(fns: TileFns, seq: _Sequence, w, x):
@@ -110,68 +256,3 @@ def _keys_values(fns: TileFns, seq: _Sequence, w, x):
     buffers = tuple(jnp.zeros((x.shape[0], x.shape[1], *s.shape[2:]), s.dtype) for s in shapes)
     return lax.fori_loop(0, seq.count(x), lambda i, kv: tuple(
         seq.put(buf, t, i) for buf, t in zip(kv, kv_of(i))), buffers)
-
-
-def _tiled(fns, attentions, seq: _Sequence, w, x):
-    def tile_forward(w, x, k, v, i):
-        """(y_i, aux_i) of tile i."""
-        x_i, seg_i = seq.take(x, i), seq.take(seq.segment_ids, i)
-        q_i = fns.queries(w, x_i, seq.positions_of(i))
-        o_i, _ = _attend(attentions, fns.attention(w), "forward", q_i, k, v, seg_i,
-                         seq.segment_ids, i * seq.tile)
-        return fns.finish(w, x_i, o_i, seq.valid_of(i))
-
-    @jax.custom_vjp
-    def run(w, x):
-        k, v = _keys_values(fns, seq, w, x)
-        aux0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(tile_forward, w, x, k, v, 0)[1])
-
-        def body(aux, i):
-            y_i, aux_i = tile_forward(w, x, k, v, i)
-            return jax.tree.map(jnp.add, aux, aux_i), y_i
-
-        # a scan, not a loop into one buffer: where only the VJP is wanted (the engine's
-        # backward), JAX drops the unused tiles of y, and with them the forward
-        aux, y = lax.scan(body, aux0, jnp.arange(seq.count(x)))
-        y = y.swapaxes(0, 1)  # (B, n, tile, D): a bitcast for one row
-        return y.reshape(x.shape), aux
-
-    def run_fwd(w, x):
-        return run(w, x), (w, x)
-
-    def run_bwd(residuals, cotangents):
-        w, x = residuals
-        dy, daux = cotangents
-        k, v = _keys_values(fns, seq, w, x)
-        which = fns.attention(w)
-        first = attentions[0]
-        f32 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)
-
-        def step(n, carry):
-            dw, dk, dv, dy_dx = carry  # dy, tile by tile overwritten with dx
-            i = seq.count(x) - 1 - n  # the last tile first
-            x_i, seg_i = seq.take(x, i), seq.take(seq.segment_ids, i)
-            pos_i, valid_i = seq.positions_of(i), seq.valid_of(i)
-            q_i, q_vjp = jax.vjp(lambda w, x: fns.queries(w, x, pos_i), w, x_i)
-            o_i, lse_i = _attend(attentions, which, "forward", q_i, k, v, seg_i,
-                                 seq.segment_ids, i * seq.tile)
-            _, finish_vjp = jax.vjp(lambda w, x, o: fns.finish(w, x, o, valid_i), w, x_i, o_i)
-            dw_out, dx_out, do_i = finish_vjp((seq.take(dy_dx, i), daux))
-            dq_i, dk, dv = _attend(attentions, which, "backward", q_i, k, v, seg_i,
-                                   seq.segment_ids, i * seq.tile, o_i, lse_i, do_i, dk, dv)
-            dw_q, dx_q = q_vjp(dq_i)
-            # No earlier tile sees this tile's keys: their gradient is whole, back to x_i now.
-            _, kv_vjp = jax.vjp(lambda w, x: fns.keys_values(w, x, pos_i), w, x_i)
-            dw_kv, dx_kv = kv_vjp((first.keys(dk, k, i * seq.tile, seq.tile),
-                                   first.keys(dv, v, i * seq.tile, seq.tile)))
-            dw = jax.tree.map(lambda a, *g: a + sum(f32(g)), dw, dw_out, dw_q, dw_kv)
-            return dw, dk, dv, seq.put(dy_dx, dx_out + dx_q + dx_kv, i)
-
-        acc = first.key_accumulator(k)
-        dw0 = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), w)
-        # dx written over dy, whose tile is read just before (no second T x D buffer)
-        dw, _, _, dx = lax.fori_loop(0, seq.count(x), step, (dw0, acc, acc, dy.astype(x.dtype)))
-        return jax.tree.map(lambda g, p: g.astype(p.dtype), dw, w), dx
-
-    run.defvjp(run_fwd, run_bwd)
-    return run(w, x)

@@ -4,9 +4,11 @@
     p = simulate(shape, Rates(h2d_gbps=55, d2h_gbps=55, device_tflops=989, host_update_gbps=26))
     print(p.report())      # step time, tokens/s, MFU, which resource bounds the step
 
-The simulation replays the engine's schedule (engine/schedule.py's passes, engine/step.py around
-them, host.py's updates) on five resources, each doing one thing at a time in the order it was
-given work:
+The simulation replays the engine's schedule (engine/schedule.py's passes, run by the engine's
+own interpreter of them, schedule.walk; engine/step.py around them; host.py's updates) on five
+resources, each doing one thing at a time in the order it was given work. Each operation that
+stands for one of the engine's `on_event` calls records it (`_Timeline.events`), and
+tests/test_step_time.py holds that order against the engine's own trace of a step.
 
   dispatch     the Python thread: every jitted call or device_put costs `dispatch_us` (a
                layer's call per pass takes every micro-batch), and it blocks where the engine
@@ -77,9 +79,13 @@ HOP_PATHS = ("pinned_host -> cpu backend, numpy view", "cpu backend -> pinned_ho
 # - overlap: the fraction of a copy's time hidden under compute it runs beside, each way and
 #   form, as bench_transfer.py defines it, measured on the H200 host (docs/benchmarks.md,
 #   "Transfers": the eager rows and the copies made inside one jit).
+# - round trip: the device idle while XLA:GPU reads a loop's predicate or a conditional's branch
+#   back to the host (while_thunk.cc, conditional_thunk.cc): an estimate, the lower end of what
+#   docs/long-context.md derives for the 128K step of docs/results/2026-11-27-h200-b.md.
 DEFAULTS = {"h2d_gbps": 55.0, "d2h_gbps": 55.0, "device_tflops": 989.0, "host_update_gbps": 69.8,
             "hop_gbps": 9.5, "dispatch_us": 20.0, "h2d_overlap_eager": 0.36,
-            "d2h_overlap_eager": 0.21, "h2d_overlap_jit": 0.92, "d2h_overlap_jit": 1.0}
+            "d2h_overlap_eager": 0.21, "h2d_overlap_jit": 0.92, "d2h_overlap_jit": 1.0,
+            "round_trip_us": 40.0}
 OVERLAPS = ("h2d_overlap_eager", "d2h_overlap_eager", "h2d_overlap_jit", "d2h_overlap_jit")
 # where measured_rates reads them: bench_transfer.py's overlap rows; the host-path check's
 # (section, row)
@@ -107,6 +113,7 @@ class Rates:
     d2h_overlap_eager: float = DEFAULTS["d2h_overlap_eager"]
     h2d_overlap_jit: float = DEFAULTS["h2d_overlap_jit"]
     d2h_overlap_jit: float = DEFAULTS["d2h_overlap_jit"]
+    round_trip_us: float = DEFAULTS["round_trip_us"]  # each host round trip inside a jitted call
 
     def __post_init__(self):
         for name, value in dataclasses.asdict(self).items():
@@ -120,11 +127,12 @@ class Rates:
 
 
 def valid_rate(name: str, value: float) -> bool:
-    """A rate is a finite number > 0; dispatch_us may be 0 (no cost per call); an overlap is a
-    fraction in [0, 1]."""
+    """A rate is a finite number > 0; dispatch_us and round_trip_us may be 0 (no cost); an
+    overlap is a fraction in [0, 1]."""
     if name in OVERLAPS:
         return math.isfinite(value) and 0 <= value <= 1
-    return math.isfinite(value) and (value > 0 or (name == "dispatch_us" and value == 0))
+    return math.isfinite(value) and (value > 0 or (name in ("dispatch_us", "round_trip_us")
+                                                   and value == 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,10 +146,11 @@ class StepShape:
     last_bytes: int  # the last stage's weights (final norm, head)
     layer_bytes: int  # one block's weights
     stages_grad_bytes: int  # gradients to the host, in train.grad_dtype: the stages' (both
-    # parts merged on the device, sent once after the embedding's backward) and one block's
+    # parts merged on the device, sent after the embedding's backward as its two units') and one
+    # block's
     layer_grad_bytes: int
     act_bytes: int  # one layer's saved inputs, all micro-batches, when offloaded (else 0)
-    layer_fwd_flops: float
+    layer_fwd_flops: float  # the attention as the execution runs it (flops.executed_attention)
     layer_bwd_flops: float
     head_flops: float  # the loss head's forward and backward
     stages_update_bytes: int  # bytes the host updates of the two stage units touch
@@ -152,6 +161,8 @@ class StepShape:
     # submitted as soon as its gradient is on the host, during the backward (no exact clipping,
     # no non-finite check: not the engine's; a what-if for hiding the update)
     head_update_bytes: int = 0  # the part of stages_update_bytes that is the last stage's own
+    head_grad_bytes: int = 0  # the part of stages_grad_bytes that is the last stage's own unit's
+    # (the device path: each unit's part goes out as a copy of its own)
     first_hop_bytes: int = 0  # bytes the host thread copies between the clients for a unit's
     layer_hop_bytes: int = 0  # update (its gradient in, its bus copy out to pinned memory), at
     head_hop_bytes: int = 0  # hop_gbps: the first stage's unit, a layer's, the last stage's
@@ -169,6 +180,10 @@ class StepShape:
     # dispatching thread before each of its two fetches a step, at the host update's rate (the
     # host's memory bandwidth). 0: resident bus copies (the update writes them instead)
     ring_fill_bytes: int = 0
+    # host round trips inside one layer's forward and backward call, each micro-batch
+    # (flops.host_round_trips): the device idle round_trip_us each
+    layer_fwd_round_trips: int = 0
+    layer_bwd_round_trips: int = 0
 
     @property
     def host_lookup(self) -> bool:
@@ -213,6 +228,9 @@ class Prediction:
     critical_s: dict  # resource -> seconds of the last step's critical path
     busy_s: dict  # resource -> seconds busy in the last step's period
     ops: list  # every operation of every simulated step
+    # (step, kind, what, layer) of every simulated step: the engine's on_event calls it stands
+    # for, in the order the engine makes them (updates: in the host thread's order)
+    events: list = dataclasses.field(default_factory=list)
 
     @property
     def bound(self) -> str:
@@ -257,6 +275,7 @@ class _Timeline:
         self.rates = rates
         self.last = {res: None for res in RESOURCES}  # the latest operation on each resource
         self.ops = []
+        self.events = []  # (step, kind, what, layer): the engine's on_event, in program order
         self.step = 0
 
     def op(self, resource, label, seconds, after=()) -> Op:
@@ -272,23 +291,32 @@ class _Timeline:
         """One dispatch on the Python thread, after what it waits for."""
         return self.op("dispatch", label, self.rates.dispatch_us * 1e-6, after)
 
-    def h2d(self, label, nbytes, after=()) -> Op:
-        """An eager copy in: dispatched once `after` is done."""
-        d = self.call(label, after)
-        return self._copy("h2d", "eager", label, nbytes, [d])
+    def event(self, kind, what, layer=None):
+        """The engine's on_event(kind, what, layer) (StreamedEngine.on_event) that the operation
+        just given stands for."""
+        self.events.append((self.step, kind, what, layer))
 
-    def d2h(self, label, nbytes, after) -> Op:
+    def h2d(self, label, nbytes, after=(), *, what) -> Op:
+        """An eager copy in: dispatched once `after` is done. `what`: the engine's name of the
+        copy (its on_event "transfer"; None: one it does not announce)."""
+        d = self.call(label, after)
+        return self._copy("h2d", "eager", label, nbytes, [d], what)
+
+    def d2h(self, label, nbytes, after, *, what) -> Op:
         """An eager copy out, of what `after` makes."""
         d = self.call(label)
-        return self._copy("d2h", "eager", label, nbytes, [d, *after])
+        return self._copy("d2h", "eager", label, nbytes, [d, *after], what)
 
-    def beside(self, way, label, nbytes, call: Op, after=()) -> Op:
+    def beside(self, way, label, nbytes, call: Op, after=(), *, what) -> Op:
         """A copy made inside the jitted call `call` (a compute op): it starts with it (and
-        after `after`: what it copies)."""
-        return self._copy(way, "jit", label, nbytes, [o for o in (call.pred, *after) if o])
+        after `after`: what it copies). The engine names it as the eager one, "in the call"."""
+        return self._copy(way, "jit", label, nbytes, [o for o in (call.pred, *after) if o],
+                          what and f"{what}, in the call")
 
-    def _copy(self, way, form, label, nbytes, after) -> Op:
+    def _copy(self, way, form, label, nbytes, after, what) -> Op:
         """The copy on its bus, and the part of it not hidden under compute on the device."""
+        if what:
+            self.event("transfer", what)
         seconds = nbytes / (getattr(self.rates, f"{way}_gbps") * GB)
         copy = self.op(way, label, seconds, after)
         lost = (1 - self.rates.overlap(way, form)) * seconds
@@ -296,35 +324,37 @@ class _Timeline:
             self.op("device", f"copy not hidden: {label}", lost, after[:1])
         return copy
 
-    def compute(self, label, flops, after=()) -> Op:
+    def compute(self, label, flops, after=(), round_trips=0) -> Op:
         d = self.call(label)
-        return self.op("device", label, flops / (self.rates.device_tflops * 1e12), [d, *after])
+        seconds = (flops / (self.rates.device_tflops * 1e12)
+                   + round_trips * self.rates.round_trip_us * 1e-6)
+        return self.op("device", label, seconds, [d, *after])
 
-    def update(self, label, nbytes, after, hop_bytes=0) -> Op:
+    def update(self, label, nbytes, after, hop_bytes=0, unit=None, layers=0) -> Op:
+        """Work on the host thread; `unit`: it is that unit's update (of a model of `layers`)."""
         d = self.call(label)
         r = self.rates
         seconds = nbytes / (r.host_update_gbps * GB) + hop_bytes / (r.hop_gbps * GB)
+        if unit is not None:  # (StreamedEngine's names of the units)
+            self.event("update", *(("first stage", None) if unit == 0 else
+                                   ("last stage", None) if unit == layers + 1 else
+                                   ("layer", unit - 1)))
         return self.op("host update", label, seconds, [d, *after])
 
 
-def _stream(t: _Timeline, order, fetch, body, prefetch, copies):
-    """A pass as LayerStream runs it (schedule.layer_ops): `body(layer, fetched, ahead)`
-    dispatches a layer's work and returns (what its retire waits for, the copy of layer `ahead`
-    it made in the jit form or None); `fetch(layer)` an eager fetch."""
-    from megatrain_jax.engine.schedule import CARRY, DISPATCH, FETCH, RETIRE, layer_ops
-    order, fetched, finished, ahead = list(order), {}, {}, None
-    for op, pos in layer_ops(len(order), prefetch, copies):
-        if op == FETCH:
-            fetched[pos] = fetch(order[pos])
-        elif op == CARRY:
-            ahead = pos
-        elif op == DISPATCH:
-            finished[pos], copy = body(order[pos], fetched.pop(pos),
-                                       None if ahead is None else order[ahead])
-            if ahead is not None:
-                fetched[ahead], ahead = copy, None
+def _stream(t: _Timeline, phase, order, fetch, carry, body, prefetch, copies):
+    """A pass (`phase`: "forward" or "backward") in the order LayerStream runs it: the engine's
+    interpreter of the schedule (schedule.walk). `body(layer, fetched, ahead)` dispatches a
+    layer's work and returns (what its retire waits for, the copy of layer `ahead` it made in
+    the jit form or None); `fetch(layer)` an eager fetch; `carry(layer)` the jit form's wait for
+    what a dispatch copies, returning the layer."""
+    from megatrain_jax.engine.schedule import DISPATCH, RETIRE, walk
+    events = lambda kind, layer: t.event(kind, phase, layer)
+    for op, work in walk(order, prefetch, copies, fetch, carry, events):
+        if op == DISPATCH:
+            work.done, work.carried = body(work.layer, work.payload, work.ahead)
         elif op == RETIRE:  # block_until_ready, then on
-            t.call(f"wait layer {order[pos]}", after=finished.pop(pos))
+            t.call(f"wait layer {work.layer}", after=work.done)
 
 
 def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
@@ -332,6 +362,7 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
     end: the Python thread after reading the loss. Replaces `updates` with this step's."""
     M = s.micro_batches  # every call takes them all, stacked
     t.call("put batch")  # inputs and targets, one copy
+    t.event("transfer", "batch in")
 
     def fill(u):  # the bus ring: HostState.bus casts a layer's master into a ring buffer
         if s.ring_fill_bytes and 1 <= u <= s.layers:
@@ -340,31 +371,32 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
 
     def fetch(u, nbytes):  # HostState.bus waits for the unit's update, then the put
         fill(u)
-        return t.h2d(f"fetch unit {u}", nbytes, after=[updates[u]] if updates[u] else [])
+        return t.h2d(f"fetch unit {u}", nbytes, after=[updates[u]] if updates[u] else [],
+                     what="weights in")
 
     # embed: the first stage's weights fetched, or (the host lookup) its rows gathered on the
     # host from unit 0's bus copy, once its update has finished, and put on the device
-    w = (t.h2d("rows in", s.rows_bytes, after=[updates[0]] if updates[0] else [])
+    w = (t.h2d("rows in", s.rows_bytes, after=[updates[0]] if updates[0] else [], what="rows in")
          if s.host_lookup else fetch(0, s.first_bytes))
     t.compute("embed", 0, [w])
 
-    def carry(u):  # the jit form: HostState.bus waits for the unit's update before the call
+    def carry(i):  # the jit form: HostState.bus waits for the unit's update before the call
+        u = 1 + i
         t.op("dispatch", f"carry unit {u}", 0, [updates[u]] if updates[u] else [])
         fill(u)
+        return i
 
     # forward: each layer retires on its outputs; the activations' copy out is not waited for
     def forward(i, w, ahead):
-        if ahead is not None:
-            carry(1 + ahead)
-        y = t.compute(f"forward {i}", M * s.layer_fwd_flops, [w])
+        y = t.compute(f"forward {i}", M * s.layer_fwd_flops, [w], M * s.layer_fwd_round_trips)
         copy = (None if ahead is None else
-                t.beside("h2d", f"fetch unit {1 + ahead}", s.layer_bytes, y))
+                t.beside("h2d", f"fetch unit {1 + ahead}", s.layer_bytes, y, what="weights in"))
         if s.act_bytes:
-            t.d2h(f"save activations {i}", s.act_bytes, [y])
+            t.d2h(f"save activations {i}", s.act_bytes, [y], what="activations out")
         return [y], copy
 
-    _stream(t, range(s.layers), lambda i: fetch(1 + i, s.layer_bytes), forward, s.prefetch,
-            s.copies)
+    _stream(t, "forward", range(s.layers), lambda i: fetch(1 + i, s.layer_bytes), carry, forward,
+            s.prefetch, s.copies)
 
     # loss: the head's gradient stays on the device until the embedding's backward
     w = fetch(s.layers + 1, s.last_bytes)
@@ -372,7 +404,8 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
     grads = {}
     if s.host_lookup:  # nothing to merge it with: the last unit's gradient goes out now
         last_sq = t.compute("last stage's squares", 0, [loss])
-        grads[s.layers + 1] = t.d2h("last stage's gradient", s.stages_grad_bytes, [last_sq])
+        grads[s.layers + 1] = t.d2h("last stage's gradient", s.stages_grad_bytes, [last_sq],
+                                    what="gradient out")
 
     # backward: each layer retires on its sum of squares; its gradient's copy out overlaps the
     # next layer
@@ -380,62 +413,77 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
 
     def fetch_back(i):
         w = fetch(1 + i, s.layer_bytes)
-        return [w, t.h2d(f"load activations {i}", s.act_bytes)] if s.act_bytes else [w]
+        return ([w, t.h2d(f"load activations {i}", s.act_bytes, what="activations in")]
+                if s.act_bytes else [w])
 
     def gradient_out(u, copy):
         grads[u] = copy
         if not s.updates_wait_for_norm:  # submitted as soon as its gradient is on the host
             updates[u] = t.update(f"update unit {u}", s.layer_update_bytes, [copy],
-                                  s.layer_hop_bytes)
+                                  s.layer_hop_bytes, u, s.layers)
 
     leaving = []  # the jit form: (unit, its gradient's last compute), out in the next call
 
     def send(call):  # the gradient leaving, out inside `call`
         u, made = leaving.pop()
-        gradient_out(u, t.beside("d2h", f"gradient {u - 1}", s.layer_grad_bytes, call, [made]))
+        gradient_out(u, t.beside("d2h", f"gradient {u - 1}", s.layer_grad_bytes, call, [made],
+                                 what="gradient out"))
 
     def backward(i, inputs, ahead):
-        if ahead is not None:
-            carry(1 + ahead)
         # (its gradient zeroed, accumulated, its sum of squares and cast: all in the call)
-        call = t.compute(f"backward {i}", M * s.layer_bwd_flops, inputs)
+        call = t.compute(f"backward {i}", M * s.layer_bwd_flops, inputs,
+                         M * s.layer_bwd_round_trips)
         copies = None
         if ahead is not None:  # its weights and offloaded inputs, inside the call
-            copies = [t.beside("h2d", f"fetch unit {1 + ahead}", s.layer_bytes, call)]
-            copies += ([t.beside("h2d", f"load activations {ahead}", s.act_bytes, call)]
-                       if s.act_bytes else [])
+            copies = [t.beside("h2d", f"fetch unit {1 + ahead}", s.layer_bytes, call,
+                               what="weights in")]
+            copies += ([t.beside("h2d", f"load activations {ahead}", s.act_bytes, call,
+                                 what="activations in")] if s.act_bytes else [])
         if leaving:
             send(call)
         squares.append(call)
         if s.copies == "jit":
             leaving.append((1 + i, call))
         else:
-            gradient_out(1 + i, t.d2h(f"gradient {i}", s.layer_grad_bytes, [call]))
+            gradient_out(1 + i, t.d2h(f"gradient {i}", s.layer_grad_bytes, [call],
+                                      what="gradient out"))
         return [call], copies
 
-    _stream(t, reversed(range(s.layers)), fetch_back, backward, s.prefetch, s.copies)
+    _stream(t, "backward", reversed(range(s.layers)), fetch_back, carry, backward, s.prefetch,
+            s.copies)
 
     if s.host_lookup:  # the rows' gradient and the device's scalars out; the first stage's
         # backward and the global norm on the host thread, before unit 0's update; the step
         # returns once the norm is made
         if leaving:  # no device function runs after it: layer 0's gradient goes out eagerly
             u, made = leaving.pop()
-            gradient_out(u, t.d2h(f"gradient {u - 1}", s.layer_grad_bytes, [made]))
-        rows_grad = t.d2h("rows' gradient", s.rows_bytes, [t.last["device"]])
-        scalars = t.d2h("squares", 0, [t.compute("squares total", 0, squares)])
+            gradient_out(u, t.d2h(f"gradient {u - 1}", s.layer_grad_bytes, [made],
+                                  what="gradient out"))
+        rows_grad = t.d2h("rows' gradient", s.rows_bytes, [t.last["device"]],
+                          what="gradient out")
+        scalars = t.d2h("squares", 0, [t.compute("squares total", 0, squares)], what=None)
         norm = grads[0] = t.update("first stage's backward", s.host_backward_bytes,
                                    [rows_grad, scalars])
     else:  # the embed backward; the stages' gradient merged and its sum of squares, the global
-        # norm, on the device; the stages' gradient and the norm go out
+        # norm, on the device; the norm and the stages' gradient (each unit's part) go out, made
+        # in pinned memory by that call in the jit form
         w = fetch(0, s.first_bytes)
         embed_bwd = t.compute("embed backward", 0, [w])
         if leaving:  # layer 0's gradient, out inside the call
             send(embed_bwd)
         # one call: the stages' gradient merged, its sum of squares, the global norm
         merged = t.compute("stages' gradient and the global norm", 0, [embed_bwd, *squares])
-        norm = t.d2h("global norm", 0, [merged])
-        grads[0] = grads[s.layers + 1] = t.d2h("stages' gradient", s.stages_grad_bytes,
-                                               [merged])
+
+        def out(label, nbytes, what):
+            if s.copies == "jit":
+                return t.beside("d2h", label, nbytes, merged, [merged], what=what)
+            return t.d2h(label, nbytes, [merged], what=what)
+
+        norm = out("global norm", 0, None)
+        grads[0] = out("stages' gradient, unit 0", s.stages_grad_bytes - s.head_grad_bytes,
+                       "gradient out")
+        grads[s.layers + 1] = out(f"stages' gradient, unit {s.layers + 1}", s.head_grad_bytes,
+                                  "gradient out")
 
     # update, on the host thread, in the order the next forward needs them: the first stage's
     # unit, the layers, the last stage's
@@ -444,7 +492,7 @@ def _step(t: _Timeline, s: StepShape, updates: list) -> Op:
     for u in range(s.layers + 2) if s.updates_wait_for_norm else [0, s.layers + 1]:
         after = [grads[u], norm] if s.updates_wait_for_norm else [grads[u]]
         updates[u] = t.update(f"update unit {u}", nbytes.get(u, s.layer_update_bytes), after,
-                              hops.get(u, s.layer_hop_bytes))
+                              hops.get(u, s.layer_hop_bytes), u, s.layers)
     if s.host_lookup:
         t.call("wait for the norm", after=[norm])
     # the bench's float(loss), the step's sync point: the loss, made at the head, read once the
@@ -469,7 +517,7 @@ def simulate(shape: StepShape, rates: Rates, steps: int = 4) -> Prediction:
     busy = dict.fromkeys(RESOURCES, 0.0)
     for o in t.ops:
         busy[o.resource] += max(0.0, min(o.end, end) - max(o.start, begin))
-    return Prediction(shape, rates, end - begin, critical, busy, t.ops)
+    return Prediction(shape, rates, end - begin, critical, busy, t.ops, t.events)
 
 
 # -----------------------------------------------------------------------------
@@ -483,7 +531,8 @@ def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True,
     copies kept as `bus` ("resident" or "ring"; "": offload.bus, auto taken as resident: the
     plan resolves auto)."""
     # lazy: jax and the model (`megatrain --help` stays quick)
-    from megatrain_jax.flops import attention_flops, counts, flops_per_token, host_lookup
+    from megatrain_jax.flops import (counts, executed_attention, flops_per_token, host_lookup,
+                                     host_round_trips)
     from megatrain_jax.machines import MACHINES
     from megatrain_jax.recipes import build_optimizer, execution_for, host_lookup_setting
     execution, _ = execution_for(cfg, "gpu")
@@ -494,7 +543,10 @@ def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True,
     tokens = B * T  # per micro-batch
     head = model.hidden_size * model.vocab_size
     useful = flops_per_token(model, T)  # causal attention over the keys each query sees
-    attention = attention_flops(model, T) / model.num_layers  # one layer's forward, on average
+    # one layer's attention as it runs, on average over the layers: its forward call's, its
+    # backward call's (recompute and VJP)
+    attention_fwd, attention_bwd = executed_attention(model, execution, T)
+    round_trips = host_round_trips(model, execution, T)
     params = c.stages + c.layers * c.layer
     opt_per_param = c.optimizer / params  # bytes of optax state per parameter (AdamW: 8)
     # params read and written, optax state read and written, the gradient read, the bus copy
@@ -527,10 +579,12 @@ def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True,
         first_bytes=c.first * c.compute, last_bytes=c.last * c.compute,
         layer_bytes=c.layer * c.compute,
         stages_grad_bytes=(last_unit if lookup else c.stages) * c.grad,
+        head_grad_bytes=0 if lookup else last_unit * c.grad,
         layer_grad_bytes=c.layer * c.grad,
         act_bytes=M * tokens * c.hidden * c.compute if offload else 0,
-        layer_fwd_flops=tokens * (2 * c.layer + attention),
-        layer_bwd_flops=tokens * (6 * c.layer + 3.5 * attention),
+        layer_fwd_flops=tokens * (2 * c.layer + attention_fwd),
+        layer_bwd_flops=tokens * (6 * c.layer + attention_bwd),
+        layer_fwd_round_trips=round_trips[0], layer_bwd_round_trips=round_trips[1],
         head_flops=tokens * 6 * head,
         stages_update_bytes=int(first_update + touched(last_unit)),
         layer_update_bytes=int(layer_touched), head_update_bytes=int(touched(last_unit)),

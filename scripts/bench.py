@@ -214,7 +214,7 @@ def run_streamed(cfg, batches, warmup, dev, keep_init, profile=False, placed=Non
     engine = build_engine(cfg, **(placed or {}))
     # the forms the engine chose ("auto" in the config resolves by machine)
     out = {"build_s": time.perf_counter() - t0, "copies": engine.copies, "bus": engine.bus,
-           "host_update": engine.host.update.kind}
+           "host_update": engine.host_update}
     # The baselines start from the same weights and see the same batches, so their losses must
     # track the engine's: a check that they do the same work. (A copy: updates donate the params.)
     init = jax.tree.map(np.array, engine.params()) if keep_init else None
@@ -304,7 +304,7 @@ def measure_resident_compute(jax, engine, batch, step_s, on_gpu) -> dict:
     fraction of the step the device was busy. (The same idea as a profiler trace's busy time,
     without parsing a trace.)"""
     dev, L = engine.compute_device, engine.num_layers
-    cdt = engine.host.compute_dtype
+    cdt = engine.compute_dtype
     cast = lambda t: jax.device_put(jax.tree.map(lambda p: p.astype(cdt), t), dev)
     inputs, targets = (jax.device_put(x, dev) for x in batch)  # the micro-batches stacked
     f = engine.device_functions(inputs[0], targets[0])

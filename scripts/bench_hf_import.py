@@ -78,7 +78,7 @@ def child(args):
         state = nbytes(nnx.state(kept))
     else:
         engine = build_engine(cfg)
-        state = nbytes(engine.state()) + nbytes([u.bus for u in engine.host.units])
+        state = nbytes(engine.state()) + engine.bus_bytes()
     seconds = time.perf_counter() - t0
     result = {"mode": args.mode, "extra": hostmem.peak_rss_bytes() - before,
               "held": hostmem.rss_bytes() - before, "state": state, "seconds": seconds,

@@ -13,9 +13,9 @@ memory and every transfer is a real copy. Three figures per parameter:
 - host arrays: the bytes of the live jax arrays in host memory (on the state device, or in pinned
   host memory), per param: exactly what the engine holds, nothing the allocator or the runtime
   adds. Sampled after each step (steady state, once the host updates are done) and through the
-  step, for its peak: after each unit's work is dispatched (`engine.on_phase`), right before the
-  step's updates are queued (around `engine.host.submit_all`: every unit's gradient then waits on
-  the host for the global norm and the bus copies are released), and when the step returns. The live
+  step, for its peak: after each unit's work is dispatched (`engine.on_phase`; its last, "embed
+  backward", comes right before the step's updates are queued: every unit's gradient then waits
+  on the host for the global norm and the bus copies are released), and when the step returns. The live
   arrays of the compute device (activations, weights in flight, the fp32 gradient accumulator) are
   the device working set, reported apart.
 - RSS, marginal: (RSS of the large run - RSS of the small run) / (their difference in params).
@@ -80,20 +80,12 @@ def child(args):
                             grad_dtype=jnp.dtype(args.grad_dtype), compute_device=compute,
                             host_device=host)
     del first, last
-    sizes = [sum(x.size for x in jax.tree.leaves(engine.host.unit_state(u)[0]))
-             for u in range(len(engine.host.units))]
+    sizes = [sum(x.size for x in jax.tree.leaves(unit)) for unit in engine.unit_shapes()]
     n = sum(sizes)
     built = hostmem.rss_bytes()
 
     samples = []  # live (host, device) bytes within the current step
     engine.on_phase = lambda phase, layer=None: samples.append(live_bytes())
-    submit = engine.host.submit_all
-
-    def sampled_submit(*a):  # observed, not changed: the state right before the updates are queued
-        samples.append(live_bytes())
-        submit(*a)
-
-    engine.host.submit_all = sampled_submit
 
     def settled_live_bytes():
         """live_bytes() once it stops changing: the host thread drops an update's arguments (a

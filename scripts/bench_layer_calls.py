@@ -1,16 +1,22 @@
 """A layer's one call over a step's micro-batches, the loop a lax.scan or unrolled in the traced
-program: compile time, the dispatching thread's time per call, and the call's own time.
+program: compile time, the dispatching thread's time per call, and the call's own time; and the
+dispatch of a bare jit of the same arguments (one add: what a call costs the dispatching thread
+for its arguments alone, with no program to speak of).
 
     PYTHONPATH=. python3 scripts/bench_layer_calls.py --config configs/bench_1b.yaml [key=value ...]
 
 Compiles the engine's layer_fwd and layer_bwd (engine/functions.py) both ways at the config's
-micro-batch shape (data.micro_batches stacked), then times each call's dispatch alone, queued
+micro-batch shape (data.micro_batches stacked), the layer's weights one flat array as the engine
+passes them (engine/packing.py), then times each call's dispatch alone, queued
 behind a chain of matmuls so that the device is busy (the time is the dispatching thread's), and
-each call to completion. Prints one table; writes JSON with --json.
+each call to completion. Prints one table; writes JSON with --json. Run once more with
+XLA_FLAGS=--xla_gpu_enable_command_buffer= on a GPU, the rows tell a launch's cost per executable
+(thunks or a command buffer updated for every call's new buffers) from its cost per argument.
 """
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -33,6 +39,7 @@ def main(argv=None) -> int:
 def bench(args):
     import jax
     import jax.numpy as jnp
+    from megatrain_jax.engine import packing
     from megatrain_jax.engine.functions import DeviceFunctions
     from megatrain_jax.flops import abstract_units
     from megatrain_jax.recipes import execution_for, load_config
@@ -43,18 +50,24 @@ def bench(args):
     M, B, T, D = (cfg.data.micro_batches, cfg.data.batch_size, cfg.data.seq_len,
                   cfg.model.hidden_size)
     c = jnp.dtype(cfg.train.compute_dtype)
-    w = (jax.tree.map(lambda p: jnp.full(p.shape, 0.01, c), block),  # a layer, and its Constants
+    flat = packing.Flat.of(block)
+    w = (jnp.full((flat.size,), 0.01, c),  # a layer, and its Constants
          jax.tree.map(lambda k: jnp.zeros(k.shape, k.dtype), constants))
     xs = jax.random.normal(jax.random.key(0), (M, B, T, D), c)
     n = 4096 if dev.platform == "gpu" else 256
     a = jnp.ones((n, n), c)
     busy = jax.jit(lambda a: jax.lax.fori_loop(0, 200, lambda i, x: x @ a * 1e-4, a))
     rows = {}
-    for form, unroll in (("scan", False), ("unrolled", True)):
+    # the same arguments, one add: a jit's launch with nothing in it
+    bare = jax.jit(lambda *args: jax.tree.leaves(args)[-1] + 1)
+    makers = {"layer_fwd": lambda: (None, None, w, xs, None),
+                 "layer_bwd": lambda: (None, None, w, xs, None, xs + 0, None)}
+    for form in ("scan", "unrolled", "bare"):
         f = DeviceFunctions(stages_def, jax.tree.structure(stages), parts, block_def,
-                            jnp.dtype(cfg.train.grad_dtype), unroll=unroll)
-        calls = {"layer_fwd": (f.layer_fwd, lambda: (None, None, w, xs, None)),
-                 "layer_bwd": (f.layer_bwd, lambda: (None, None, w, xs, None, xs + 0, None))}
+                            jnp.dtype(cfg.train.grad_dtype), unroll=form == "unrolled",
+                            packing=flat)
+        calls = {name: (bare if form == "bare" else getattr(f, name), make)
+                 for name, make in makers.items()}
         for name, (fn, make) in calls.items():
             t0 = time.perf_counter()
             fn.lower(*make()).compile()
@@ -79,7 +92,8 @@ def bench(args):
     if args.json:
         with open(args.json, "w") as out_file:
             json.dump({"config": args.config, "overrides": args.overrides, "jax": jax.__version__,
-                       "platform": dev.platform, "micro_batch": [M, B, T], "calls": rows},
+                       "platform": dev.platform, "micro_batch": [M, B, T],
+                       "xla_flags": os.environ.get("XLA_FLAGS", ""), "calls": rows},
                       out_file, indent=1)
 
 

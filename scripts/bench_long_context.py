@@ -13,13 +13,15 @@ cross-entropy in chunks of tokens and of the vocabulary, and the saved activatio
 host memory. Trains `--steps` steps on synthetic tokens (uniform over the vocabulary) and reports
 the peak RSS (getrusage ru_maxrss) before the engine, once it is built and after the steps, the
 time of each step (the first compiles), tokens/s, the losses (about ln(vocab) at the start), and
-the plan's prediction (megatrain_jax.plan) for the same config on this machine. On a GPU it also
-reports the device's peak bytes in use (memory_stats) and the model TFLOP/s (6 FLOPs per matmul
-parameter and token, plus causal attention, 12 * N * H per visible key, token and layer;
-recompute not counted). `--config` takes the model (and anything else) from a YAML config instead of the small
-default model; the flags for the sequence and the execution still apply. The device peak does not
-depend on the number of layers, so a real model's shape with a few layers measures it with little
-host memory.
+the plan's prediction (megatrain_jax.plan) for the same config on this machine, the attention
+that runs (the plan's line: which, per query tile or over the whole sequence) and the step-time
+model's step (megatrain_jax.step_time, with the GPU's peak and bus; on a CPU an H100's). On a GPU
+it also reports the device's peak bytes in use (memory_stats) and the model TFLOP/s (6 FLOPs per
+matmul parameter and token, plus causal attention, 12 * N * H per visible key, token and layer;
+recompute not counted). `--config` takes the model (and anything else) from a YAML config
+instead of the small default model; the flags for the sequence and the execution still apply.
+The device peak does not depend on the number of layers, so a real model's shape with a few
+layers measures it with little host memory.
 
 --max-rss-gb asserts the peak RSS after the steps (exit 1 above it).
 
@@ -132,11 +134,12 @@ def bench(args):
     run_plan = plan_lib.plan(cfg, machine_from_device(dev))
     print(f"{dev.device_kind} ({dev.platform}) | jax {jax.__version__} | {m.num_params() / 1e6:,.2f}M "
           f"params: hidden {m.hidden_size}, {m.num_layers} layers, vocab {m.vocab_size} | "
-          f"{tokens:,} tokens/step ({B} x {T}) | {cfg.train.compute_dtype}, attention "
-          f"{cfg.train.attention} (block {cfg.train.attention_block}), tile {cfg.train.tile_size}, "
+          f"{tokens:,} tokens/step ({B} x {T}) | {cfg.train.compute_dtype}, train.attention "
+          f"{cfg.train.attention}, tile {cfg.train.tile_size}, "
           f"loss chunk {cfg.train.loss_chunk} x vocab {cfg.train.loss_vocab_chunk or 'all'}, offload "
           f"{cfg.train.offload_activations}", flush=True)
     print(run_plan.summary(), flush=True)
+    predicted = step_time_prediction(cfg, machine_from_device(dev), run_plan)
 
     rng = np.random.default_rng(cfg.train.seed)
     toks = rng.integers(0, m.vocab_size, size=(max(args.steps, 1), 1, B, T + 1), dtype=np.int32)
@@ -185,7 +188,7 @@ def bench(args):
         if args.json:  # a run cut short by a timeout still leaves the steps it finished
             rss["after_steps"] = maxrss_bytes()
             write_json(args.json, make_record(args, cfg, dev, jax, m, tokens, rss, measured(),
-                                              run_plan, None))
+                                              run_plan, None, predicted))
     rss["after_steps"] = maxrss_bytes()
     run = measured()
 
@@ -201,7 +204,7 @@ def bench(args):
     else:
         engine.close()
 
-    record = make_record(args, cfg, dev, jax, m, tokens, rss, run, run_plan, estimate)
+    record = make_record(args, cfg, dev, jax, m, tokens, rss, run, run_plan, estimate, predicted)
     print_table(record)
     if args.json:
         write_json(args.json, record)
@@ -212,14 +215,27 @@ def bench(args):
                             f"{args.max_rss_gb:g}")
 
 
-def make_record(args, cfg, dev, jax, m, tokens, rss, run, run_plan, estimate) -> dict:
+def make_record(args, cfg, dev, jax, m, tokens, rss, run, run_plan, estimate, predicted) -> dict:
     return {"kind": "long_context", "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "command": " ".join([sys.executable, *sys.argv]), "jax": jax.__version__,
             "python": platform.python_version(), "device_kind": dev.device_kind,
             "platform": dev.platform, "params": m.num_params(), "tokens_per_step": tokens,
-            "config": _to_dict(cfg), "peak_rss_bytes": dict(rss), "run": run,
-            "plan": plan_record(run_plan), "dense_estimate": estimate,
-            "max_rss_gb": args.max_rss_gb}
+            "config": _to_dict(cfg), "attention": run_plan.attention_runs,
+            "peak_rss_bytes": dict(rss), "run": run, "plan": plan_record(run_plan),
+            "step_time": predicted, "dense_estimate": estimate, "max_rss_gb": args.max_rss_gb}
+
+
+def step_time_prediction(cfg, machine, run_plan) -> dict:
+    """The step-time model's step (megatrain_jax.step_time) for this run on an accelerator with
+    the machine's peak and bus (a CPU: the model's defaults, an H100's): what the measured step
+    is held against on a GPU."""
+    from megatrain_jax import step_time
+    shape = step_time.step_shape(cfg, run_plan.offload_activations, bus=run_plan.bus)
+    rates, sources, _ = step_time.resolve_rates(machine, {})
+    p = step_time.simulate(shape, rates)
+    return {"step_s": p.step_s, "bound": p.bound, "critical_path_s": p.critical_s,
+            "device_tflops": rates.device_tflops, "rate_sources": sources,
+            "layer_round_trips": [shape.layer_fwd_round_trips, shape.layer_bwd_round_trips]}
 
 
 def write_json(path, record):
@@ -265,7 +281,9 @@ def plan_record(p) -> dict:
             "device": {phase: dict(kinds) for phase, kinds in p.device.items()},
             "device_peak": p.device_peak, "peak_phase": p.peak_phase,
             "workspace": dict(p.workspace), "fits": p.fits,
-            "offload_activations": p.offload_activations, "attention": p.attention}
+            "offload_activations": p.offload_activations, "attention": p.attention,
+            "attention_runs": p.attention_runs, "attention_reason": p.attention_reason,
+            "attention_notice": p.attention_notice}
 
 
 def memory_estimate(jax, engine, tokens) -> dict:
@@ -275,8 +293,8 @@ def memory_estimate(jax, engine, tokens) -> dict:
     abstract = lambda x, dtype=None: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype)
     inputs = jax.ShapeDtypeStruct(tokens.shape, jnp.int32)
     f = engine.device_functions(inputs, inputs)
-    cdt, f32 = engine.host.compute_dtype, jnp.float32
-    layer = jax.tree.map(lambda p: abstract(p, cdt), engine.host.unit_state(1)[0])
+    cdt, f32 = engine.compute_dtype, jnp.float32
+    layer = jax.tree.map(lambda p: abstract(p, cdt), engine.unit_shapes()[1])
     stage_leaves = [abstract(p, cdt) for p in jax.tree.leaves(engine.param_shapes()["stages"])]
     w_first = engine.parts.take("first", stage_leaves)
     w_last = engine.parts.take("last", stage_leaves)
@@ -329,6 +347,10 @@ def print_table(r):
         ("plan: host GB", gb(p["host_total"]), _parts(p["host"])),
         ("plan: device peak GB", gb(p["device_peak"]),
          f"in the {p['peak_phase']}: " + _parts(p["device"][p["peak_phase"]])),
+        ("attention", "", r["attention"]),
+        ("step-time model s", f"{r['step_time']['step_s']:.3g}",
+         f"bound by {r['step_time']['bound']} at {r['step_time']['device_tflops']:g} TFLOP/s "
+         f"(megatrain_jax.step_time; on a CPU an H100's rates)"),
         ("plan vs measured GB", f"{gb(p['host_total'] + p['device_peak'])}",
          f"host + device predicted (one RAM on a CPU) vs {gb(rss['after_steps'] - rss['before_engine'])}"
          f" GB measured over the runtime"),

@@ -6,9 +6,9 @@
 
 Builds a StreamedEngine holding a Llama-shaped model of about --params million parameters (state on
 the CPU, compute on the same CPU device, so the bus copy is a plain host buffer), then times the
-engine's own host update path (`engine.host.submit` for every unit with the global norm and the
-scale 1/sum(weight), then `wait`) with gradients already on the host and the bus copies released, as
-a step leaves them. Twice: as in a step, each gradient freed by the host thread once its update is
+engine's own host update path (`engine.apply_gradients` for every unit with the global norm and
+the scale 1/sum(weight), each unit's bus copy released as in a step, then `wait`) with gradients
+already on the host, as a step leaves them. Twice: as in a step, each gradient freed by the host thread once its update is
 done (with train()'s mmap threshold, --mmap-threshold 1, that unmaps it: a cost of its own,
 docs/results/2026-11-26-host-optimizer.md, freeing the gradients), and with the gradients held
 until after the timing ("its gradients kept": the update's own time, as torch's, whose gradients
@@ -186,11 +186,9 @@ def measure() -> dict:
                                 compute_dtype=jnp.bfloat16, compute_device=compute,
                                 host_device=host, grad_dtype=grad_dtype, host_update=host_update)
         del first, last
-        host_state = engine.host
-        units = range(len(host_state.units))
-        # shapes only: a held view of the state would make every update copy its unit first
-        shapes = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                               host_state.unit_state(u)[0]) for u in units]
+        shapes = engine.unit_shapes()  # (a held view of the state would make every update
+        # copy its unit first)
+        units = range(len(shapes))
         fill = lambda p: jax.device_put(
             jax.tree.map(lambda x: jnp.full(x.shape, 1e-3, grad_dtype), p), where)
         # The global norm of the scaled gradient (below max_grad_norm: clipping changes nothing)
@@ -199,17 +197,16 @@ def measure() -> dict:
         send, kept = {}, []
 
         def send_grads():  # untimed: as the step leaves them, each unit's gradient in
-            # grad_dtype and its bus copy released; fresh each time, since the update may take a
-            # gradient's buffer over (donation)
+            # grad_dtype; fresh each time, since the update may take a gradient's buffer over
+            # (donation)
             for u in units:
                 send[u] = fill(shapes[u])
-                host_state.release_bus(u)
             jax.block_until_ready(send)
 
         def update():  # the engine's own path: every unit's update on its host thread, then
             # wait; each gradient is freed on the host thread once its update is done, as in a step
             for u in units:
-                host_state.submit(u, send.pop(u), norm, scale)
+                engine.apply_gradients({u: send.pop(u)}, norm, scale)
             engine.wait()
 
         def update_kept():  # the same, the gradients freed after the timing (torch keeps its own)
@@ -222,7 +219,7 @@ def measure() -> dict:
 
     engine, send_grads, update, update_kept, leaf_sizes, unit_params = engine_runs("auto")
     updates = {"update": (send_grads, update), "update_kept": (send_grads, update_kept)}
-    direct = engine.host.direct is not None
+    direct = engine.host_update == "direct"
     jit_engine = None
     if direct:  # the same kernel through jax.ffi in a jitted update per unit, side by side
         jit_engine, jit_send, jit_update = engine_runs("jit")[:3]

@@ -1,5 +1,5 @@
 """The GPU checklist (docs/gpu-checklist.md): every benchmark of a GPU run, each under its own
-timeout, in five parts of at most 10 minutes each; run them in order.
+timeout, in parts of at most 10 minutes each; run them in order.
 
     python3 scripts/gpu_checklist.py 1    # machine, transfers, bench_1b, host update, step-time
                                           # prediction against bench_1b, the engine's tests
@@ -11,6 +11,14 @@ timeout, in five parts of at most 10 minutes each; run them in order.
     python3 scripts/gpu_checklist.py 5    # what holds a streamed step: bench_1b's and the 128K
                                           # step's dispatching thread profiled; bench_1b at 64K
                                           # tokens a step against resident
+    python3 scripts/gpu_checklist.py 6    # one call per layer: bench_1b at 32K and 64K against
+                                          # resident, host lookup on / off, a layer call's dispatch
+                                          # against a bare jit (command buffers on / off), the
+                                          # update on 15 threads with the dispatcher profiled
+    python3 scripts/gpu_checklist.py 7    # long context at the device's speed: one layer's
+                                          # backward per way a tiled block attends, and the
+                                          # 128K step of part 2 with the tiled block's loops
+                                          # known (issue 46)
     python3 scripts/gpu_checklist.py 1 2 3 4 5 --smoke --out /tmp/smoke   # on a CPU, tiny sizes
 
 Results go to the folder $OUT names when it is set, else to --out DIR: per part part<N>.txt
@@ -38,7 +46,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PART_BUDGET_S = 560  # a part is at most 10 minutes (600 s); the rest is start-up and margin
-MAX_FILES = 8  # a part's results stay a handful of files
+MAX_FILES = 9  # a part's results stay a handful of files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +207,62 @@ STEPS = {
              smoke=("scripts/bench.py", *TINY, "--steps", "1", "--baselines", "resident"),
              json="bench_1b_m16.json"),
         long_context("long_128k_profile", 131072, "auto", 2, 260, flags=("--profile-main",))],
+    # the dispatching thread with one call per layer (issue 45), under 8 minutes: the streamed
+    # step against resident at 32K and 64K tokens; the first stage's two ways; a layer call's
+    # dispatch against a bare jit of its arguments, with and without command buffers; the update
+    # pool one core short of the machine, the dispatching thread profiled
+    6: [*machine_steps(versions=False),
+        Step("bench_1b_32k", 110, ("scripts/bench.py", "--config", "configs/bench_1b.yaml",
+                                   "--steps", "3", "--baselines", "resident"),
+             smoke=("scripts/bench.py", *TINY, "--steps", "1", "--warmup", "1", "--baselines",
+                    "resident", "--cpu-devices", "2"), json="bench_1b_32k.json"),
+        Step("bench_1b_64k", 130, ("scripts/bench.py", "--config", "configs/bench_1b.yaml",
+                                   "--steps", "3", "--baselines", "resident",
+                                   "data.micro_batches=16"),
+             smoke=("scripts/bench.py", *TINY, "data.micro_batches=4", "--steps", "1", "--warmup",
+                    "1", "--baselines", "resident", "--cpu-devices", "2"),
+             json="bench_1b_64k.json"),
+        *(Step(f"lookup_{way}_8l", 45, ("scripts/bench.py", "--config", "configs/bench_1b.yaml",
+                                        "--steps", "2", "--baselines", "none",
+                                        "model.num_layers=8", f"train.host_lookup={way}"),
+               smoke=("scripts/bench.py", *TINY, f"train.host_lookup={way}", "--steps", "1",
+                      "--warmup", "1", "--baselines", "none", "--cpu-devices", "2"),
+               json=f"lookup_{way}_8l.json") for way in ("true", "false")),
+        *(Step(name, 35, ("scripts/bench_layer_calls.py", "--config", "configs/bench_1b.yaml"),
+               smoke=("scripts/bench_layer_calls.py", *TINY, "--reps", "1"), json=f"{name}.json",
+               env=env) for name, env in (
+                   ("layer_calls", ()),
+                   ("layer_calls_no_command_buffers",
+                    (("XLA_FLAGS", "--xla_gpu_enable_command_buffer="),)))),
+        # lookup_false_8l is the same run on every core (optimizer.host_threads null)
+        Step("threads_15_profile_8l", 50, ("scripts/bench.py", "--config", "configs/bench_1b.yaml",
+                                           "--steps", "2", "--baselines", "none", "--profile-main",
+                                           "model.num_layers=8", "train.host_lookup=false",
+                                           "optimizer.host_threads=15"),
+             smoke=("scripts/bench.py", *TINY, "optimizer.host_threads=1", "--steps", "1",
+                    "--warmup", "1", "--baselines", "none", "--cpu-devices", "2",
+                    "--profile-main"),
+             json="threads_15_profile_8l.json")],
 }
+
+
+def tiled_attention_part() -> list:
+    """Part 7 (at most 8 minutes): one Llama-3-8B layer's backward at 32,768 tokens in tiles of
+    8,192 for each way a tiled block attends (blockwise in blocks of 512, 1,024 and 2,048, cuDNN's
+    calls merged per query tile, cuDNN untiled with the MLP tiled) against the block untiled with
+    cuDNN, with their gradients' differences (attention.MEASURED's figures); then part 2's 4-layer
+    128K step with this code, two steps, its device peak and time against the plan's and the
+    step-time model's (in its JSON)."""
+    gpu_memory = (("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92"),)
+    return [*machine_steps(versions=False),
+            Step("tile_attention", 190, ("scripts/bench_tile_attention.py", "--reps", "3"),
+                 smoke=("scripts/bench_tile_attention.py", "--config", "configs/tiny.yaml",
+                        "--seq-len", "256", "--tile-size", "64", "--blocks", "16,32", "--reps",
+                        "1"), json="tile_attention.json", env=gpu_memory),
+            long_context("long_128k_tiled", 131072, "auto", 2, 250)]
+
+
+STEPS[7] = tiled_attention_part()
 
 
 def files_of(part: int) -> list:
@@ -214,7 +277,7 @@ def parse_args(argv):
                                     f"part {n}: " + ", ".join(s.name for s in steps)
                                     for n, steps in STEPS.items()))
     p.add_argument("parts", nargs="+", type=int, choices=sorted(STEPS), metavar="PART",
-                   help="1 to 5 (several run one after the other)")
+                   help=f"{', '.join(map(str, sorted(STEPS)))} (several run one after the other)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, any machine (the test suite)")
     p.add_argument("--out", default="gpu_results", help="results folder when $OUT is unset")
     p.add_argument("--only", default="", help="comma-separated step names (default: all)")

@@ -1,8 +1,8 @@
 """The package's shape, read from its source with `ast` (nothing is imported): no import cycle,
 engine/ importing nothing of megatrain_jax outside itself, no module standing on one above it
 (FORBIDDEN), one table of device peaks (scripts read megatrain_jax.machines'), short
-functions in the modules around the engine (issue 26), and a step that reads only what it is
-given (issue 36)."""
+functions in the modules around the engine (issue 26), a step that reads only what it is
+given (issue 36), and scripts that read the engine through its public API (issue 47)."""
 
 import ast
 import pathlib
@@ -182,6 +182,37 @@ def test_the_engine_imports_nothing_of_the_package_outside_itself():
     outside = {m: sorted(t for t in targets if t != ENGINE and not t.startswith(ENGINE + "."))
                for m, targets in graph.items() if m == ENGINE or m.startswith(ENGINE + ".")}
     assert {m: t for m, t in outside.items() if t} == {}
+
+
+def name_reads(source: str, attr: str, owner=None) -> list:
+    """Line numbers where source reads attribute `attr` of a name that `owner` accepts (None:
+    of any name, or `attr` named alone); docstrings and comments aside."""
+    return sorted({node.lineno for node in ast.walk(ast.parse(source))
+                   if isinstance(node, ast.Attribute) and node.attr == attr
+                   and isinstance(node.value, ast.Name)
+                   and (owner is None or owner(node.value.id))
+                   or owner is None and isinstance(node, ast.Name) and node.id == attr})
+
+
+def test_name_reads_sees_code_not_text():
+    source = ('"""engine.host.bus"""\nx = engine.host.bus(1)\n# engine.host\n'
+              'y = engine.host_update\nz = jit_engine.host\nn = sys.getrefcount(x)\n'
+              'm = getrefcount(x)\nhost = 1\n')
+    assert name_reads(source, "host", lambda name: name.endswith("engine")) == [2, 5]
+    assert name_reads(source, "getrefcount") == [6, 7]
+
+
+def test_scripts_read_the_engine_through_its_public_api():
+    """No script reaches into an engine's host state (`engine.host`, the engine's internals,
+    which its own tests may read): each figure a benchmark reads is a public property, method,
+    counter or hook of StreamedEngine (docs/engine-api.md). And no module of the package judges
+    who reads the state by sys.getrefcount: readers hold leases (engine/direct.py)."""
+    scripts = {path.name: name_reads(path.read_text(), "host", lambda n: n.endswith("engine"))
+               for path in sorted((ROOT / "scripts").glob("*.py"))}
+    assert {name: lines for name, lines in scripts.items() if lines} == {}
+    counts = {module: name_reads(source, "getrefcount")
+              for module, source in module_sources().items()}
+    assert {module: lines for module, lines in counts.items() if lines} == {}
 
 
 def test_data_stands_below_the_sources_package():

@@ -10,12 +10,11 @@ import pytest
 
 from megatrain_jax.attention import (
     attention,
+    block_schedule,
     blockwise_attention,
-    choose_implementation,
+    choose_attention,
     cudnn_attention,
-    key_block_range,
     local_window_size_of,
-    query_block_range,
     reference_attention,
 )
 
@@ -110,19 +109,34 @@ def test_fully_masked_block_rows_are_finite():
 
 
 @pytest.mark.parametrize("T,block_size,window",
-                         [(32, 8, 0), (37, 8, 0), (48, 8, 5), (48, 8, 8), (37, 8, 11), (20, 4, 1)])
-def test_block_ranges_are_exactly_the_blocks_the_mask_needs(T, block_size, window):
+                         [(32, 8, 0), (37, 8, 0), (48, 8, 5), (48, 8, 8), (37, 8, 11), (20, 4, 1),
+                          (48, 8, 60)])
+def test_the_schedule_visits_exactly_the_blocks_the_mask_needs(T, block_size, window):
     nb = -(-T // block_size)
     i, j = np.arange(T)[:, None], np.arange(T)[None, :]
     allowed = (j <= i) & ((i - j < window) if window else True)
     needed = {(a // block_size, b // block_size) for a, b in zip(*np.nonzero(allowed))}
-    key_range = lambda qb: map(int, key_block_range(qb, block_size=block_size, window=window))
-    query_range = lambda kb: map(int, query_block_range(kb, block_size=block_size, window=window,
-                                                        num_blocks=nb))
-    by_query = {(qb, kb) for qb in range(nb) for kb in range(*key_range(qb))}
-    by_key = {(qb, kb) for kb in range(nb) for qb in range(*query_range(kb))}
-    assert by_query == needed and by_key == needed
+    steps = block_schedule(range(nb), block_size=block_size, window=window, key_blocks=nb)
+    visited = [(r, j) for r, j in steps if j >= 0]
+    assert set(visited) == needed and len(visited) == len(needed)  # each once
     assert len(needed) < nb * nb  # something is skipped
+    # steps masked out whole: only where a window reaches before the sequence
+    assert len(steps) - len(visited) <= (window // block_size + 1) ** 2
+
+
+@pytest.mark.parametrize("window", [0, 5, 20])
+def test_two_query_tiles_from_either_end_take_a_static_number_of_steps(window):
+    """Tiles t and n - 1 - t of a sequence of n tiles together take as many steps whatever t
+    is: the tiled block's loop over such pairs has a trip count known when it is traced."""
+    n, per_tile, bs = 6, 3, 4
+    rows = lambda tiles: [t * per_tile + r for t in tiles for r in range(per_tile)]
+    steps = {len(block_schedule(rows((t, n - 1 - t)), block_size=bs, window=window,
+                                key_blocks=n * per_tile)) for t in range(n // 2)}
+    assert len(steps) == 1, steps
+    # a tile alone does not (causally): the first tile takes fewer steps than the last
+    alone = [len(block_schedule(rows((t,)), block_size=bs, window=window,
+                                key_blocks=n * per_tile)) for t in (0, n - 1)]
+    assert (alone[0] < alone[1]) == (window == 0 or window > n * per_tile * bs), alone
 
 
 def _poison(x, block, block_size):
@@ -193,11 +207,13 @@ def test_attention_dispatch():
     ref = jax.jit(functools.partial(reference_attention, segment_ids=seg, window=6))(q, k, v)
     np.testing.assert_array_equal(run(implementation="xla"), ref)
     _assert_close(run(implementation="blockwise", block_size=8), ref, 1e-5)
-    with pytest.raises(ValueError, match="choose_implementation"):
+    with pytest.raises(ValueError, match="choose_attention"):
         attention(q, k, v, implementation="auto")
 
 
 GPU_OK = dict(platform="gpu", dtype=jnp.bfloat16, head_dim=128, document_mask=False)
+MEASURED = {"blockwise/512": 9.0, "blockwise/1024": 6.0, "blockwise/2048": 5.0, "merged": 3.0,
+            "untiled": 2.5}
 
 
 @pytest.mark.parametrize("change,reason", [
@@ -207,20 +223,42 @@ GPU_OK = dict(platform="gpu", dtype=jnp.bfloat16, head_dim=128, document_mask=Fa
     (dict(head_dim=100), "multiple of 8"),
     (dict(head_dim=264), "<= 256"),
 ])
-def test_choose_implementation_falls_back_with_a_reason(change, reason):
-    impl, why = choose_implementation("auto", **{**GPU_OK, **change})
-    assert impl == "blockwise" and reason in why and "\n" not in why
-    with pytest.raises(ValueError, match="train.attention") as err:
-        choose_implementation("cudnn", **{**GPU_OK, **change})
-    assert reason in str(err.value)
+def test_where_cudnn_cannot_run_blockwise_does_and_an_asked_for_cudnn_says_so(change, reason):
+    choice = choose_attention("auto", **{**GPU_OK, **change}, measured=MEASURED)
+    assert (choice.attention, choice.tiled) == ("blockwise", "blockwise")
+    assert reason in choice.reason and "\n" not in choice.reason and not choice.notice
+    assert choice.block == 2048  # the fastest measured block that divides the tile
+    asked = choose_attention("cudnn", **{**GPU_OK, **change}, tile=8192)
+    assert (asked.attention, asked.tiled) == ("blockwise", "blockwise")
+    assert asked.notice == (f"train.attention=cudnn cannot run here ({asked.reason.split(';')[0]}): "
+                            f"blockwise attention runs instead")
+    assert reason in asked.notice and "\n" not in asked.notice
 
 
-def test_choose_implementation_takes_cudnn_and_explicit_choices():
-    assert choose_implementation("auto", **GPU_OK)[0] == "cudnn"
-    assert choose_implementation("auto", **{**GPU_OK, "dtype": jnp.float16, "head_dim": 256})[0] == "cudnn"
-    assert choose_implementation("cudnn", **GPU_OK)[0] == "cudnn"
-    cpu_fp32 = dict(platform="cpu", dtype=jnp.float32, head_dim=100, document_mask=True)
-    assert choose_implementation("blockwise", **cpu_fp32)[0] == "blockwise"
-    assert choose_implementation("xla", **cpu_fp32)[0] == "xla"
+def test_under_tiles_the_fastest_measured_candidate_that_can_run_is_chosen():
+    choose = lambda measured, **kw: choose_attention("auto", **{**GPU_OK, "tile": 8192, **kw},
+                                                     measured=measured)
+    assert (choose(MEASURED).attention, choose(MEASURED).tiled) == ("cudnn", "untiled")
+    without = {k: v for k, v in MEASURED.items() if k != "untiled"}
+    assert choose(without).tiled == "merged"
+    assert choose(without, windowed=True).tiled == "blockwise"  # cuDNN's merge takes no window
+    assert choose(without, windowed=True).block == 2048
+    assert choose(MEASURED, block=512).block == 512  # a block asked for is kept
+    assert choose({"blockwise/512": 9.0, "blockwise/2048": 5.0}, tile=1536).block == 512
+    fastest = choose(MEASURED)
+    assert "fastest measured on gpu: untiled 2.5 s, merged 3 s, blockwise/2048 5 s" in fastest.reason
+
+
+def test_with_nothing_measured_the_choice_stays_blockwise_per_tile_and_says_so():
+    auto = choose_attention("auto", **GPU_OK, tile=8192, measured={})
+    assert (auto.attention, auto.tiled, auto.block) == ("cudnn", "blockwise", 512)
+    assert "nothing measured on gpu" in auto.reason
+    cudnn = choose_attention("cudnn", **GPU_OK, tile=8192, measured={})
+    assert (cudnn.attention, cudnn.tiled) == ("cudnn", "untiled")  # asked for cuDNN: it runs
+    xla = choose_attention("xla", **GPU_OK, tile=8192, measured=MEASURED)
+    assert (xla.attention, xla.tiled) == ("xla", "untiled")
+    cpu = choose_attention("blockwise", platform="cpu", dtype=jnp.float32, head_dim=100,
+                           document_mask=True)
+    assert (cpu.attention, cpu.tiled, cpu.block) == ("blockwise", "blockwise", 512)
     with pytest.raises(ValueError, match="train.attention"):
-        choose_implementation("flash", **GPU_OK)
+        choose_attention("flash", **GPU_OK)

@@ -267,14 +267,15 @@ def test_bench_cpu_devices_takes_the_accelerators_path_and_counts_the_dispatch(t
 
 
 def test_bench_layer_calls_tiny(tmp_path):
-    """Both forms of a layer's call compile and run: compile time, dispatch and call time each."""
+    """Both forms of a layer's call compile and run: compile time, dispatch and call time each;
+    and a bare jit of the same arguments beside them."""
     out = tmp_path / "calls.json"
     proc = run("bench_layer_calls.py", "--config", "configs/tiny.yaml", "--reps", "1",
                "--json", str(out), "data.seq_len=16", "data.batch_size=2", "data.micro_batches=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     calls = json.loads(out.read_text())["calls"]
     assert set(calls) == {f"{fn} {form}" for fn in ("layer_fwd", "layer_bwd")
-                          for form in ("scan", "unrolled")}
+                          for form in ("scan", "unrolled", "bare")}
     for row in calls.values():
         assert all(positive(v) for v in row.values()), row
     assert "layer_bwd unrolled" in proc.stdout
@@ -344,4 +345,8 @@ def test_bench_long_context_tiny(tmp_path):
         assert 0 < est["long_context"][fn]["temp_bytes"] < est["dense"][fn]["temp_bytes"], fn
     row = tables.long_context_rows([("long.json", r)])[2]
     assert row.startswith("| long.json | 256 | blockwise | ")
+    # what attends, not only the setting; the step-time model's step beside the measured one
+    runs = "blockwise flash attention (blocks of 64) per query tile of 64, the block in tiles of 64"
+    assert r["attention"] == plan["attention_runs"] == runs and runs in proc.stdout
+    assert positive(r["step_time"]["step_s"]) and r["step_time"]["layer_round_trips"] == [0, 0]
 

@@ -175,14 +175,14 @@ def test_direct_and_jit_paths_train_the_same_bits(devices, state_dtype):
     pair = (CPU[1], CPU[0]) if devices == "accelerator" else (CPU[0], CPU[0])
     optimizer = lambda: build_optimizer(OptimizerConfig(state_dtype=state_dtype), 10)
     engine = engine_on(pair, optimizer())
-    assert engine.host.direct is not None
+    assert engine.host_update == "direct"
     arrays = engine.host.units[1].arrays  # a layer: master weights and both moments
     assert arrays.nbytes == (12 if state_dtype == "float32" else 8) * sum(x.size for x in arrays.p)
     losses = steps(engine, 3)
     state = jax.tree.map(np.array, engine.state())
     engine.close()
     jit = engine_on(pair, optimizer(), host_update="jit")
-    assert jit.host.direct is None
+    assert jit.host_update == "ffi"
     assert steps(jit, 3) == losses
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(jax.tree.map(np.array, jit.state())),
                     strict=True):
@@ -205,7 +205,7 @@ def test_the_jit_paths_numpy_view_hop_is_exact(monkeypatch):
     monkeypatch.setattr(transfer, "crosses_clients",
                         lambda source, target: hops.append(source != target) or source != target)
     viewed = engine_on(pair, host_update="jit")
-    assert viewed.host.direct is None
+    assert viewed.host_update == "ffi"
     assert steps(viewed, 3) == losses
     assert sum(hops) > 3 * (L + 2)  # every gradient and every bus copy, each step
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(jax.tree.map(np.array,
@@ -220,19 +220,17 @@ def test_a_warm_direct_update_faults_in_no_memory():
     update page-faults in (almost) nothing (RUSAGE_SELF counts every thread's faults, the kernel
     pool's too)."""
     engine = engine_on((CPU[1], CPU[0]))
-    params = engine.host.unit_state(1)[0]
     grads = jax.tree.map(lambda p: jnp.asarray(np.random.default_rng(5).normal(size=p.shape),
-                                               jnp.float32), params)
-    del params
+                                               jnp.float32), engine.unit_shapes()[1])
     faults = []
     for _ in range(3):
         args = jax.block_until_ready(jax.device_put(
             (grads, jnp.float32(0.5), jnp.float32(1.0)), CPU[0], may_alias=False))
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        engine.host.submit(1, *args)
+        engine.apply_gradients({1: args[0]}, *args[1:])
         engine.wait()
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    state_pages = 3 * 4 * sum(p.size for p in jax.tree.leaves(engine.host.unit_state(1)[0])) // 4096
+    state_pages = 3 * 4 * sum(p.size for p in jax.tree.leaves(engine.unit_shapes()[1])) // 4096
     engine.close()
     assert max(faults[1:]) <= max(2, state_pages // 100), (faults, state_pages)
 
@@ -329,7 +327,7 @@ def test_a_reference_that_is_not_a_reader_copies_nothing():
 def test_the_jit_path_is_named_in_the_log_where_the_direct_one_cannot_run(caplog):
     with caplog.at_level(logging.INFO, logger="megatrain_jax.engine.host"):
         engine = engine_on((CPU[1], CPU[0]), optimizer=optax.adamw(1e-3))
-    assert engine.host.direct is None
+    assert engine.host_update == "optax"
     assert "a jitted update per unit (the optimizer is not fused_adamw.adamw" in caplog.text
     engine.close()
 
@@ -344,11 +342,9 @@ def test_host_update_setting_says_what_cannot_run():
 def test_a_deleted_bus_copy_is_one_line_naming_the_unit():
     """A bus copy that is not where the engine writes it is never silently replaced."""
     engine = engine_on((CPU[1], CPU[0]))
-    params = engine.host.unit_state(2)[0]
-    grads = jax.tree.map(lambda p: jnp.ones(p.shape, jnp.float32), params)
-    del params
+    grads = jax.tree.map(lambda p: jnp.ones(p.shape, jnp.float32), engine.unit_shapes()[2])
     jax.tree.leaves(engine.host.bus(2))[0].delete()
-    engine.host.submit(2, grads, jnp.float32(1.0), jnp.float32(1.0))
+    engine.apply_gradients({2: grads}, jnp.float32(1.0), jnp.float32(1.0))
     with pytest.raises(ValueError, match="^layer 1: its bus copy was deleted"):
         engine.wait()
     engine.close()  # (the failed update is not run again)
@@ -370,12 +366,10 @@ def test_debug_mode_refuses_to_write_a_bus_copy_a_fetch_still_reads(monkeypatch,
     a = jax.device_put(jnp.ones((256, 256)), CPU[1])
     slow = jax.jit(lambda a, bus: (jax.lax.fori_loop(0, 400, lambda i, c: jnp.tanh(c @ a), a),
                                    jax.device_put(bus, device)))
-    params = engine.host.unit_state(2)[0]
-    grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    del params
+    grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), engine.unit_shapes()[2])
     done, copies = slow(a, engine.host.bus(2))  # its fetched copies are ready when it ends
     engine.host.fetched(2, copies)
-    engine.host.submit(2, grads, jnp.float32(1.0), jnp.float32(1.0))
+    engine.apply_gradients({2: grads}, jnp.float32(1.0), jnp.float32(1.0))
     with pytest.raises(RuntimeError, match="^layer 1: its bus copy would be written while"):
         engine.wait()
     assert not done.is_ready()  # the check ran while the fetch was in flight

@@ -5,6 +5,7 @@ module of the package is on its page, the tracked tree speaks only of the projec
 comment or docstring of the package states a measured rate or time (docs/benchmarks.md holds
 them)."""
 
+import ast
 import io
 import json
 import os
@@ -336,6 +337,45 @@ def test_every_module_is_in_docs_architecture_tables():
     listed = {name for row in rows for name in re.findall(r"`([\w/]+\.py)`", row.split("|")[1])}
     assert "engine/step.py" in listed and "config.py" in listed
     assert [m for m in package_modules() if m not in listed] == []
+
+
+def test_the_engines_module_map_lists_every_module_of_the_engine():
+    """megatrain_jax/engine/__init__.py's docstring maps the engine's modules by concern: each
+    one is there (a line of the map starts with its name)."""
+    source = read("megatrain_jax/engine/__init__.py")
+    mapped = set(re.findall(r"^  (\w+\.py) ", ast.get_docstring(ast.parse(source)), re.M))
+    assert {"streamed.py", "step.py"} <= mapped
+    engine = os.path.join(ROOT, "megatrain_jax", "engine")
+    modules = {f for f in os.listdir(engine) if f.endswith(".py") and f != "__init__.py"}
+    assert sorted(modules - mapped) == []
+
+
+# a docstring or comment's pointer to a section: docs/page.md, "Heading" (the two may be split
+# over lines, a comment's "#" between them)
+SECTION_REF = re.compile(r'docs/([\w-]+\.md),?\s*(?:#\s*)?"([^"\n]+)"')
+
+
+def headings(page: str) -> set:
+    return {line.lstrip("#").strip() for line in read(f"docs/{page}").splitlines()
+            if line.startswith("#")}
+
+
+def test_the_section_finder_reads_split_pointers():
+    text = 'x (docs/a.md, "One")\n# see docs/b.md,\n#   "Two": y\ndocs/c.md "Three"'
+    assert SECTION_REF.findall(text) == [("a.md", "One"), ("b.md", "Two"), ("c.md", "Three")]
+
+
+def test_every_pointer_to_a_docs_section_names_one():
+    """The code's pointers to a section of the docs (`docs/page.md, "Heading"`) name a heading
+    that page has (engine/direct.py sent its reader to an architecture.md section that had
+    gone)."""
+    files = [os.path.join(base, f) for top in ("megatrain_jax", "scripts")
+             for base, _, names in os.walk(os.path.join(ROOT, top)) for f in names
+             if f.endswith(".py")]
+    found = [(os.path.relpath(f, ROOT), page, heading) for f in sorted(files)
+             for page, heading in SECTION_REF.findall(open(f).read())]
+    assert len(found) > 5
+    assert [ref for ref in found if ref[2] not in headings(ref[1])] == []
 
 
 # ----------------------------------------------------------------------------- the tree

@@ -9,6 +9,7 @@ tests/test_bench.py."""
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -60,23 +61,26 @@ def test_each_part_fits_ten_minutes():
 def test_smoke_subset_of_part_1(tmp_path):
     out = tmp_path / "results"
     proc = run("1", "--smoke", "--out", str(out), "--only",
-               "nvidia-smi,memory and cores,versions,step_time_1b")
+               "nvidia-smi,memory and cores,versions,transfer,step_time_1b")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "part1.json").read_text())
     assert summary["kind"] == "gpu_checklist" and summary["smoke"] is True
     steps = {s["name"]: s for s in summary["steps"]}
-    assert list(steps) == ["nvidia-smi", "memory and cores", "versions", "step_time_1b"]
+    assert list(steps) == ["nvidia-smi", "memory and cores", "versions", "transfer",
+                           "step_time_1b"]
     assert "needs a GPU" in steps["nvidia-smi"]["skipped"]
-    for name in ("memory and cores", "versions", "step_time_1b"):
+    for name in ("memory and cores", "versions", "transfer", "step_time_1b"):
         assert steps[name]["rc"] == 0 and not steps[name]["timed_out"], name
-    # the step wrote its JSON where the summary says; no benchmark ran: default rates, no comparison
+    # the step wrote its JSON where the summary says, predicted from the transfer's rates (a
+    # folder with none is refused: plan --rates); no bench ran: no comparison
     prediction = json.loads((out / steps["step_time_1b"]["json"]).read_text())
     assert prediction["kind"] == "step_time" and prediction["step_s"] > 0
     assert prediction["shape"]["tokens_per_step"] == 2 * 2 * 32  # the smoke's tiny sizes
     assert "compare" not in prediction
     log = (out / "part1.txt").read_text()
     assert "scripts/plan.py --config configs/tiny.yaml" in log and "jax" in log
-    assert sorted(p.name for p in out.iterdir()) == ["part1.json", "part1.txt", "step_time_1b.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["part1.json", "part1.txt", "step_time_1b.json",
+                                                     "transfer.json"]
     assert "part 1  step_time_1b" in proc.stdout
     # the folder renders as docs/benchmarks.md's tables (scripts/results_tables.py)
     rendered = "\n".join(tables.render_folder(str(out)))
@@ -104,3 +108,50 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
     proc = run("2", "--only", "bench_1b", "--out", str(tmp_path))
     assert proc.returncode == 2 and "no step named 'bench_1b'" in proc.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_part_7_dry_runs_on_the_cpu_within_eight_minutes(tmp_path):
+    """Part 7 (the tiled block's attention, issue 46) at tiny sizes end to end: its steps'
+    timeouts stay within 8 minutes; its summary is written after each step; the attention probe
+    times every candidate (XLA's attention standing in for cuDNN here) and holds its gradients
+    against the reference's; the 128K step's JSON names the attention that ran and the step-time
+    model's step beside the measured one."""
+    assert sum(s.timeout_s for s in checklist.STEPS[7]) <= 480
+    out = tmp_path / "results"
+    proc = run("7", "--smoke", "--out", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = {s["name"]: s for s in json.loads((out / "part7.json").read_text())["steps"]}
+    assert list(steps) == ["nvidia-smi", "memory and cores", "tile_attention", "long_128k_tiled"]
+    assert all(s["rc"] == 0 for name, s in steps.items() if name != "nvidia-smi")
+    probe = json.loads((out / "tile_attention.json").read_text())
+    assert probe["cudnn_stands_in"] and probe["dot_product_attention"]["return_residual"]
+    assert set(probe["measured"]) == {"blockwise/16", "blockwise/32", "merged", "untiled"}
+    for name, c in probe["candidates"].items():  # (their equality: tests/test_seqtile.py)
+        assert "error" not in c and c["step_s"] > 0, name
+        assert name == "reference" or math.isfinite(c["dx_rel_diff"] + c["dw_rel_diff"]), name
+    step = json.loads((out / "long_128k_tiled.json").read_text())
+    assert step["attention"].startswith("blockwise flash attention (blocks of 64) per query tile")
+    assert step["step_time"]["step_s"] > 0 and len(step["run"]["step_times_s"]) == 2
+    assert sorted(p.name for p in out.iterdir()) == sorted(checklist.files_of(7))
+
+
+def test_smoke_of_part_6_the_dispatching_thread(tmp_path):
+    """Part 6's steps at tiny sizes (a subset: each of its scripts and settings once): bench.py
+    against resident with the dispatch counts, a layer call's dispatch against a bare jit with
+    XLA's command buffers off (its JSON records the flags it ran under), the update pool limited
+    with the dispatching thread profiled."""
+    out = tmp_path / "results"
+    proc = run("6", "--smoke", "--out", str(out), "--only",
+               "bench_1b_32k,layer_calls_no_command_buffers,threads_15_profile_8l")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = {s["name"]: s for s in json.loads((out / "part6.json").read_text())["steps"]}
+    assert all(s["rc"] == 0 for s in steps.values()), steps
+    bench = json.loads((out / "bench_1b_32k.json").read_text())
+    assert set(bench["streamed"]["dispatch"]) >= {"calls_per_step", "arg_leaves_per_step",
+                                                  "syncs_per_step", "main_thread_s"}
+    assert "resident" in json.dumps(bench["baselines"])
+    calls = json.loads((out / "layer_calls_no_command_buffers.json").read_text())
+    assert calls["xla_flags"] == "--xla_gpu_enable_command_buffer="
+    assert {"layer_fwd bare", "layer_bwd bare", "layer_bwd scan"} <= set(calls["calls"])
+    log = (out / "part6.txt").read_text()
+    assert "optimizer.host_threads=1" in log and "--profile-main" in log

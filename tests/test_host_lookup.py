@@ -63,7 +63,7 @@ def test_the_tables_gradient_lives_in_buffers_kept_from_step_to_step(grad_dtype)
             num_layers=CFG.num_layers, optimizer=build_optimizer(OptimizerConfig(), 10),
             max_grad_norm=1.0, compute_dtype=jnp.bfloat16, compute_device=cpu[0],
             host_device=cpu[1], host_lookup=on, grad_dtype=grad_dtype)
-        assert engine.host.direct is not None
+        assert engine.host_update == "direct"
         losses = []
         for k in range(3):
             r = engine.train_step(*batch(CFG, num_micro=2, seed=k))

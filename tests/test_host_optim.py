@@ -207,7 +207,7 @@ def test_custom_transform_whose_state_is_the_gradient():
     """A transform whose new state is its input gradient (no output aliases the donated state's
     role): the in-place path must still return exactly that gradient."""
     engine = make_engine(capture_grads(), DEVICES["in_place"](), compute_dtype=jnp.float32)
-    grads = random_grads(engine.host.units[2].params, np.random.default_rng(2))
+    grads = random_grads(engine.unit_shapes()[2], np.random.default_rng(2))
     expected = jax.tree.map(np.asarray, grads)
     submit(engine, 2, grads, optax.tree.norm(grads))
     engine.wait()
@@ -323,6 +323,62 @@ def test_bf16_gradients_track_the_exact_run():
     assert 0 < max(errors) <= 3e-3, max(errors)  # > 0: the bf16 store really was used
 
 
+def test_apply_gradients_updates_the_units_given_and_refuses_what_does_not_fit():
+    """engine.apply_gradients (the host update alone, as scripts/bench_optimizer.py runs it):
+    layer 1's gradient updates layer 1 as its optimizer does (plain SGD here: w - 0.5 g, exact
+    in fp32) and no other unit; a unit that is not one, or a gradient not shaped as its unit's
+    params (unit_shapes()), is one ValueError line and queues nothing."""
+    engine = make_engine(optax.sgd(0.5), DEVICES["staged"](), compute_dtype=jnp.float32)
+    before = jax.tree.map(np.array, engine.params())
+    shapes = engine.unit_shapes()
+    ones = lambda tree: jax.tree.map(lambda x: jnp.ones(x.shape, jnp.float32), tree)
+    scalars = (jnp.float32(1.0), jnp.float32(1.0))
+    with pytest.raises(ValueError, match=r"^apply_gradients: unit 5 is not one of 0 to 4 "
+                                         r"\(unit_shapes\(\)\)$"):
+        engine.apply_gradients({2: ones(shapes[2]), 5: ones(shapes[2])}, *scalars)
+    with pytest.raises(ValueError, match=r"^apply_gradients: unit 0's gradient is not shaped "
+                                         r"as its params \(unit_shapes\(\)\[0\]\)$"):
+        engine.apply_gradients({2: ones(shapes[2]), 0: ones(shapes[2])}, *scalars)
+    engine.wait()
+    same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(
+        jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+    assert same(jax.tree.map(np.array, engine.params()), before)  # nothing was queued
+    engine.apply_gradients({2: ones(shapes[2])}, *scalars)
+    engine.wait()
+    after = jax.tree.map(np.array, engine.params())
+    engine.close()
+    assert same(after["layers"][1], jax.tree.map(lambda w: w - np.float32(0.5),
+                                                 before["layers"][1]))
+    assert same([after["stages"], after["layers"][0], after["layers"][2]],
+                [before["stages"], before["layers"][0], before["layers"][2]])
+
+
+@pytest.mark.parametrize("devices,compute_dtype", [("in_place", jnp.bfloat16),
+                                                   ("in_place", jnp.float32),
+                                                   ("staged", jnp.bfloat16)])
+def test_the_units_and_their_bus_copies_are_counted_through_the_public_api(devices, compute_dtype):
+    """unit_shapes() splits the params into the host thread's units (the first stage's, each
+    layer's, the last stage's); bus_bytes() counts the bus copies: each unit's in the compute
+    dtype (none where the bus copy is the fp32 weights themselves), and on an accelerator the
+    update's staging buffers (one per unit structure: the first stage, a layer, the last stage),
+    before a step and between steps alike."""
+    engine = make_engine(optax.adam(1e-2), DEVICES[devices](), compute_dtype=compute_dtype,
+                         host_lookup=False)  # (the lookup's unit 0 has no staging buffer)
+    size = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
+    shapes, params = engine.unit_shapes(), engine.params()
+    assert len(shapes) == L + 2 and size(shapes) == size(params)
+    assert [jax.tree.structure(s) for s in shapes[1:-1]] == [jax.tree.structure(p) for p in
+                                                               params["layers"]]
+    del params
+    per_param = 0 if (devices, compute_dtype) == ("in_place", jnp.float32) else 2
+    staging = size([shapes[0], shapes[1], shapes[-1]]) if devices == "staged" else 0
+    assert engine.bus_bytes() == per_param * (size(shapes) + staging)
+    engine.train_step(*(np.ones((1, 2, 8), np.int32),) * 2)
+    engine.wait()
+    assert engine.bus_bytes() == per_param * (size(shapes) + staging)
+    engine.close()
+
+
 def test_grad_dtype_config_key():
     with pytest.raises(ConfigError, match="train.grad_dtype"):
         load_config(None, ["train.grad_dtype=float16"])
@@ -330,7 +386,7 @@ def test_grad_dtype_config_key():
              "model.num_heads=2", "model.num_kv_heads=2"]
     for given, expected in ([], jnp.float32), (["train.grad_dtype=bfloat16"], jnp.bfloat16):
         engine = build_engine(load_config(None, small + given))
-        assert engine.host.grad_dtype == expected
+        assert engine.grad_dtype == expected
         engine.close()
 
 
@@ -358,7 +414,7 @@ def test_update_takes_no_fresh_memory(devices):
                             make_block=lambda i: Wide(nnx.Rngs(i)), num_layers=1,
                             optimizer=build_optimizer(OptimizerConfig(), 10), max_grad_norm=1.0,
                             compute_dtype=jnp.bfloat16, compute_device=compute, host_device=host)
-    grads = random_grads(engine.host.unit_state(1)[0], np.random.default_rng(5))
+    grads = random_grads(engine.unit_shapes()[1], np.random.default_rng(5))
     faults = []
     for _ in range(3):  # the first compiles
         args = jax.block_until_ready(jax.device_put(  # copies: the update takes them over
@@ -439,9 +495,9 @@ def test_a_step_interrupted_while_its_updates_are_queued_changes_nothing(path):
     engine trains on, and its next step equals an uninterrupted run's."""
     tx = lambda: build_optimizer(OptimizerConfig(), 10) if path == "direct" else optax.adam(1e-2)
     engine = make_engine(tx(), DEVICES["staged"](), 1.0)
-    if path == "direct" and engine.host.direct is None:
+    if path == "direct" and engine.host_update != "direct":
         pytest.skip("no C++ compiler: no direct update")
-    assert (engine.host.direct is None) == (path == "jit")
+    assert (engine.host_update != "direct") == (path == "jit")
     tokens = np.random.default_rng(7).integers(0, V, size=(2, 1, 2, 9))
     step = lambda e, k: e.train_step(tokens[k, ..., :-1], tokens[k, ..., 1:])
     step(engine, 0)
@@ -707,7 +763,7 @@ def test_ctrl_c_while_waiting_for_a_host_update_leaves_the_engine_usable(path, w
     # (no host lookup: its step waits for the host thread's first update, held here)
     make = lambda: make_engine(tx(), DEVICES["staged"](), 1.0, host_lookup=False)
     engine = make()
-    if path == "direct" and engine.host.direct is None:
+    if path == "direct" and engine.host_update != "direct":
         pytest.skip("no C++ compiler: no direct update")
     tokens = np.random.default_rng(8).integers(0, V, size=(3, 1, 2, 9))
     step = lambda e, k: e.train_step(tokens[k, ..., :-1], tokens[k, ..., 1:])

@@ -36,7 +36,7 @@ def train(copies, **kwargs):
                       for u in range(L + 2)])
     state = jax.tree.map(np.array, engine.state())
     counters = (engine.counters.bytes_h2d, engine.counters.bytes_d2h)
-    direct = engine.host.direct is not None
+    direct = engine.host_update == "direct"
     if direct:
         assert (engine.host.fetches is not None) == kwargs.get("offload_activations", False)
     engine.close()

@@ -3,13 +3,14 @@ sequence it reports is the compiled boundary (a length that fits, and one 2% lon
 not, both planned with their own compiled workspaces), and its report says what offloaded
 activations take of host RAM, where they could go, and which workspace figure it uses."""
 
+import dataclasses
 import math
 
 import pytest
 
 from megatrain_jax.config import Config, DataConfig, OptimizerConfig, TrainConfig
 from megatrain_jax.model import ModelConfig
-from megatrain_jax.machines import Machine
+from megatrain_jax.machines import Machine, machine_from_device
 from megatrain_jax.plan import LARGEST_SEQ_TOLERANCE, plan
 
 MODEL = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -57,3 +58,27 @@ def test_report_names_the_activations_host_ram_and_the_workspace_figures(planned
     for phase, estimate in p.workspace.items():
         assert estimate <= p.workspace_cpu_compiled[phase], phase
     assert p.to_dict()["workspace_cpu_compiled"] == p.workspace_cpu_compiled
+
+
+def test_the_plan_counts_the_measured_blocks_score_buffers(monkeypatch):
+    """train.attention_block 0 takes the fastest block measured on the platform that divides the
+    tile (attention.MEASURED); the plan compiles the step's functions with it, so its workspace
+    holds that block's scores: at 2,048 a block pair's (B, N, S, S) fp32 scores take 16 times
+    those of 512, and the backward's workspace grows by at least one of them."""
+    from megatrain_jax import attention
+    seq, tile = 8192, 4096
+
+    def planned(measured):
+        monkeypatch.setitem(attention.MEASURED, "cpu", measured)
+        cfg = config(seq)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(
+            cfg.train, attention_block=0, tile_size=tile))
+        return plan(cfg, machine_from_device())
+
+    small = planned({})
+    big = planned({"blockwise/512": 2.0, "blockwise/2048": 1.0})
+    assert (small.execution.attention_block, big.execution.attention_block) == (512, 2048)
+    assert "(blocks of 2048)" in big.attention_runs
+    scores = lambda block: 1 * MODEL.num_heads * block * block * 4
+    grown = big.workspace["backward"] - small.workspace["backward"]
+    assert grown >= scores(2048) - scores(512), (grown, scores(2048))

@@ -39,25 +39,25 @@ def per_micro_batch(engine, f):
     squares = jax.jit(sum_squares)
     # a layer's weights and gradient as the unit travels (engine/packing.py): flat, one array
     unpack = jax.jit(lambda layer: (f.packing.unpack(layer[0]), layer[1]))
-    pack = jax.jit(lambda g: f.packing.pack(g, engine.host.grad_dtype))
+    pack = jax.jit(lambda g: f.packing.pack(g, engine.grad_dtype))
     stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
     at = lambda tree, m: jax.tree.map(lambda x: x[m], tree)
 
     def copies(fetch, out):
         return jax.device_put(fetch, to_device), jax.device_put(out, to_pinned)
 
-    def layer_fwd(fetch, out, w, xs, contexts):
-        w = unpack(w)
-        made = [f.block_fwd(w, xs[m], at(contexts, m)) for m in range(len(xs))]
+    def layer_fwd(fetch, out, layer, xs, contexts):  # layer: (weights, Constants)
+        layer = unpack(layer)
+        made = [f.block_fwd(layer, xs[m], at(contexts, m)) for m in range(len(xs))]
         auxs = [aux for _, aux in made]
         return (stack([y for y, _ in made]), None if auxs[0] is None else stack(auxs)), *copies(
             fetch, out)
 
-    def layer_bwd(fetch, out, w, xs, contexts, dys, daux):
-        w = unpack(w)
-        acc, dxs = zeros(w[0]), []  # (the weights', not the Constants')
+    def layer_bwd(fetch, out, layer, xs, contexts, dys, daux):
+        layer = unpack(layer)
+        acc, dxs = zeros(layer[0]), []  # (the weights', not the Constants')
         for m in range(len(xs)):
-            dx, acc = f.block_bwd(w, xs[m], at(contexts, m), dys[m], acc, daux)
+            dx, acc = f.block_bwd(layer, xs[m], at(contexts, m), dys[m], acc, daux)
             dxs.append(dx)
         sq = squares(acc)
         return (jnp.stack(dxs), pack(acc), sq), *copies(fetch, out)

@@ -197,8 +197,7 @@ def test_equal_units_round_independently(path):
                          engine.param_shapes()["layers"][0])
     put = lambda x: jax.device_put(x, cpu[0], may_alias=False)
     for u in (1, 2, 3):
-        engine.host.release_bus(u)
-        engine.host.submit(u, put(grads), put(jnp.float32(1.0)), put(jnp.float32(1.0)))
+        engine.apply_gradients({u: put(grads)}, put(jnp.float32(1.0)), put(jnp.float32(1.0)))
     engine.wait()
     mu = [jax.tree.map(np.array, layer["opt_state"][0].mu) for layer in engine.state()["layers"]]
     engine.close()

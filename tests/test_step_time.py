@@ -6,6 +6,7 @@ case's rates make the expected step time exact."""
 import dataclasses
 import json
 import math
+import re
 import contextlib
 import io
 import os
@@ -135,6 +136,121 @@ def test_mfu_never_passes_100_percent(config, seq_len, window):
     matmul = m.num_active_params(include_embeddings=False) + m.hidden_size * m.vocab_size
     attention = 12 * m.num_heads * m.head_size * m.num_layers * visible
     assert math.isclose(s.model_flops, (6 * matmul + attention) * T, rel_tol=1e-9)
+
+
+def test_the_attention_that_runs_is_counted():
+    """flops.executed_attention: per token of one layer, blockwise flash attention computes the
+    block pairs its schedule visits (the diagonal blocks whole), cuDNN the keys a query sees,
+    XLA's dense attention every key; a backward call recomputes the forward (3.5 forward passes
+    with a flash backward), cuDNN's calls merged per query tile take 8 (each call's VJP twice and
+    P K once more). The step's layer FLOPs follow the execution the rule picks."""
+    from megatrain_jax.config import load_config
+    from megatrain_jax.flops import attention_flops, executed_attention
+    from megatrain_jax.model import Execution
+    from megatrain_jax.step_time import step_shape
+    T, tile, block = 131072, 8192, 512
+    cfg = load_config("configs/llama3_8b.yaml", [f"data.seq_len={T}", "data.batch_size=1",
+                                                  "model.num_layers=4"])
+    model = cfg.model
+    useful = attention_flops(model, T) / model.num_layers  # per layer, (T + 1) / 2 keys a query
+    run = lambda **kw: executed_attention(model, Execution(**{"tile_size": tile, **kw}), T)
+    cudnn = run(attention="cudnn", tile_attention="untiled")
+    assert cudnn == (useful, 3.5 * useful)
+    assert run(attention="cudnn", tile_attention="merged") == (useful, 8 * useful)
+    nb = T // block  # every query block visits the key blocks up to its own, whole
+    blockwise = run(attention="blockwise", attention_block=block)
+    assert blockwise[0] == 4 * model.num_heads * model.head_size * nb * (nb + 1) / 2 * block**2 / T
+    assert useful < blockwise[0] < 1.01 * useful and blockwise[1] == 3.5 * blockwise[0]
+    assert run(attention="xla")[0] == 4 * model.num_heads * model.head_size * T  # every key
+    # the pairs the blockwise kernel's own schedule visits, with a window and without
+    from megatrain_jax.attention import block_schedule
+    short = 16384
+    for window in (0, 3000):
+        windowed = dataclasses.replace(model, sliding_window=window)
+        steps = block_schedule(range(short // block), block_size=block, window=window,
+                               key_blocks=short // block)
+        assert executed_attention(windowed, Execution(attention="blockwise", tile_size=tile),
+                                  short)[0] == (4 * model.num_heads * model.head_size
+                                                * len(steps) * block**2 / short)
+    # the step: auto on the GPU, nothing measured, is blockwise per query tile; cudnn asked
+    # for runs untiled; the shape's layer FLOPs are those
+    params = step_shape(cfg, offload=True).layer_bytes // 2  # bf16 weights: 2 bytes a parameter
+    for setting, attention in (("auto", blockwise), ("cudnn", cudnn)):
+        s = step_shape(dataclasses.replace(cfg, train=dataclasses.replace(
+            cfg.train, attention=setting)), offload=True)
+        assert math.isclose(s.layer_fwd_flops, T * (2 * params + attention[0]), rel_tol=1e-12)
+        assert math.isclose(s.layer_bwd_flops, T * (6 * params + attention[1]), rel_tol=1e-12)
+
+
+def _round_trips(hlo: str) -> float:
+    """Times a compiled function reads a value back to the host on XLA:GPU: each step of a loop
+    (inf where XLA does not know its trip count) and each conditional, with what the calls,
+    loops and branches inside them read (a conditional's costliest branch)."""
+    computations, entry, current = {}, None, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if head:
+            current = computations.setdefault(head.group(2), [])
+            entry = head.group(2) if head.group(1) else entry
+        elif current is not None and line.startswith("  "):
+            current.append(line)
+
+    def trips(name):
+        total = 0
+        for line in computations.get(name, []):
+            if " while(" in line:
+                count = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+                body = re.search(r"body=%([\w.\-]+)", line).group(1)
+                total += int(count.group(1)) * trips(body) if count else math.inf
+            elif " conditional(" in line:
+                branches = re.findall(r"(?:branch_computations=\{|true_computation=|"
+                                      r"false_computation=|, )%([\w.\-]+)", line)
+                total += 1 + max(trips(b) for b in branches if b in computations)
+            else:
+                total += sum(trips(c) for c in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line))
+        return total
+
+    return trips(entry)
+
+
+@pytest.mark.parametrize("seq,tile", [(40, 8), (48, 8), (40, 0)])
+def test_the_host_round_trips_are_the_compiled_blocks(seq, tile):
+    """flops.host_round_trips, the step-time model's count, against XLA:CPU's optimized HLO of
+    the block's forward and backward calls: Gemma 3's layer kind (data) picks the attention by a
+    conditional, once per group of query tiles (5 tiles: two pairs and the middle one; 6: three
+    pairs), per pass; no loop is left whose trip count XLA does not know."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from megatrain_jax.flops import host_round_trips
+    from megatrain_jax.model import Execution, ModelConfig, make_block
+    model = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
+                        num_heads=4, num_kv_heads=1, head_dim=16, sliding_window=5,
+                        layer_types=("sliding_attention", "full_attention"), post_norms=True,
+                        norm_offset=True, activation="gelu_tanh", qk_norm=True,
+                        query_pre_attn_scalar=16, rope_local_theta=100.0)
+    execution = Execution(attention="blockwise", attention_block=4, tile_size=tile)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: make_block(model, 0, 0, execution)))
+    x = jax.ShapeDtypeStruct((1, seq, model.hidden_size), jnp.float32)
+    forward = lambda p, x: nnx.merge(graphdef, p)(x)
+    backward = lambda p, x, dy: jax.vjp(forward, p, x)[1](dy)
+    compiled = [_round_trips(jax.jit(f).lower(*args).compile().as_text())
+                for f, args in ((forward, (params, x)), (backward, (params, x, x)))]
+    assert tuple(compiled) == host_round_trips(model, execution, seq)
+    assert compiled[0] > 0  # the count sees the conditionals: it can fail
+
+
+def test_a_round_trip_costs_the_device_its_time():
+    """Each host round trip inside a layer's call leaves the device idle round_trip_us: a
+    compute-bound step grows by trips x layers x micro-batches of it."""
+    s = shape(layers=3, micro_batches=2, layer_fwd_flops=1e12, layer_bwd_flops=2e12)
+    fast = dataclasses.replace(UNIT, h2d_gbps=1e6, d2h_gbps=1e6, host_update_gbps=1e6,
+                               round_trip_us=1e5)  # 0.1 s each
+    base = simulate(s, fast).step_s
+    trips = simulate(dataclasses.replace(s, layer_fwd_round_trips=3, layer_bwd_round_trips=6),
+                     fast).step_s
+    assert math.isclose(trips - base, 0.1 * (3 + 6) * 3 * 2, rel_tol=1e-9)
+    assert simulate(s, dataclasses.replace(fast, round_trip_us=0)).step_s == base
 
 
 def test_the_host_lookups_backward_comes_before_the_first_units_update():
@@ -282,6 +398,52 @@ def test_the_jit_forms_copies_start_with_the_call_that_makes_them():
     last = next(o for o in eager if o.label == "backward 0" and o.resource == "device")
     assert [o.start >= last.end for o in eager if o.label == "gradient 0" and
             o.resource == "d2h"] == [True]  # (the eager form: after the layer's compute)
+
+
+ORDERS = {  # (offload.copies, train.prefetch, activations offloaded, train.host_lookup)
+    "eager": ("eager", 1, False, False), "jit": ("jit", 1, False, False),
+    "eager, prefetch 0": ("eager", 0, False, False),
+    "eager, offloaded, prefetch 2, host lookup": ("eager", 2, True, True),
+    "jit, offloaded, prefetch 2": ("jit", 2, True, False),
+    "jit, host lookup": ("jit", 1, False, True)}
+
+
+@pytest.mark.parametrize("copies,prefetch,offload,lookup", ORDERS.values(), ids=ORDERS)
+def test_the_models_order_is_the_engines(copies, prefetch, offload, lookup):
+    """The events the model's operations stand for (Prediction.events) are the engine's own
+    on_event trace of a real step of the same config, in order: on the dispatching thread each
+    copy (eager or in a call), each layer's dispatch and each retire's wait; on the host thread
+    each unit's update. The passes run through one interpreter of the schedule in both
+    (schedule.walk); the rest of the step is written twice (engine/step.py, step_time._step),
+    so a change to either alone fails here. CPU device 1 stands for the accelerator."""
+    import jax
+    import numpy as np
+    from megatrain_jax.config import load_config
+    from megatrain_jax.recipes import build_engine
+    from megatrain_jax.step_time import step_shape
+    cfg = load_config("configs/tiny.yaml", [
+        "model.num_layers=3", "model.hidden_size=32", "model.intermediate_size=64",
+        "model.num_heads=2", "model.num_kv_heads=1", "data.seq_len=8", "data.batch_size=1",
+        "data.micro_batches=2", f"train.prefetch={prefetch}", f"offload.copies={copies}",
+        f"train.host_lookup={str(lookup).lower()}", "model.tie_embeddings=false"])
+    cpu = jax.devices("cpu")
+    engine = build_engine(cfg, compute_device=cpu[1], host_device=cpu[0],
+                          offload_activations=offload)
+    tokens = np.ones((2, 1, 8), np.int32)
+    engine.train_step(tokens, tokens)
+    engine.wait()
+    trace = []
+    engine.on_event = lambda kind, what, layer: trace.append((kind, what, layer))
+    engine.train_step(tokens, tokens)
+    engine.wait()
+    engine.close()
+    s = step_shape(cfg, offload=offload)
+    assert (s.copies, s.prefetch, s.host_lookup) == (engine.copies, prefetch, engine.host_lookup)
+    model = [e[1:] for e in simulate(s, Rates(), steps=2).events if e[0] == 1]
+    threads = lambda events: ([e for e in events if e[0] != "update"],
+                              [e for e in events if e[0] == "update"])
+    assert threads(model) == threads(trace)
+    assert ("dispatch", "backward", 0) in trace and len(threads(trace)[1]) == 5
 
 
 def test_overlaps_come_from_the_gpus_measurements():

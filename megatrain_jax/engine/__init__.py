@@ -10,7 +10,8 @@ Modules, by concern:
   streamed.py   StreamedEngine: construction, train_step, evaluate, reading and loading state
   step.py       one step, top to bottom, from what it is given (StepParts)
   schedule.py   the order of a pass's fetches, dispatches and waits (and the step's around them),
-                written once: executed by stream.py, simulated by step_time, read by plan
+                written once, with its one interpreter (walk): executed by stream.py, simulated
+                by step_time, read by plan
   transfer.py   every host<->device copy (weights, batch, activations, gradients, bus refresh),
                 eager or made inside the jitted calls (the copies' form)
   packing.py    how a unit's bus copy, fetch and gradient travel: a layer's as one flat array
@@ -20,11 +21,20 @@ Modules, by concern:
                 stage (forward_outputs, e.g. per-sequence log-probs)
   decode.py     StreamedDecoder: forwards that carry a per-layer state (a KV cache), to generate
   stream.py     a pass run to the schedule with back-pressure, activation offload, counters
-  host.py       host state: master weights, optax state, bus copies, the update thread
+  host.py       host state: per unit the master weights, optax state and bus copy; the thread
+                that runs each unit's host update, in order, and its failures
+  update.py     how the host updates one unit, chosen once: the fused AdamW called directly
+                (direct.py), the fused AdamW in a jit (through jax.ffi), or optax in a jit
+  direct.py     the host update called directly: the fused AdamW kernel on numpy state the
+                engine owns, each gradient read and each bus copy written where it lies; the
+                readers of that state and their leases (copy-on-write while one lives)
+  fused_adamw.py  the project's AdamW (`adamw`: optax.adamw, marked for the fused update) and its
+                kernel (fused_adamw.cc, built on first use; a JAX fallback, bit for bit)
   store.py      where a unit's master weights and optax state live: RAM, or the disk tier
   bus.py        how a unit's bus copy is kept: the weights themselves, a host buffer rewritten
-                in place, or the accelerator's pinned memory through a staging buffer; the bus
-                ring, and its cast of the master into a bus copy
+                in place, or the accelerator's pinned memory through a staging buffer; or
+                (bus="ring") the layers' in a ring of buffers, each filled before its fetch
+                (the master cast into a bus copy through its leaves' pointers)
   tier.py       the disk tier: each unit's master weights and optax state in a file
   functions.py  the jitted device functions
   parallel.py   placement: one device, or data parallel over a mesh of devices and processes

@@ -2,8 +2,8 @@
 releases the GIL, on numpy state the engine owns. Each gradient is read where the device wrote it
 (a zero-copy view of its pinned piece), each bus copy written where the device reads it (a
 persistent buffer per unit: a layer's one flat array, each leaf at its offset, engine/packing.py):
-no copy between jax's clients, no memcpy, no jit on the update's path (docs/architecture.md, "The
-host update").
+no copy between jax's clients, no memcpy, no jit on the update's path (measured against the kernel
+in a jit: docs/benchmarks.md, "Host update").
 
     arrays = UnitArrays.of(params, opt_state)      # copied in once, by the kernel's threads
     update = DirectAdamW(hyper, max_grad_norm, host_device, counters)

@@ -251,8 +251,8 @@ class DeviceFunctions:
                         (xs, contexts))[1]
 
         def layer_bwd(layer, xs, contexts, dys, daux=None):
-            """(dx[m] stacked, the layer's gradient summed over the devices in `grad_dtype` (packed),
-            its sum of squares taken in fp32)."""
+            """(dx[m] stacked, the layer's gradient summed over the devices in `grad_dtype`
+            (packed), its sum of squares taken in fp32)."""
             layer = unpacked(layer)
 
             def body(acc, xcd):

@@ -1,5 +1,6 @@
-"""Host-resident training state: per unit the fp32 master weights, the optax state, the bus copy,
-and the optax update that runs on the host CPU device in a background thread."""
+"""Host-resident training state: per unit the fp32 master weights, the optax state and the bus
+copy, and the background thread that runs each unit's host update (update.py's strategy: the
+fused AdamW kernel called directly, or a jitted update on the host CPU device)."""
 
 import concurrent.futures
 import dataclasses
@@ -420,8 +421,8 @@ class HostState:
         self.counters.host_update_s += t2 - t0
 
     def _apply(self, u: int, bus, grads, grad_norm, scale):
-        """Runs on the host-optimizer thread: one jitted, in-place optax step of one unit, its
-        bus copy (kept by `bus`, unit u's policy) written in the same call. XLA:CPU spreads each
+        """Runs on the host-optimizer thread: one jitted, in-place update of one unit (the fused
+        AdamW through jax.ffi, or optax), its bus copy (kept by `bus`, unit u's policy) written in the same call. XLA:CPU spreads each
         large fused loop over all cores."""
         t0 = time.perf_counter()
         if self.on_update is not None:

@@ -1,6 +1,6 @@
 """The schedule of a streamed pass, written once: the engine executes it (stream.LayerStream),
-the step-time model simulates it (megatrain_jax.step_time) and the memory plan reads its
-residency from it (megatrain_jax.memory_model).
+the step-time model simulates it (megatrain_jax.step_time), both through its one interpreter
+(`walk`), and the memory plan reads its residency from it (megatrain_jax.memory_model).
 
 A pass runs a unit of work per layer over `n` positions (the forward: layers 0..L-1; the
 backward: L-1..0), with these operations, in the order `layer_ops` gives:
@@ -33,10 +33,14 @@ Two forms of the copies (`copies`), the same order of work:
 Around the passes, a training step (engine/step.py) runs: the embedding (fetch, dispatch), the
 forward pass, the loss head (fetch, dispatch, its gradient kept on the device), the backward pass
 (each layer's gradient goes out as it is made), the embedding's backward, the stages' gradient
-out, then on the host thread one update per unit, each ending in its bus refresh, in the order
-the next forward needs them: the first stage's unit (embedding), layer 0, 1, ..., then the last
-stage's unit (final norm, head), which the next step fetches only after every layer.
+out, then on the host thread one update per unit (engine/update.py's), each leaving the unit's
+new bus copy (written in place by the direct update, refreshed into pinned memory by a jitted one;
+none for a layer in the bus ring, whose fills make it), in the order the next forward needs them:
+the first stage's unit (embedding), layer 0, 1, ..., then the last stage's unit (final norm,
+head), which the next step fetches only after every layer.
 """
+
+import dataclasses
 
 # The waits the dispatching thread may make, by kind (stream.Counters counts them): a retire's
 # wait for a layer's device work; a host read of a device array's values (a copy to the host
@@ -103,3 +107,47 @@ def overlapped(n: int, prefetch: int, copies: str = EAGER) -> list:
     (its arrays, e.g. a gradient on its way out, still alive while this one computes)."""
     at = {op: k for k, op in enumerate(layer_ops(n, prefetch, copies))}
     return [pos > 0 and at[(RETIRE, pos - 1)] > at[(DISPATCH, pos)] for pos in range(n)]
+
+
+@dataclasses.dataclass
+class Work:
+    """One position of a pass, as `walk` hands it over: its layer, what its fetch gave
+    (`payload`), what `carry` gave for the layer whose fetch its dispatch makes (`ahead`; None:
+    none), and what the caller leaves for the rest of the pass: `done`, read back at the
+    position's drop, retire or release, and `carried`, the fetch its dispatch made (the payload
+    of that layer's dispatch)."""
+    layer: object
+    payload: object
+    ahead: object = None
+    done: object = None
+    carried: object = None
+
+
+def walk(order, prefetch: int, copies: str, fetch, carry=None, on_event=None):
+    """Runs a pass over the layers `order` to layer_ops: the one interpreter of a pass's order.
+    Calls fetch(layer) at each FETCH and carry(layer) at each CARRY, and yields (op, Work) at each
+    DISPATCH (the caller dispatches the layer's work on Work.payload, sets Work.done and, when
+    Work.ahead is not None, Work.carried), DROP, RETIRE and RELEASE (the same Work, read back).
+    on_event(kind, layer), when given, is told of each "dispatch" once the caller is done with it
+    and of each retire's "wait" before it (StreamedEngine.on_event's order)."""
+    order, fetched, works, ahead = list(order), {}, {}, None
+    tell = on_event or (lambda kind, layer: None)
+    for op, pos in layer_ops(len(order), prefetch, copies):
+        layer = order[pos]
+        if op == FETCH:
+            fetched[pos] = fetch(layer)
+        elif op == CARRY:
+            ahead = (pos, carry(layer))
+        elif op == DISPATCH:
+            work = works[pos] = Work(layer, fetched.pop(pos), ahead and ahead[1])
+            yield op, work
+            tell("dispatch", layer)
+            if ahead is not None:
+                if work.carried is None:
+                    raise RuntimeError(f"layer {layer}'s dispatch did not hand over its copy of "
+                                       f"layer {order[ahead[0]]}")
+                fetched[ahead[0]], ahead = work.carried, None
+        else:
+            if op == RETIRE:
+                tell("wait", layer)
+            yield op, works[pos] if op == DROP else works.pop(pos)

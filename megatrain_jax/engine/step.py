@@ -21,26 +21,29 @@ thread's work is O(layers), not O(layers x micro-batches).
     embed     fetch the first stage's weights; one call: dW_first = sum of vjp(first)(inputs[m],
               dx[m]); one call: the stages' gradient (the two parts merged), its sum of squares,
               the global norm and the scale; the stages' gradient goes out
-    update    on the host thread: each unit's gradient and the norm cross to the host CPU
-              device there, then clip, one optax update per unit, its bus copy refreshed (the
-              next step's fetch of a unit waits for its update), in the order the next forward
-              needs them: unit 0 (the first stage's variables: the embedding, tied or not), the
-              layers, then the last unit (the last stage's own: final norm, untied head). The
-              stages' gradient is split between the two units (engine/stage_units.py)
+    update    on the host thread, one host update per unit (engine/update.py's: the fused AdamW
+              kernel called directly on the gradient where the device left it, or a jitted
+              update on the host CPU device), the gradient scaled and clipped by the global
+              norm, leaving the unit's new bus copy (none for a layer in the bus ring: its
+              fills make it); the next step's fetch of a unit waits for its update. In the
+              order the next forward needs them: unit 0 (the first stage's variables: the
+              embedding, tied or not), the layers, then the last unit (the last stage's own:
+              final norm, untied head). The stages' gradient is split between the two units
+              (engine/stage_units.py)
 
 A layer unit travels flat (engine/packing.py): its bus copy, its fetch and its gradient are each
 one array, its leaves end to end, split back into the block's tree by static slices inside the
 layer's calls and the gradient made flat there, so a layer's call passes a handful of arrays, a
 fetch is one copy and a retire frees a few arrays, whatever the block's leaves. The order of a
-pass's fetches, dispatches and waits is engine/schedule.py's (LayerStream); every copy is
-engine/transfer.py's. The dispatching thread waits only at the retires the schedule
-names (and for a unit's host update not yet done when its fetch comes); the result's scalars are
-read by the caller (a training loop reads them once the next step is dispatched). `run` reads
-only its StepParts (what the engine built: host state, transfers, device functions, placement,
-...) and returns each unit's gradient's sum of squares beside the result. With the host lookup
-(engine/lookup.py's HostFirst, else DeviceFirst: the first stage's way, chosen once) the embed
-runs on the host, the last unit's gradient goes out after the loss, and the embed backward and
-the global norm run on the host thread, which the step's end waits for.
+pass's fetches, dispatches and waits is engine/schedule.py's (LayerStream); every copy between
+host and device memory is engine/transfer.py's. The dispatching thread waits only at the retires
+the schedule names (and for a unit's host update not yet done when its fetch comes); the result's
+scalars are read by the caller (a training loop reads them once the next step is dispatched).
+`run` reads only its StepParts (what the engine built: host state, transfers, device functions,
+placement, ...) and returns each unit's gradient's sum of squares beside the result. With the
+host lookup (engine/lookup.py's HostFirst, else DeviceFirst: the first stage's way, chosen once)
+the embed runs on the host, the last unit's gradient goes out after the loss, and the embed
+backward and the global norm run on the host thread, which the step's end waits for.
 
 The copies' form (StepParts.copies, schedule.EAGER or JIT). Eager: every fetch and every gradient's
 copy out is a `device_put` of its own. Jit: a layer's fetch is made inside the call of the layer

@@ -123,7 +123,8 @@ class LayerStream:
     that no later work donates (its outputs, or a scalar computed from them), `drop` the arrays
     of its fetch that the step may delete (the fetched weights, unless fetching made no copy
     because they already lived on the device) and `free` the other arrays deleted then.
-    on_event(kind, layer), when given, is told of each dispatch and wait.
+    The order is schedule.walk's, which tells on_event(kind, layer), when given, of each
+    dispatch and wait.
 
         stream = LayerStream(order, fetch, prefetch)
         for i, w in stream:
@@ -147,7 +148,7 @@ class LayerStream:
                  counters=None):
         self.order, self.fetch, self.prefetch = list(order), fetch, prefetch
         self.counters = counters
-        self.on_event = on_event or (lambda kind, layer: None)
+        self.on_event = on_event
         self.on_retire = on_retire
         self.carry_fetch = carry
         self.copies = schedule.EAGER if carry is None else schedule.JIT
@@ -155,40 +156,27 @@ class LayerStream:
         self._done = None
 
     def __iter__(self):
-        fetched, finished, dropped, carried = {}, {}, {}, None
-        jit = self.copies == schedule.JIT
-        for op, pos in schedule.layer_ops(len(self.order), self.prefetch, self.copies):
-            layer = self.order[pos]
-            if op == schedule.FETCH:
-                fetched[pos] = self.fetch(layer)
-            elif op == schedule.CARRY:
-                carried, self.carry = pos, self.carry_fetch(layer)
-            elif op == schedule.DISPATCH:
-                yield layer, fetched.pop(pos)
-                self.on_event("dispatch", layer)
-                token, free, drop, copy = self._done or ((), (), (), None)
+        for op, work in schedule.walk(self.order, self.prefetch, self.copies, self.fetch,
+                                      self.carry_fetch, self.on_event):
+            if op == schedule.DISPATCH:
+                self.carry = work.ahead
+                yield work.layer, work.payload
+                token, free, drop, work.carried = self._done or ((), (), (), None)
                 self._done, self.carry = None, None
-                if carried is not None:
-                    if copy is None:
-                        raise RuntimeError(f"layer {layer}'s dispatch did not hand over its "
-                                           f"copy of layer {self.order[carried]}")
-                    fetched[carried], carried = copy, None
-                finished[pos] = (token, free) if jit else (token, (drop, free))
-                if jit:
-                    dropped[pos] = drop
+                work.done = [token, free, drop]
             elif op == schedule.DROP:  # the runtime frees them once the layer's work is done
-                delete(dropped.pop(pos), self.counters)
+                delete(work.done[2], self.counters)
+                work.done[2] = ()
             else:  # retire (wait, then free) or release (the rest of the step goes on)
-                token, free = finished.pop(pos)
+                token, free, drop = work.done
                 if op == schedule.RETIRE:
-                    self.on_event("wait", layer)
                     t0 = time.perf_counter()
                     jax.block_until_ready(token)
                     if self.counters is not None:
                         self.counters.synced(RETIRE_WAIT, time.perf_counter() - t0)
                 if self.on_retire is not None:
-                    self.on_retire(layer, None if op == schedule.RETIRE else token)
-                delete(free, self.counters)
+                    self.on_retire(work.layer, None if op == schedule.RETIRE else token)
+                delete((drop, free), self.counters)
 
     def done(self, token, free=(), drop=(), carried=None):
         self._done = (token, free, drop, carried)

@@ -368,6 +368,34 @@ class StreamedEngine:
         stages = {0, self.host.last} & set(bad)
         return ["stages"] * bool(stages) + [u - 1 for u in bad if u not in stages]
 
+    def apply_gradients(self, grads: dict, grad_norm, scale):
+        """Queues the host update of each unit in `grads`, {unit: its gradient}, as a step's end
+        queues its own: each unit's bus copy released (its last use in a step), then their
+        updates as one job on the host thread, in the order given (`wait()` waits for them). A
+        unit is an index into `unit_shapes()`; its gradient, of the unnormalised loss sum, a tree
+        shaped as that unit's params, in float32 or `grad_dtype`, on the host device or in the
+        compute device's pinned host memory (where a step leaves it), which the update may take
+        over. Each is scaled by `scale`, clipped to `max_grad_norm` by `grad_norm` (the global
+        norm of the scaled gradient: the caller's word for it), and a `grad_norm` that is not
+        finite changes nothing. For measuring and testing the host update alone
+        (scripts/bench_optimizer.py); a unit or a gradient that does not fit is one ValueError
+        line, nothing queued."""
+        self._check_open()
+        shapes = self.unit_shapes()
+        for u, g in grads.items():
+            if not (isinstance(u, (int, np.integer)) and not isinstance(u, bool)
+                    and 0 <= u < len(shapes)):
+                raise ValueError(f"apply_gradients: unit {u!r} is not one of 0 to "
+                                 f"{len(shapes) - 1} (unit_shapes())")
+            want = [x.shape for x in jax.tree.leaves(shapes[u])]
+            if (jax.tree.structure(g) != jax.tree.structure(shapes[u])
+                    or [tuple(np.shape(x)) for x in jax.tree.leaves(g)] != want):
+                raise ValueError(f"apply_gradients: unit {u}'s gradient is not shaped as its "
+                                 f"params (unit_shapes()[{u}])")
+        for u in grads:
+            self.host.release_bus(u)
+        self.host.submit_all(list(grads.items()), grad_norm, scale)
+
     # ----------------------------------------------------------------- reading state
     def wait(self):
         """Blocks until every pending host update has finished."""
@@ -445,6 +473,41 @@ class StreamedEngine:
     def disk_tier(self):
         """The DiskTier (engine/tier.py) holding the state, or None when it is in RAM."""
         return self.host.tier
+
+    @property
+    def host_update(self) -> str:
+        """How the host update runs, as chosen at construction (engine/update.py): "direct" (the
+        fused AdamW kernel called directly, engine/direct.py), "ffi" (the fused AdamW in a jitted
+        call per unit) or "optax" (any other optax transform, jitted per unit)."""
+        return self.host.update.kind
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        """The dtype of the bus copies and of the device's compute."""
+        return self.host.compute_dtype
+
+    @property
+    def grad_dtype(self) -> np.dtype:
+        """The dtype in which each unit's gradient crosses to the host and waits there."""
+        return self.host.grad_dtype
+
+    def unit_shapes(self) -> list:
+        """Each unit's params as a tree of jax.ShapeDtypeStruct, in the order of the host
+        thread's updates: the first stage's unit (its variables: the embedding, tied or not),
+        layer 0, ..., layer L-1, then the last stage's own (final norm, an untied head). A unit
+        is what one host update updates; with `shard_host_state`, this process's rows."""
+        return [self.host.layout(u)[0] for u in range(self.num_layers + 2)]
+
+    def bus_bytes(self) -> int:
+        """Bytes of the bus copies (the weights in the compute dtype, which the fetches read)
+        the engine holds now, besides the state: each unit's, or the buffer kept for its update
+        to write (`bus="ring"`: the stage units' and the ring's buffers), and the update's
+        staging buffers; none for a unit whose bus copy is its fp32 weights themselves."""
+        host = self.host
+        trees = [(unit.bus, unit.spare) for unit, policy in zip(host.units, host.buses)
+                 if not policy.is_params]
+        trees += [slot.bus for slot in host.ring.slots] if host.ring is not None else []
+        return transfer.nbytes((trees, list(host.staging.values())))
 
     def load_state(self, state: dict):
         """Replaces the training state with `state` (same structure as `state()`), unit by unit,
