@@ -2,7 +2,8 @@
 engine/ importing nothing of megatrain_jax outside itself, no module standing on one above it
 (FORBIDDEN), one table of device peaks (scripts read megatrain_jax.machines'), short
 functions in the modules around the engine (issue 26), a step that reads only what it is
-given (issue 36), and scripts that read the engine through its public API (issue 47)."""
+given (issue 36) and asks the host only through its protocol, and scripts that read the engine
+through its public API (issue 47)."""
 
 import ast
 import pathlib
