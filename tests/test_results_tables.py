@@ -41,7 +41,7 @@ def test_a_changed_figure_changes_its_table(tmp_path):
     r["run"]["losses"] = [9.87654, 9.5]
     path.write_text(json.dumps(r))
     new = tables.render(doc_text(), str(results))
-    assert "| 9.8765, 9.5000 |" in new and "11.1025, 11.1026" not in new
+    assert "| 9.8765, 9.5000 |" in new and "| 11.1025, 11.1026 |" not in new
     assert tables.main(["--check", "--results", str(results)]) == 1  # the document is now stale
 
 
