@@ -47,11 +47,12 @@ jax.config.update("jax_num_cpu_devices", 3)
 # this order (--dist loadfile --no-loadscope-reorder in pyproject.toml), so the run ends on short
 # files rather than on a long one with the other worker idle. The rest follow in their own order.
 # A file missing from this list only costs balance (each file's time: pytest's --durations).
-SLOWEST_FILES = ("test_bad_inputs.py", "test_distributed.py", "test_bench.py", "test_checkpoint.py",
-                 "test_plan.py", "test_engine.py", "test_disk_tier.py", "test_hf.py",
-                 "test_host_optim.py", "test_ring.py", "test_generate.py", "test_dpo.py",
-                 "test_seqtile.py", "test_streaming.py", "test_long_context_plan.py",
-                 "test_train_faults.py", "test_moe.py", "test_families.py")
+SLOWEST_FILES = ("test_bad_inputs.py", "test_distributed.py", "test_bench.py",
+                 "test_gpu_checklist.py", "test_checkpoint.py", "test_plan.py", "test_engine.py",
+                 "test_disk_tier.py", "test_hf.py", "test_host_optim.py", "test_ring.py",
+                 "test_generate.py", "test_dpo.py", "test_seqtile.py", "test_packing.py",
+                 "test_streaming.py", "test_long_context_plan.py", "test_train_faults.py",
+                 "test_moe.py", "test_families.py")
 
 
 def pytest_collection_modifyitems(items):
