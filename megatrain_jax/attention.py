@@ -555,10 +555,13 @@ BLOCKS = (512, 1024, 2048)  # blockwise's blocks the GPU checklist measures
 DEFAULT_BLOCK = 512  # the block before any was measured
 # Seconds of one layer's backward (recompute and VJP) of Llama-3-8B's shapes at 32,768 tokens in
 # tiles of 8,192, by platform and candidate ("blockwise/<block>", "merged", "untiled"), from
-# scripts/bench_tile_attention.py's JSON (part 7 of scripts/gpu_checklist.py). Empty until a GPU
-# run measures them: the rule then keeps the choice made before (blockwise per query tile in
-# blocks of 512) and says so.
-MEASURED: dict = {}
+# scripts/bench_tile_attention.py's JSON (part 7 of scripts/gpu_checklist.py); a platform with
+# nothing measured keeps the choice made before (blockwise per query tile in blocks of 512) and
+# says so. gpu: an H200, jax 0.11.2, 2026-11-28 (docs/results/2026-11-28-h200/tile_attention.json).
+MEASURED: dict = {
+    "gpu": {"blockwise/512": 0.629, "blockwise/1024": 0.388, "blockwise/2048": 0.334,
+            "merged": 0.191, "untiled": 0.120},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -589,10 +592,12 @@ def _cudnn_unsupported(*, platform: str, dtype, head_dim: int, document_mask: bo
 
 def choose_attention(requested: str, *, platform: str, dtype, head_dim: int, document_mask: bool,
                      windowed: bool = False, block: int = 0, tile: int = 0,
-                     measured: dict | None = None) -> Choice:
+                     measured: dict | None = None, exclude: tuple = ()) -> Choice:
     """The attention that runs for train.attention `requested` (IMPLEMENTATIONS) on `platform`,
     untiled and tiled, and blockwise's block (`block`, 0: chosen). `windowed`: a layer has a
-    sliding window; `tile`: train.tile_size; `measured`: MEASURED's figures of the platform.
+    sliding window; `tile`: train.tile_size; `measured`: MEASURED's figures of the platform;
+    `exclude`: tiled candidates not to take ("untiled", "merged": the plan's, where the faster
+    does not fit the device).
 
     Untiled: "auto" is cuDNN where it can run, else blockwise; "blockwise" and "xla" as asked;
     "cudnn" where it cannot run gives blockwise and a notice. Tiled: XLA's attention is never
@@ -629,6 +634,7 @@ def choose_attention(requested: str, *, platform: str, dtype, head_dim: int, doc
         candidates = ["untiled"] if requested == "cudnn" else candidates + ["untiled"]
         if not windowed and not merge_supported():
             candidates.append("merged")
+    candidates = [c for c in candidates if c not in exclude] or [f"blockwise/{block}"]
     timed = {c: measured[c] for c in candidates if c in measured}
     if timed:
         best = min(timed, key=timed.get)

@@ -331,7 +331,7 @@ def plan_advice(cfg, machine, run_plan, args) -> list:
         return [f"advice: none before the run: {machine.name} has no known peak for the step-time "
                 f"model (--tflops, --rates); the run advises after its first steps"]
     shape = step_time.step_shape(cfg, run_plan.offload_activations, devices=machine.devices,
-                                 bus=run_plan.bus)
+                                 bus=run_plan.bus, execution=run_plan.execution)
     prediction = step_time.simulate(shape, _rates(machine, args, shape)[0])
     return advice.for_plan(cfg, machine, run_plan, prediction)
 

@@ -36,11 +36,32 @@ LARGEST_SEQ_TOLERANCE = 0.02
 
 def plan(cfg: Config, machine: Machine) -> Plan:
     """The plan of `cfg` on `machine`. Compiles the step's five device functions for the
-    configured micro-batch shape (seconds for an 8B model on a CPU); allocates nothing."""
-    # the engine's own: lazy, train imports us
-    from megatrain_jax.recipes import build_optimizer, execution_for, host_lookup_setting
+    configured micro-batch shape (seconds for an 8B model on a CPU); allocates nothing.
+
+    Its attention is the rule's (attention.choose_attention) where that fits; where the block is
+    tiled and train.attention is auto, a faster candidate that does not fit the device (cuDNN over
+    the whole sequence holds the sequence's q, k, v) gives way to the next, so a sequence that
+    fits tiled is never refused for the speed of a form that does not."""
+    from megatrain_jax.recipes import execution_for  # the engine's own: lazy, train imports us
 
     execution, choice = execution_for(cfg, machine.platform)
+    result, excluded, why = _plan(cfg, machine, execution, choice), (), ""
+    tiled = 0 < execution.tile_size < cfg.data.seq_len
+    while (tiled and cfg.train.attention == "auto" and choice.tiled in ("untiled", "merged")
+           and result.device_peak > machine.device_memory_gb * GB):
+        excluded += (choice.tiled,)
+        why += (f"; {choice.tiled} does not fit (device peak {format_bytes(result.device_peak)} "
+                f"of {format_bytes(machine.device_memory_gb * GB)})")
+        execution, choice = execution_for(cfg, machine.platform, exclude=excluded)
+        choice = dataclasses.replace(choice, reason=choice.reason + why)
+        result = _plan(cfg, machine, execution, choice)
+    return result
+
+
+def _plan(cfg: Config, machine: Machine, execution: Execution, choice) -> Plan:
+    """The plan of `cfg` on `machine` with this execution (attention.Choice `choice` says why)."""
+    from megatrain_jax.recipes import build_optimizer, host_lookup_setting
+
     device = compile_device(machine.platform)
     compiled, notes = _compiled_execution(execution, device, machine)
     c = counts(cfg, compiled, machine, optimizer=build_optimizer(cfg.optimizer, cfg.train.steps),

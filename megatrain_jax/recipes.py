@@ -30,19 +30,19 @@ def load_config(path: str | None = None, overrides=()) -> Config:
     return config_lib.load_config(path, overrides, hf_model=hf.model_config_from_hf)
 
 
-def execution_for(cfg: Config,
-                  platform: str | None = None) -> tuple[Execution, attention.Choice]:
+def execution_for(cfg: Config, platform: str | None = None,
+                  exclude: tuple = ()) -> tuple[Execution, attention.Choice]:
     """The model's execution options from cfg.train, with `train.attention` and
     `train.attention_block` resolved for the compute platform (default: the default device's) by
-    attention.choose_attention, and its choice (the reason, and a notice where train.attention
-    asked for what cannot run there)."""
+    attention.choose_attention (`exclude`: tiled candidates not to take), and its choice (the
+    reason, and a notice where train.attention asked for what cannot run there)."""
     platform = platform or jax.local_devices()[0].platform
     t = cfg.train
     try:
         choice = attention.choose_attention(
             t.attention, platform=platform, dtype=t.compute_dtype, head_dim=cfg.model.head_size,
             document_mask=cfg.data.document_mask, windowed=cfg.model.sliding_window > 0,
-            block=t.attention_block, tile=t.tile_size)
+            block=t.attention_block, tile=t.tile_size, exclude=exclude)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return Execution(attention=choice.attention, attention_block=choice.block,
@@ -103,13 +103,15 @@ def build_optimizer(cfg, total_steps: int) -> fused_adamw.AdamW:
 
 
 def build_engine(cfg: Config, *, offload_activations: bool | None = None,
-                 **engine_kwargs) -> StreamedEngine:
-    """The engine for cfg. `offload_activations` resolves train.offload_activations=auto (train()
-    takes it from the plan); left None, auto means off."""
+                 execution: Execution | None = None, **engine_kwargs) -> StreamedEngine:
+    """The engine for cfg. `offload_activations` resolves train.offload_activations=auto and
+    `execution` the attention that runs (train() takes both from the plan, whose attention is
+    the fastest that fits); left None, auto means off and the attention is execution_for's."""
     model = cfg.model
     compute = (engine_kwargs.get("compute_device") or (engine_kwargs.get("compute_devices")
                                                         or jax.local_devices())[0])
-    execution, _ = execution_for(cfg, compute.platform)
+    if execution is None:
+        execution, _ = execution_for(cfg, compute.platform)
     if offload_activations is None:
         offload_activations = cfg.train.offload_activations is True
     # The stages are built in host memory, like the blocks (the engine builds those there):

@@ -525,17 +525,18 @@ def simulate(shape: StepShape, rates: Rates, steps: int = 4) -> Prediction:
 
 
 def step_shape(cfg, offload: bool, updates_wait_for_norm: bool = True,
-               devices: int = 0, bus: str = "") -> StepShape:
+               devices: int = 0, bus: str = "", execution=None) -> StepShape:
     """The shape of one step of `cfg` on an accelerator (`offload`: activations offloaded) of a
     machine with `devices` of them (0: unknown, 1 assumed: flops.local_devices), its layers' bus
     copies kept as `bus` ("resident" or "ring"; "": offload.bus, auto taken as resident: the
-    plan resolves auto)."""
+    plan resolves auto), computing `execution` (the plan's: its attention fits; None: the rule's
+    on a GPU)."""
     # lazy: jax and the model (`megatrain --help` stays quick)
     from megatrain_jax.flops import (counts, executed_attention, flops_per_token, host_lookup,
                                      host_round_trips)
     from megatrain_jax.machines import MACHINES
     from megatrain_jax.recipes import build_optimizer, execution_for, host_lookup_setting
-    execution, _ = execution_for(cfg, "gpu")
+    execution = execution or execution_for(cfg, "gpu")[0]
     c = counts(cfg, execution, dataclasses.replace(MACHINES["h100"], devices=devices),
                optimizer=build_optimizer(cfg.optimizer, cfg.train.steps),
                lookup_setting=host_lookup_setting(cfg))

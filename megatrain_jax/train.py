@@ -221,7 +221,7 @@ def _train_locked(cfg: Config, dataset, eval_set, log, console, placed) -> list[
     devices = len(placed["compute_devices"])
     run_plan = _checked_plan(cfg, devices)
     engine = build_engine(cfg, offload_activations=run_plan.offload_activations,
-                          bus=run_plan.bus, **placed)
+                          execution=run_plan.execution, bus=run_plan.bus, **placed)
     manager = None
     with _closed_after(lambda: manager, engine):
         ckpt = cfg.checkpoint

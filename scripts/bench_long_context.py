@@ -145,7 +145,8 @@ def bench(args):
     toks = rng.integers(0, m.vocab_size, size=(max(args.steps, 1), 1, B, T + 1), dtype=np.int32)
     rss["before_engine"] = maxrss_bytes()
     t0 = time.perf_counter()
-    engine = build_engine(cfg, offload_activations=cfg.train.offload_activations is True)
+    engine = build_engine(cfg, offload_activations=cfg.train.offload_activations is True,
+                          execution=run_plan.execution)
     build_s = time.perf_counter() - t0
     rss["after_engine"] = maxrss_bytes()
     losses, grad_norms, step_times, compiles = [], [], [], []
@@ -230,7 +231,8 @@ def step_time_prediction(cfg, machine, run_plan) -> dict:
     the machine's peak and bus (a CPU: the model's defaults, an H100's): what the measured step
     is held against on a GPU."""
     from megatrain_jax import step_time
-    shape = step_time.step_shape(cfg, run_plan.offload_activations, bus=run_plan.bus)
+    shape = step_time.step_shape(cfg, run_plan.offload_activations, bus=run_plan.bus,
+                                 execution=run_plan.execution)
     rates, sources, _ = step_time.resolve_rates(machine, {})
     p = step_time.simulate(shape, rates)
     return {"step_s": p.step_s, "bound": p.bound, "critical_path_s": p.critical_s,

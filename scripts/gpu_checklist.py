@@ -19,6 +19,10 @@ timeout, in parts of at most 10 minutes each; run them in order.
                                           # backward per way a tiled block attends, and the
                                           # 128K step of part 2 with the tiled block's loops
                                           # known (issue 46)
+    python3 scripts/gpu_checklist.py 8    # what is left on the dispatching thread: the layer
+                                          # calls and bench_1b with while loops in XLA's command
+                                          # buffers, against the default; the bus ring against
+                                          # resident bus copies
     python3 scripts/gpu_checklist.py 1 2 3 4 5 --smoke --out /tmp/smoke   # on a CPU, tiny sizes
 
 Results go to the folder $OUT names when it is set, else to --out DIR: per part part<N>.txt
@@ -263,6 +267,40 @@ def tiled_attention_part() -> list:
 
 
 STEPS[7] = tiled_attention_part()
+
+# XLA:GPU's default command buffers hold fusions, cuBLAS and cuDNN calls, not while loops: a scan
+# runs its loop from the host, launching its body's thunks at every step
+WHILE_IN_COMMAND_BUFFERS = (("XLA_FLAGS", "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"),)
+
+
+def launch_part() -> list:
+    """Part 8 (at most 6 minutes): what is left on the dispatching thread with one call per layer
+    (docs/results/2026-11-28-h200.md: a layer backward's launch, 5.5 ms, is the executable's, not
+    its arguments'): the layer calls' dispatch and bench_1b at 32K with XLA's command buffers
+    holding while loops and conditionals too, each beside the default in the same part; then
+    the bus ring against the resident bus copies without the profiler (the ring's cast runs on
+    the dispatching thread: 0.21 s a step profiled)."""
+    bench_1b = ("scripts/bench.py", "--config", "configs/bench_1b.yaml")
+    smoke = ("scripts/bench.py", *TINY)
+    steps, smoke_steps = ("--steps", "3"), ("--steps", "1", "--warmup", "1", "--cpu-devices", "2")
+    return [*machine_steps(versions=False),
+            *(Step(name, 35, ("scripts/bench_layer_calls.py", "--config", "configs/bench_1b.yaml"),
+                   smoke=("scripts/bench_layer_calls.py", *TINY, "--reps", "1"),
+                   json=f"{name}.json", env=env)
+              for name, env in (("layer_calls_default", ()),
+                                ("layer_calls_while", WHILE_IN_COMMAND_BUFFERS))),
+            *(Step(name, 80, (*bench_1b, *steps, "--baselines", "none"),
+                   smoke=(*smoke, *smoke_steps, "--baselines", "none"), json=f"{name}.json",
+                   env=env)
+              for name, env in (("bench_1b_32k_default", ()),
+                                ("bench_1b_32k_while", WHILE_IN_COMMAND_BUFFERS))),
+            Step("bench_1b_ring", 110, (*bench_1b, "offload.bus=ring", *steps, "--baselines",
+                                        "resident"),
+                 smoke=(*smoke, "offload.bus=ring", *smoke_steps, "--baselines", "resident"),
+                 json="bench_1b_ring.json")]
+
+
+STEPS[8] = launch_part()
 
 
 def files_of(part: int) -> list:

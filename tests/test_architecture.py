@@ -2,7 +2,8 @@
 engine/ importing nothing of megatrain_jax outside itself, no module standing on one above it
 (FORBIDDEN), one table of device peaks (scripts read megatrain_jax.machines'), short
 functions in the modules around the engine (issue 26), a step that reads only what it is
-given (issue 36), and scripts that read the engine through its public API (issue 47)."""
+given (issue 36) and asks the host only through its protocol, and scripts that read the engine
+through its public API (issue 47)."""
 
 import ast
 import pathlib
@@ -296,3 +297,69 @@ def test_the_step_reads_what_it_is_given_not_the_engine():
     assert run_parameters(step, "run")[0] == ("sp", "StepParts")
     assert run_parameters(evaluate, "run")[0] == ("sp", "StepParts")
     assert run_parameters(evaluate, "outputs")[0] == ("sp", "StepParts")
+
+
+# The modules that make the host state: the step's modules name none of them, only the interface
+# the step asks of it (engine/step_host.py's StepHost), which HostState satisfies
+HOST_SIDE = ("host", "bus", "direct", "update", "store", "tier", "fused_adamw")
+HOST_PROTOCOL = ("engine/step_host.py", "StepHost")
+
+
+def class_members(source: str, name: str) -> set:
+    """The members class `name` of source declares (annotated fields, methods) or sets on self."""
+    cls = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)
+               and n.name == name)
+    members = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)}
+    members |= {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    return members | {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute)
+                      and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
+                      and n.value.id == "self"}
+
+
+def host_reads(source: str) -> set:
+    """The attributes source reads off a host state: off a name `host` or an attribute `.host`
+    (sp.host.bus, host.last)."""
+    return {node.attr for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Attribute)
+            and (isinstance(node.value, ast.Name) and node.value.id == "host"
+                 or isinstance(node.value, ast.Attribute) and node.value.attr == "host")}
+
+
+def object_fields(source: str) -> list:
+    """`Class.field` of every class field of source annotated `object`."""
+    return [f"{cls.name}.{n.target.id}" for cls in ast.walk(ast.parse(source))
+            if isinstance(cls, ast.ClassDef) for n in cls.body
+            if isinstance(n, ast.AnnAssign) and ast.unparse(n.annotation) == "object"]
+
+
+def test_the_host_checks_read_code():
+    source = ("class P:\n    a: int\n    b: object\n    def f(self):\n        self.c = 1\n"
+              "        self.d.e = 2\n\n\ndef g(sp, host):\n    return sp.host.x(host.y, z.w)\n")
+    assert class_members(source, "P") == {"a", "b", "f", "c"}
+    assert host_reads(source) == {"x", "y"}
+    assert object_fields(source) == ["P.b"]
+
+
+def test_the_step_asks_the_host_only_through_its_protocol():
+    """step, lookup and evaluate import nothing of the host side but the protocol (issue 47
+    item 3): what they read of the host is exactly StepHost's members, every one of which
+    HostState has; and no field of theirs is typed `object`."""
+    graph = import_graph(module_sources())
+    module = lambda path: f"{PACKAGE}.{path.removesuffix('.py').replace('/', '.')}"
+    host_side = {f"{ENGINE}.{name}" for name in HOST_SIDE}
+    imported = {name: sorted(graph[module(name)] & host_side) for name in STEP_MODULES}
+    assert {name: found for name, found in imported.items() if found} == {}
+    assert {name: module(HOST_PROTOCOL[0]) in graph[module(name)]
+            for name in ("engine/step.py", "engine/lookup.py")} == {
+        "engine/step.py": True, "engine/lookup.py": True}
+    protocol = class_members((ROOT / PACKAGE / HOST_PROTOCOL[0]).read_text(), HOST_PROTOCOL[1])
+    read = set().union(*(host_reads((ROOT / PACKAGE / name).read_text())
+                         for name in STEP_MODULES))
+    assert read == protocol
+    host_state = class_members((ROOT / PACKAGE / "engine/host.py").read_text(), "HostState")
+    assert sorted(protocol - host_state) == []
+    typed = {name: object_fields((ROOT / PACKAGE / name).read_text()) for name in STEP_MODULES}
+    assert {name: fields for name, fields in typed.items() if fields} == {}
+    step = (ROOT / PACKAGE / "engine/step.py").read_text()
+    host_field = next(n for n in ast.walk(ast.parse(step)) if isinstance(n, ast.AnnAssign)
+                      and n.target.id == "host")
+    assert ast.unparse(host_field.annotation) == HOST_PROTOCOL[1]

@@ -155,3 +155,17 @@ def test_smoke_of_part_6_the_dispatching_thread(tmp_path):
     assert {"layer_fwd bare", "layer_bwd bare", "layer_bwd scan"} <= set(calls["calls"])
     log = (out / "part6.txt").read_text()
     assert "optimizer.host_threads=1" in log and "--profile-main" in log
+
+
+def test_smoke_of_part_8_while_loops_in_command_buffers(tmp_path):
+    """Part 8's steps that differ from part 6's at tiny sizes: a layer call's dispatch and a
+    bench_1b step under XLA's command buffers with while loops and conditionals added (each JSON
+    records the flags it ran under), and the bus ring against resident bus copies."""
+    assert sum(s.timeout_s for s in checklist.STEPS[8]) <= 360  # 6 minutes
+    out = tmp_path / "results"
+    proc = run("8", "--smoke", "--out", str(out), "--only", "layer_calls_while,bench_1b_ring")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    flags = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+    assert json.loads((out / "layer_calls_while.json").read_text())["xla_flags"] == flags
+    ring = json.loads((out / "bench_1b_ring.json").read_text())
+    assert ring["config"]["offload"]["bus"] == "ring" and "resident" in json.dumps(ring["baselines"])

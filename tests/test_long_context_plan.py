@@ -82,3 +82,56 @@ def test_the_plan_counts_the_measured_blocks_score_buffers(monkeypatch):
     scores = lambda block: 1 * MODEL.num_heads * block * block * 4
     grown = big.workspace["backward"] - small.workspace["backward"]
     assert grown >= scores(2048) - scores(512), (grown, scores(2048))
+
+
+def test_a_faster_attention_that_does_not_fit_gives_way_to_the_next(monkeypatch):
+    """Where the block is tiled and train.attention is auto, the plan takes the fastest measured
+    candidate that fits the device: cuDNN over the whole sequence holds the sequence's q, k, v
+    (and their gradients) where the per-tile forms hold a tile's, so on a device between the two
+    peaks the untiled form gives way, the plan says why, and the engine is built with what the
+    plan chose (train() passes plan.execution). Asked for by name (cudnn), nothing gives way."""
+    from megatrain_jax import attention
+    monkeypatch.setitem(attention.MEASURED, "gpu", {"untiled": 1.0, "merged": 2.0,
+                                                    f"blockwise/{BLOCK}": 3.0})
+    cfg = config(2048)
+    auto = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, attention="auto"))
+    roomy = dataclasses.replace(MACHINE, device_memory_gb=10.0)
+    fastest = plan(auto, roomy)
+    assert fastest.execution.tiled == "untiled" and fastest.fits
+    monkeypatch.setitem(attention.MEASURED, "gpu", {"merged": 2.0, f"blockwise/{BLOCK}": 3.0})
+    tiled = plan(auto, roomy)
+    monkeypatch.setitem(attention.MEASURED, "gpu", {"untiled": 1.0, "merged": 2.0,
+                                                    f"blockwise/{BLOCK}": 3.0})
+    assert tiled.execution.tiled != "untiled" and tiled.device_peak < fastest.device_peak
+    between = dataclasses.replace(MACHINE, device_memory_gb=(
+        tiled.device_peak + fastest.device_peak) / 2 / 1e9)
+    chosen = plan(auto, between)
+    assert chosen.fits and chosen.execution == tiled.execution
+    assert "untiled does not fit (device peak" in chosen.attention_reason
+    asked = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, attention="cudnn"))
+    refused = plan(asked, between)
+    assert refused.execution.tiled == "untiled" and not refused.fits
+
+
+def test_train_builds_the_engine_with_the_plans_attention(tmp_path, monkeypatch):
+    """train() hands the plan's execution (its attention: the fastest that fits) to the engine,
+    so the run computes what the plan planned."""
+    import os
+    from megatrain_jax import train as train_lib
+    from megatrain_jax.recipes import load_config
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(os.path.join(root, "configs", "tiny.yaml"), [
+        f"run_dir={tmp_path}", f"data.path={root}/megatrain_jax/texts/devils_dictionary.txt"])
+    planned, built = [], []
+    real_plan = train_lib.plan_lib.plan
+    monkeypatch.setattr(train_lib.plan_lib, "plan",
+                        lambda *a: planned.append(real_plan(*a)) or planned[-1])
+
+    def build(cfg, **kwargs):
+        built.append(kwargs)
+        raise KeyboardInterrupt  # stops the run here: nothing else to check
+
+    monkeypatch.setattr(train_lib, "build_engine", build)
+    with pytest.raises(KeyboardInterrupt):
+        train_lib.train(cfg, log=lambda line: None)
+    assert built[0]["execution"] is planned[-1].execution

@@ -10,7 +10,8 @@ import optax
 import pytest
 
 from megatrain_jax import StreamedEngine
-from megatrain_jax.engine import schedule
+from megatrain_jax.engine import schedule, transfer
+from megatrain_jax.engine.stream import Carry, LayerStream, Outgoing
 from megatrain_jax.model import ModelConfig, make_block, make_stages
 from test_streaming import batch
 
@@ -160,6 +161,64 @@ def test_the_jit_form_fetches_each_layer_inside_the_dispatch_prefetch_before_it(
         schedule.layer_ops(n, 0, schedule.JIT)
 
 
+class CallLog:
+    """Transfers standing in for the engine's (in_call, grads_out), recording each call's copies."""
+
+    def __init__(self):
+        self.calls, self.eager_out = [], []
+
+    def in_call(self, fn, args, weights=None, activations=None, grads=None):
+        self.calls.append((args[0], weights, grads))
+        return fn(*args), (weights and f"{weights} in", activations), grads and f"{grads} out"
+
+    def grads_out(self, grads, layer=False):
+        self.eager_out.append(grads)
+        return transfer.Parcel(None, [[f"{grads} out"]])
+
+
+def one_loop(copies, n, prefetch, call_at=lambda i: True):
+    """One pass over n layers, the same loop in either form: a call per layer (where call_at),
+    its gradient sent. (the transfers' log, the payloads, the stream)."""
+    log, payloads = CallLog(), []
+    stream = LayerStream(range(n), lambda i: f"w{i}", prefetch, copies=copies,
+                         carry=Carry(lambda i: (f"bus{i}", None), lambda i, copied: copied[0]),
+                         transfers=log)
+    for i, w in stream:
+        payloads.append(w)
+        if call_at(i):
+            stream.call(lambda layer: layer, (i,))
+        stream.send(i, f"g{i}")
+        stream.done(())
+    return log, payloads, stream
+
+
+@pytest.mark.parametrize("n,prefetch", [(1, 1), (4, 1), (4, 2)])
+def test_the_stream_owns_the_copies_form(n, prefetch):
+    """A pass's loop reads the same in both forms (engine/step.py's): eager, every fetch is the
+    fetch function's and each gradient goes out at its send; jit, layer i + p's fetch is made in
+    layer i's call and layer i's gradient in layer i + 1's, the last one's left for the caller
+    (stream.leaving); every gradient goes out once."""
+    log, payloads, stream = one_loop(schedule.EAGER, n, prefetch)
+    assert payloads == [f"w{i}" for i in range(n)]
+    assert log.calls == [(i, None, None) for i in range(n)]
+    assert log.eager_out == [f"g{i}" for i in range(n)] and stream.leaving is None
+    assert {k: p.pieces for k, p in stream.sent.items()} == {i: [[f"g{i} out"]] for i in range(n)}
+    log, payloads, stream = one_loop(schedule.JIT, n, prefetch)
+    assert payloads == [f"w{i}" if i < prefetch else f"bus{i} in" for i in range(n)]
+    assert log.calls == [(i, f"bus{i + prefetch}" if i + prefetch < n else None,
+                          f"g{i - 1}" if i else None) for i in range(n)]
+    assert log.eager_out == [] and stream.sent == {i: f"g{i} out" for i in range(n - 1)}
+    assert stream.leaving == Outgoing(n - 1, f"g{n - 1}", [f"g{n - 1}"])
+
+
+def test_a_jit_dispatch_that_makes_no_call_is_an_error():
+    """The gradient the layer before sent would never go out: said at once, naming both."""
+    with pytest.raises(RuntimeError, match="^layer 3's dispatch made no call to send the "
+                                           "gradient of 2 out$"):
+        one_loop(schedule.JIT, 4, 1, call_at=lambda i: i < 3)
+    one_loop(schedule.EAGER, 4, 1, call_at=lambda i: i < 3)  # (eager: nothing waits on a call)
+
+
 def test_gradients_and_bus_copies_stay_in_the_compute_devices_pinned_memory(monkeypatch):
     """On the dispatching thread every gradient goes to the compute device's pinned host memory
     (the hop to the host device is the update thread's), and bus copies wait there."""
@@ -195,7 +254,6 @@ def test_a_memory_kind_where_the_plan_counts_none_is_a_one_line_error():
 
 
 def test_a_compute_device_without_pinned_memory_takes_the_logged_fallback(monkeypatch, caplog):
-    from megatrain_jax.engine import transfer
     from megatrain_jax.engine.parallel import Placement
     from megatrain_jax.engine.stream import Counters
     monkeypatch.setattr(transfer, "memory_kinds", lambda device: {"device"})

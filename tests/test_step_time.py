@@ -138,12 +138,13 @@ def test_mfu_never_passes_100_percent(config, seq_len, window):
     assert math.isclose(s.model_flops, (6 * matmul + attention) * T, rel_tol=1e-9)
 
 
-def test_the_attention_that_runs_is_counted():
+def test_the_attention_that_runs_is_counted(monkeypatch):
     """flops.executed_attention: per token of one layer, blockwise flash attention computes the
     block pairs its schedule visits (the diagonal blocks whole), cuDNN the keys a query sees,
     XLA's dense attention every key; a backward call recomputes the forward (3.5 forward passes
     with a flash backward), cuDNN's calls merged per query tile take 8 (each call's VJP twice and
     P K once more). The step's layer FLOPs follow the execution the rule picks."""
+    from megatrain_jax import attention
     from megatrain_jax.config import load_config
     from megatrain_jax.flops import attention_flops, executed_attention
     from megatrain_jax.model import Execution
@@ -172,14 +173,19 @@ def test_the_attention_that_runs_is_counted():
         assert executed_attention(windowed, Execution(attention="blockwise", tile_size=tile),
                                   short)[0] == (4 * model.num_heads * model.head_size
                                                 * len(steps) * block**2 / short)
-    # the step: auto on the GPU, nothing measured, is blockwise per query tile; cudnn asked
-    # for runs untiled; the shape's layer FLOPs are those
+    # the step: auto on the GPU is the fastest measured there (attention.MEASURED: cuDNN
+    # untiled) and, with nothing measured, blockwise per query tile; cudnn asked for runs
+    # untiled; the shape's layer FLOPs are those
     params = step_shape(cfg, offload=True).layer_bytes // 2  # bf16 weights: 2 bytes a parameter
-    for setting, attention in (("auto", blockwise), ("cudnn", cudnn)):
+    measured = attention.MEASURED["gpu"]
+    assert min(measured, key=measured.get) == "untiled"
+    for table, setting, executed in ((measured, "auto", cudnn), ({}, "auto", blockwise),
+                                     ({}, "cudnn", cudnn)):
+        monkeypatch.setitem(attention.MEASURED, "gpu", table)
         s = step_shape(dataclasses.replace(cfg, train=dataclasses.replace(
             cfg.train, attention=setting)), offload=True)
-        assert math.isclose(s.layer_fwd_flops, T * (2 * params + attention[0]), rel_tol=1e-12)
-        assert math.isclose(s.layer_bwd_flops, T * (6 * params + attention[1]), rel_tol=1e-12)
+        assert math.isclose(s.layer_fwd_flops, T * (2 * params + executed[0]), rel_tol=1e-12)
+        assert math.isclose(s.layer_bwd_flops, T * (6 * params + executed[1]), rel_tol=1e-12)
 
 
 def _round_trips(hlo: str) -> float:

@@ -9,6 +9,8 @@ stage's own; the host thread updates them in that order, the one the next forwar
 Modules, by concern:
   streamed.py   StreamedEngine: construction, train_step, evaluate, reading and loading state
   step.py       one step, top to bottom, from what it is given (StepParts)
+  step_host.py  StepHost: what a step asks of the host state (a Protocol HostState satisfies),
+                the only host-side name step.py, evaluate.py and lookup.py use
   schedule.py   the order of a pass's fetches, dispatches and waits (and the step's around them),
                 written once, with its one interpreter (walk): executed by stream.py, simulated
                 by step_time, read by plan
@@ -20,7 +22,8 @@ Modules, by concern:
   evaluate.py   forward only: the loss at the current weights, or any function of the last
                 stage (forward_outputs, e.g. per-sequence log-probs)
   decode.py     StreamedDecoder: forwards that carry a per-layer state (a KV cache), to generate
-  stream.py     a pass run to the schedule with back-pressure, activation offload, counters
+  stream.py     a pass run to the schedule with back-pressure, activation offload, counters;
+                the copies' form owned by its LayerStream (call, send)
   host.py       host state: per unit the master weights, optax state and bus copy; the thread
                 that runs each unit's host update, in order, and its failures
   update.py     how the host updates one unit, chosen once: the fused AdamW called directly

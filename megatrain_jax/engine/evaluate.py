@@ -17,8 +17,8 @@ that of the weights after every step so far. It reuses the step's jitted embed a
 
 import jax
 
+from megatrain_jax.engine.schedule import EAGER
 from megatrain_jax.engine.step import StepParts
-from megatrain_jax.engine.stream import LayerStream
 
 
 def _forward(sp: StepParts, inputs, contexts):
@@ -30,10 +30,9 @@ def _forward(sp: StepParts, inputs, contexts):
     xs = sp.first.forward(sp, inputs)
 
     # ---- forward: each layer's input is freed once its output is computed
-    stream = LayerStream(range(sp.num_layers), lambda i: sp.fetch_unit(1 + i), sp.prefetch,
-                         on_retire=sp.read(), counters=sp.host.counters)
+    stream = sp.stream(range(sp.num_layers), copies=EAGER)
     for i, w in stream:
-        (ys, _), _, _ = sp.call(f.layer_fwd, ((w, sp.constants[i]), xs, contexts))  # aux: not
+        ys, _ = stream.call(f.layer_fwd, ((w, sp.constants[i]), xs, contexts))  # aux: not
         # evaluated (a jitted identity may hand its input back)
         stream.done(ys, (sp.fetched(w), () if ys is xs else xs))
         xs = ys

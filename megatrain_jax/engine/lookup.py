@@ -22,13 +22,14 @@ out, the global norm and the scale: an EmbedBackward).
 import concurrent.futures
 import dataclasses
 import time
-from typing import Callable
+from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
 
 from megatrain_jax.engine import schedule, stage_units, transfer
 from megatrain_jax.engine.schedule import FIRST_STAGE_WAIT
+from megatrain_jax.engine.step_host import StepHost
 
 
 def serves(data_parallel: bool, parts, unit0) -> str:
@@ -80,7 +81,7 @@ def why_off(setting, serves_why: str, rows_bytes: int, table: int, compute_bytes
     return costs_more(rows_bytes, table, compute_bytes, grad_bytes)
 
 
-def held(host, u: int) -> tuple:
+def held(host: StepHost, u: int) -> tuple:
     """(index, shape) of each whole stages' leaf that stage unit u holds (one device)."""
     return tuple((i, tuple(host.shapes[0][i])) for i in host.stage_leaves(u))
 
@@ -219,11 +220,11 @@ class EmbedBackward:
     scale, as HostState.submit_all takes them; layer 0's gradient Parcel when it went out here
     (the jit form) else None; `totals()` (global norm, stages' sum of squares), to call once the
     update is queued."""
-    first_out: object
-    last_out: object
-    norm: object
-    scale: object
-    layer0: object
+    first_out: Union[transfer.Parcel, Callable]  # (the host lookup's: made on the host thread)
+    last_out: transfer.Parcel
+    norm: Union[jax.Array, Callable]
+    scale: Union[jax.Array, Callable]
+    layer0: Optional[transfer.Parcel]
     totals: Callable[[], tuple]
 
 
@@ -249,15 +250,15 @@ class DeviceFirst:
         return last_grads  # kept on the device for the stages' merge
 
     def backward(self, sp, inputs, head, layer_sq, leaving) -> EmbedBackward:
-        """`head` a step.Head; `leaving` (layer 0's unit, gradient, device arrays to free once it
-        is out) to send out beside the embedding backward's compute, or None. In the jit form
-        the stages' gradient and the scalars are made in pinned host memory (DeviceFunctions
-        .stages), so nothing is copied here."""
+        """`head` a step.Head; `leaving` (a stream.Outgoing: layer 0's gradient, and its device
+        arrays to free once it is out) to send out beside the embedding backward's compute, or
+        None. In the jit form the stages' gradient and the scalars are made in pinned host memory
+        (DeviceFunctions.stages), so nothing is copied here."""
         f, host = sp.functions, sp.host
         w = sp.fetch_stage("first")
-        first_grads, _, layer0 = sp.call(f.embed_bwd, (w, inputs, head.dxs),
-                                         grads=leaving and leaving[1])
-        sp.delete((sp.fetched(w), head.dxs, leaving and leaving[2]))
+        first_grads, _, layer0 = sp.transfers.in_call(f.embed_bwd, (w, inputs, head.dxs),
+                                                      grads=leaving and leaving.grads)
+        sp.delete((sp.fetched(w), head.dxs, leaving and leaving.free))
         held_leaves, sharding = _stage_shapes(sp)
         stage_grads, scalars, stages_sq = f.stages(first_grads, head.last, layer_sq, head.weight,
                                                    held_leaves, sharding)
@@ -268,8 +269,8 @@ class DeviceFirst:
                 stage_grads, host.stage_units[u][0])) for u in (0, host.last))
         else:
             norm, scale = sp.transfers.scalars_out(scalars)
-            first_out, last_out = (sp.out(stage_units.like(stage_grads, host.stage_units[u][0]))[0]
-                                   for u in (0, host.last))
+            first_out, last_out = (sp.transfers.grads_out(stage_units.like(
+                stage_grads, host.stage_units[u][0])) for u in (0, host.last))
         return EmbedBackward(first_out, last_out, norm, scale, layer0,
                              lambda: (scalars[0], stages_sq))
 
@@ -292,7 +293,7 @@ class HostFirst:
         squares per leaf)."""
         host = sp.host
         leaves, squares = sp.functions.last_unit(last_grads, held(host, host.last))
-        parcel = sp.out(stage_units.fill(host.stage_units[host.last][0], leaves))[0]
+        parcel = sp.transfers.grads_out(stage_units.fill(host.stage_units[host.last][0], leaves))
         sp.delete(last_grads)  # its fp32 sum; the cast leaves are freed once they are out
         return parcel, squares
 
@@ -303,8 +304,8 @@ class HostFirst:
         scalars = (f.total(layer_sq), last_squares, head.weight)
         layer0 = None
         if leaving is not None:  # no device function runs after it: layer 0's gradient goes out now
-            layer0 = transfers.grads_out(leaving[1], layer=True)
-            sp.delete(leaving[2])
+            layer0 = transfers.grads_out(leaving.grads, layer=True)
+            sp.delete(leaving.free)
         backward = HostBackward(sp, self.table, sp.host.stage_bus(sp.parts.first), inputs,
                                 transfers.grads_out(head.dxs), transfers.scalars_out(scalars))
 
@@ -316,3 +317,7 @@ class HostFirst:
             return made
         return EmbedBackward(backward.grads, last_out, backward.norm, backward.scale, layer0,
                              totals)
+
+
+# The first stage's way, chosen once (StreamedEngine._choose_lookup)
+FirstStage = Union[DeviceFirst, HostFirst]

@@ -39,24 +39,26 @@ pass's fetches, dispatches and waits is engine/schedule.py's (LayerStream); ever
 host and device memory is engine/transfer.py's. The dispatching thread waits only at the retires
 the schedule names (and for a unit's host update not yet done when its fetch comes); the result's
 scalars are read by the caller (a training loop reads them once the next step is dispatched).
-`run` reads only its StepParts (what the engine built: host state, transfers, device functions,
-placement, ...) and returns each unit's gradient's sum of squares beside the result. With the
-host lookup (engine/lookup.py's HostFirst, else DeviceFirst: the first stage's way, chosen once)
-the embed runs on the host, the last unit's gradient goes out after the loss, and the embed
-backward and the global norm run on the host thread, which the step's end waits for.
+`run` reads only its StepParts (what the engine built: the host state, as engine/step_host.py's
+StepHost, transfers, device functions, placement, ...) and returns each unit's gradient's sum of
+squares beside the result. With the host lookup (engine/lookup.py's HostFirst, else DeviceFirst:
+the first stage's way, chosen once) the embed runs on the host, the last unit's gradient goes out
+after the loss, and the embed backward and the global norm run on the host thread, which the
+step's end waits for.
 
-The copies' form (StepParts.copies, schedule.EAGER or JIT). Eager: every fetch and every gradient's
-copy out is a `device_put` of its own. Jit: a layer's fetch is made inside the call of the layer
-`prefetch` before it in the pass, its bus copy, and in the backward its offloaded inputs too,
-returned in device memory; a layer's gradient goes out inside the next layer's backward call,
+The copies' form (StepParts.copies, schedule.EAGER or JIT) is the pass's LayerStream's alone (its
+`call` and `send`), so the loops below read the same in both. Eager: every fetch and every
+gradient's copy out is a `device_put` of its own. Jit: a layer's fetch is made inside the call of
+the layer `prefetch` before it in the pass, its bus copy, and in the backward its offloaded inputs
+too, returned in device memory; a layer's gradient goes out inside the next layer's backward call,
 returned in pinned host memory, and layer 0's inside the embedding backward's call (the host
 lookup: eagerly, as no device function runs after it); the stages' gradient and the scalars the
 update reads are made in pinned host memory by their call. Eager in both forms: the first
 `prefetch` layers of each pass (no compute precedes them in the pass), the stages' fetches, the
-activations' offload in the forward, the batch (one copy). A fetch made inside a call is an
-output of it and an input of its own layer's call, which feeds that layer's gradient: it is done
-before the gradient is ready, so a unit's bus copy is still written only after every fetch of it
-has been read (engine/direct.py).
+activations' offload in the forward, the batch (one copy). A fetch made inside a call is an output
+of it and an input of its own layer's call, which feeds that layer's gradient: it is done before
+the gradient is ready, so a unit's bus copy is still written only after every fetch of it has been
+read (engine/direct.py).
 
 Each block weight crosses the bus twice per step whatever the number of micro-batches M is.
 Data parallel over several devices (parallel.py): every fetch goes to each device, each
@@ -69,32 +71,35 @@ whole gradient.
 """
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import jax
 
-from megatrain_jax.engine import schedule
-from megatrain_jax.engine.stream import LayerStream, delete
+from megatrain_jax.engine import lookup
+from megatrain_jax.engine.functions import DeviceFunctions, StageParts
+from megatrain_jax.engine.parallel import Placement
+from megatrain_jax.engine.step_host import StepHost
+from megatrain_jax.engine.stream import Activations, Carry, LayerStream, delete
+from megatrain_jax.engine.transfer import Transfers
 
 
 @dataclasses.dataclass(frozen=True)
 class StepParts:
-    """What a step (and an evaluation, engine/evaluate.py) reads: the host state, the transfers,
-    the jitted device functions, the placement, the stage parts (functions.StageParts), the saved
-    activations, the prefetch depth, the copies' form (schedule.EAGER or JIT), the first stage's
-    way (engine/lookup.py: DeviceFirst or HostFirst), each layer's Constants on the compute
-    device (stage_units.Constant) and the hooks (StreamedEngine's on_phase, on_event; None:
-    none)."""
-    host: object
-    transfers: object
-    functions: object
-    placement: object
-    parts: object
-    activations: object
+    """What a step (and an evaluation, engine/evaluate.py) reads: the host state (as a step sees
+    it: step_host.StepHost), the transfers, the jitted device functions, the placement, the stage
+    parts, the saved activations, the prefetch depth, the copies' form (schedule.EAGER or JIT),
+    the first stage's way (engine/lookup.py), each layer's Constants on the compute device
+    (stage_units.Constant) and the hooks (StreamedEngine's on_phase, on_event; None: none)."""
+    host: StepHost
+    transfers: Transfers
+    functions: DeviceFunctions
+    placement: Placement
+    parts: StageParts
+    activations: Activations
     num_layers: int
     prefetch: int
     copies: str
-    first: object
+    first: lookup.FirstStage
     constants: list
     on_phase: Optional[Callable] = None
     on_event: Optional[Callable] = None
@@ -102,12 +107,6 @@ class StepParts:
     def hook(self, phase, layer=None):
         if self.on_phase is not None:
             self.on_phase(phase, layer)
-
-    def events(self, phase):
-        """A pass's LayerStream on_event (None: no hook)."""
-        if self.on_event is None:
-            return None
-        return lambda kind, layer: self.on_event(kind, phase, layer)
 
     def delete(self, tree):
         """stream.delete, counted."""
@@ -133,12 +132,29 @@ class StepParts:
             self.host.fetched(u, w)
         return w
 
-    def read(self):
-        """A pass's LayerStream on_retire: each layer unit's fetch has been read (it frees its
-        bus ring slot, HostState.read); None without the ring."""
-        if self.host.ring is None:
-            return None
-        return lambda layer, token: self.host.read(1 + layer, token)
+    def stream(self, order, phase=None, inputs: bool = False, copies=None) -> LayerStream:
+        """A pass's LayerStream over the layers `order`, in the copies' form `copies` (default
+        the step's): each layer's payload its unit's weights on the compute device (`inputs`:
+        with the layer's saved inputs, (weights, inputs)); on_event told as `phase` (None: not
+        told); each fetch's reading told to the host (HostState.read: it frees a bus ring
+        slot)."""
+        host, acts = self.host, self.activations
+
+        def fetch(i):
+            w = self.fetch_unit(1 + i)
+            return (w, acts.load(i)) if inputs else w
+
+        def arrived(i, copied):  # made inside a call: inputs kept on the device are not copied
+            w, xs = copied
+            host.fetched(1 + i, w)
+            return (w, xs if acts.offload else acts.load(i)) if inputs else w
+        carry = Carry(lambda i: (host.bus(1 + i), acts.pinned(i) if inputs else None), arrived)
+        on_event = None
+        if phase is not None and self.on_event is not None:
+            on_event = lambda kind, layer: self.on_event(kind, phase, layer)
+        return LayerStream(order, fetch, self.prefetch, on_event,
+                           lambda layer, token: host.read(1 + layer, token), host.counters,
+                           copies=copies or self.copies, carry=carry, transfers=self.transfers)
 
     def fetched(self, w):
         """What a step may delete of a fetch: with state and compute on one device (no
@@ -148,26 +164,6 @@ class StepParts:
             return ()
         return w
 
-    def call(self, fn, args, carry=None, grads=None) -> tuple:
-        """fn (a streaming DeviceFunctions call: layer_fwd, layer_bwd, embed_bwd) on args, with
-        `carry` = (unit, its bus copy, offloaded inputs or None) fetched and `grads` (a gradient
-        on the device) sent out inside the call (the jit form; None: nothing). Returns (fn's
-        result, (the unit's weights, its inputs) on the device, the gradient's Parcel or
-        None)."""
-        u, bus, saved = carry or (None, None, None)
-        result, (w, xs), parcel = self.transfers.in_call(fn, args, weights=bus, activations=saved,
-                                                         grads=grads)
-        if u is not None:
-            self.host.fetched(u, w)
-        return result, (w, xs), parcel
-
-    def out(self, grads, layer: bool = False):
-        """(the gradient (reduced, in the host's dtype) on its way to the host, a Parcel; the
-        device arrays to free once the layer retires); layer: a layer's."""
-        parcel = self.transfers.grads_out(grads, layer)
-        kept = {id(x) for x in parcel.token()}  # no copy when they share a device
-        return parcel, [x for x in jax.tree.leaves(grads) if id(x) not in kept]
-
 
 @dataclasses.dataclass
 class Head:
@@ -175,13 +171,13 @@ class Head:
     statistics summed over the micro-batches (None: none), dx[m] at the last block's output
     (stacked), the last unit's gradient as the first stage's way keeps it (`last`), the aux loss
     and its cotangent (None: no aux)."""
-    loss: object
-    weight: object
-    stats: object
-    dxs: object
-    last: object
-    aux_loss: object = None
-    daux: object = None
+    loss: jax.Array
+    weight: jax.Array
+    stats: Any
+    dxs: jax.Array
+    last: Any
+    aux_loss: Optional[jax.Array] = None
+    daux: Optional[jax.Array] = None
 
 
 def _forward(sp: StepParts, xs, contexts) -> tuple:
@@ -189,18 +185,13 @@ def _forward(sp: StepParts, xs, contexts) -> tuple:
     micro-batches, its inputs saved (sp.activations)."""
     f, acts = sp.functions, sp.activations
     auxs = []
-    carry = ((lambda i: (1 + i, sp.host.bus(1 + i), None)) if sp.copies == schedule.JIT
-             else None)
-    stream = LayerStream(range(sp.num_layers), lambda i: sp.fetch_unit(1 + i), sp.prefetch,
-                         sp.events("forward"), carry, sp.read(), sp.host.counters)
+    stream = sp.stream(range(sp.num_layers), "forward")
     for i, w in stream:
-        # (the layer ahead's copy beside this compute, in the jit form)
-        (ys, aux), (ahead, _), _ = sp.call(f.layer_fwd, ((w, sp.constants[i]), xs, contexts),
-                                           stream.carry)
+        ys, aux = stream.call(f.layer_fwd, ((w, sp.constants[i]), xs, contexts))
         if aux is not None:
             auxs.append(aux)
         # nothing donates a block's outputs
-        stream.done(ys, acts.save(i, xs), drop=sp.fetched(w), carried=ahead)
+        stream.done(ys, acts.save(i, xs), drop=sp.fetched(w))
         xs = ys
         sp.hook("forward", i)
     if bool(auxs) != (f.aux_loss is not None):
@@ -225,43 +216,25 @@ def _loss(sp: StepParts, xs, targets, auxs: list) -> Head:
 
 def _backward(sp: StepParts, contexts, head: Head) -> tuple:
     """Every layer's backward in reverse, one call each over the micro-batches, head.dxs updated:
-    (each layer unit's gradient Parcel, the layers' sums of squares in the pass's order, layer
-    0's gradient still to go out in the jit form as (unit, gradient, device arrays to free once
-    it is out), else None)."""
+    (each layer unit's gradient Parcel by unit, the layers' sums of squares in the pass's order,
+    layer 0's gradient still to go out (the jit form's stream.Outgoing, else None))."""
     f, host, acts = sp.functions, sp.host, sp.activations
-    jit = sp.copies == schedule.JIT
-    layer_grads, layer_sq = {}, []
-    carry = (lambda i: (1 + i, host.bus(1 + i), acts.pinned(i))) if jit else None
-    stream = LayerStream(reversed(range(sp.num_layers)),
-                         lambda i: (sp.fetch_unit(1 + i), acts.load(i)), sp.prefetch,
-                         sp.events("backward"), carry, sp.read(), sp.host.counters)
-    leaving = None  # the jit form's: (unit, gradient) of the layer before, out in this call
+    layer_sq = []
+    stream = sp.stream(reversed(range(sp.num_layers)), "backward", inputs=True)
     for i, (w, xs) in stream:
-        (head.dxs, grads, sq), (w_ahead, xs_ahead), parcel = sp.call(
-            f.layer_bwd, ((w, sp.constants[i]), xs, contexts, head.dxs, head.daux),
-            stream.carry, leaving and leaving[1])
-        ahead = None
-        if stream.carry is not None:  # its inputs: copied here, or kept on the device
-            ahead = (w_ahead, xs_ahead if acts.offload else acts.load(stream.carry[0] - 1))
-        if leaving is not None:
-            layer_grads[leaving[0]] = parcel
+        head.dxs, grads, sq = stream.call(
+            f.layer_bwd, ((w, sp.constants[i]), xs, contexts, head.dxs, head.daux))
         layer_sq.append(sq)
-        if jit:  # goes out inside the next call (layer 0's: the embedding backward's)
-            leaving, device_grads = (1 + i, grads), jax.tree.leaves(grads)
-        else:
-            layer_grads[1 + i], device_grads = sp.out(grads, layer=True)
+        stream.send(1 + i, grads)  # (in the jit form inside the next call)
         host.release_bus(1 + i)
-        if leaving is not None and i == 0:  # freed once it is out, after the loop
-            leaving, device_grads = (*leaving, device_grads), []
         # retired on its sum of squares: made at the end of the call, never donated; the
         # gradient's copy out goes on while the next layer computes (the jit form drops its
-        # fetch right after the dispatch: the weights, and the inputs when they were loaded
-        # back; inputs kept on the device since the forward go with the rest at its retire)
-        fetched_inputs = acts.offload or not jit
-        stream.done(sq, (device_grads, () if fetched_inputs else xs),
-                    drop=(sp.fetched(w), xs if fetched_inputs else ()), carried=ahead)
+        # fetch right after the dispatch: the weights, and the inputs when they were offloaded;
+        # inputs kept on the device since the forward go with the rest at its retire)
+        stream.done(sq, () if acts.offload else xs,
+                    drop=(sp.fetched(w), xs if acts.offload else ()))
         sp.hook("backward", i)
-    return layer_grads, layer_sq, leaving
+    return stream.sent, layer_sq, stream.leaving
 
 
 def _result(sp: StepParts, head: Head, grad_norm) -> dict:
@@ -299,7 +272,7 @@ def run(sp: StepParts, inputs, targets, contexts) -> tuple:
     # ---- embed backward (the stages' gradient, the global norm and the scale)
     embed = sp.first.backward(sp, inputs, head, layer_sq, leaving)
     if leaving is not None:
-        layer_grads[leaving[0]] = embed.layer0
+        layer_grads[leaving.key] = embed.layer0
     host.release_bus(0)
     sp.hook("embed backward")
 

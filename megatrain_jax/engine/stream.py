@@ -12,7 +12,7 @@ micro-batch.
 import dataclasses
 import threading
 import time
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import jax
 
@@ -116,27 +116,47 @@ def delete(tree, counters: Optional[Counters] = None):
         counters.deleted += n
 
 
+@dataclasses.dataclass(frozen=True)
+class Carry:
+    """How a layer's fetch is made inside a call (the jit form): `source(layer)` gives what the
+    call copies to the device, (its bus copy, its saved inputs in pinned host memory or None), and
+    `arrived(layer, (weights, inputs) copied)` makes the layer's payload of that copy."""
+    source: Callable
+    arrived: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Outgoing:
+    """A gradient still to go out when its pass ended (the jit form's last layer): `key` what
+    LayerStream.send was given with it, `grads` on the device, `free` its device arrays to delete
+    once it is out. Made inside the next call that runs (the embedding backward's), or eagerly."""
+    key: Any
+    grads: Any
+    free: list
+
+
 class LayerStream:
     """Iterates `(layer, payload)` over `order`, `payload = fetch(layer)` fetched `prefetch` layers
-    ahead (schedule.layer_ops). After dispatching a layer's work the caller calls
-    `done(token, free, drop)`: `token` is what to wait on before the layer is retired, arrays
-    that no later work donates (its outputs, or a scalar computed from them), `drop` the arrays
-    of its fetch that the step may delete (the fetched weights, unless fetching made no copy
-    because they already lived on the device) and `free` the other arrays deleted then.
-    The order is schedule.walk's, which tells on_event(kind, layer), when given, of each
-    dispatch and wait.
+    ahead (schedule.layer_ops). The caller dispatches a layer's work by `call(fn, args)`, may send
+    the layer's gradient out by `send(key, grads)`, then calls `done(token, free, drop)`: `token`
+    is what to wait on before the layer is retired, arrays that no later work donates (its
+    outputs, or a scalar computed from them), `drop` the arrays of its fetch that the step may
+    delete (the fetched weights, unless fetching made no copy because they already lived on the
+    device) and `free` the other arrays deleted then. The order is schedule.walk's, which tells
+    on_event(kind, layer), when given, of each dispatch and wait.
 
-        stream = LayerStream(order, fetch, prefetch)
+        stream = LayerStream(order, fetch, prefetch, transfers=transfers)
         for i, w in stream:
-            ys = [block(w, x) for x in xs]
+            ys = stream.call(block, (w, xs))
             stream.done(ys, drop=w)
 
-    In the jit form (`carry` given, schedule.JIT) only the first `prefetch` layers are fetched by
-    `fetch`; every other layer's fetch is made inside a dispatch: `stream.carry` is then what
-    `carry(layer)` returned for the layer `prefetch` ahead (its bus copy, in pinned host memory)
-    or None, the dispatch's first call copies it to the device, and the caller hands the copy
-    over as `done(..., carried=copy)`: it is that layer's payload. `drop` is deleted right after
-    the dispatch, `free` at the retire.
+    The copies' form (`copies`, schedule.EAGER or JIT) is the stream's alone, so a loop reads the
+    same in both. Eager: every fetch is `fetch`'s, every gradient goes out at its `send`. Jit
+    (`carry` a Carry): only the first `prefetch` layers are fetched by `fetch`; every other
+    layer's fetch is made inside the `call` of the layer `prefetch` before it, beside its compute
+    (transfers.in_call), and a layer's gradient goes out inside the next layer's `call`; the last
+    layer's is left in `leaving` (an Outgoing) for the caller. `drop` is deleted right after the
+    dispatch, `free` at the retire. `sent` holds each gradient's Parcel by its key.
 
     on_retire(layer, token), when given, is told as each layer's fetch has been read: token None
     once the retire waited for the layer's work, else (the pass's last layer, released without a
@@ -144,26 +164,36 @@ class LayerStream:
     (Counters), when given, counts the retires' waits (and their seconds in device_wait_s) and
     the deletes."""
 
-    def __init__(self, order, fetch, prefetch: int, on_event=None, carry=None, on_retire=None,
-                 counters=None):
+    def __init__(self, order, fetch, prefetch: int, on_event=None, on_retire=None, counters=None,
+                 *, copies: str = schedule.EAGER, carry: Optional[Carry] = None, transfers=None):
+        if copies == schedule.JIT and carry is None:
+            raise ValueError("the jit form's stream needs a Carry (how a call makes a fetch)")
         self.order, self.fetch, self.prefetch = list(order), fetch, prefetch
         self.counters = counters
         self.on_event = on_event
         self.on_retire = on_retire
-        self.carry_fetch = carry
-        self.copies = schedule.EAGER if carry is None else schedule.JIT
-        self.carry = None
+        self.copies, self.carry, self.transfers = copies, carry, transfers
+        self.sent, self.leaving = {}, None
         self._done = None
+        self._ahead = self._carried = self._outgoing = None
+        self._free, self._last = [], False
 
     def __iter__(self):
-        for op, work in schedule.walk(self.order, self.prefetch, self.copies, self.fetch,
-                                      self.carry_fetch, self.on_event):
+        source = None if self.copies == schedule.EAGER else (
+            lambda layer: (layer, self.carry.source(layer)))
+        for op, work in schedule.walk(self.order, self.prefetch, self.copies, self.fetch, source,
+                                      self.on_event):
             if op == schedule.DISPATCH:
-                self.carry = work.ahead
+                self._ahead, self._carried, self._free = work.ahead, None, []
+                self._last = work.layer == self.order[-1]
+                waiting = self._outgoing  # the layer before's gradient, for this call to send
                 yield work.layer, work.payload
-                token, free, drop, work.carried = self._done or ((), (), (), None)
-                self._done, self.carry = None, None
-                work.done = [token, free, drop]
+                if waiting is not None and self._outgoing is waiting:
+                    raise RuntimeError(f"layer {work.layer}'s dispatch made no call to send the "
+                                       f"gradient of {waiting.key} out")
+                token, free, drop = self._done or ((), (), ())
+                work.carried, self._done, self._ahead = self._carried, None, None
+                work.done = [token, (free, self._free), drop]
             elif op == schedule.DROP:  # the runtime frees them once the layer's work is done
                 delete(work.done[2], self.counters)
                 work.done[2] = ()
@@ -178,8 +208,41 @@ class LayerStream:
                     self.on_retire(work.layer, None if op == schedule.RETIRE else token)
                 delete((drop, free), self.counters)
 
-    def done(self, token, free=(), drop=(), carried=None):
-        self._done = (token, free, drop, carried)
+    def call(self, fn, args):
+        """fn(*args) (a with_copies function: transfer.in_call) for the layer being dispatched,
+        with the copies its call makes in the jit form: the fetch of the layer `prefetch` ahead,
+        and the gradient sent by the layer before. Returns fn's result."""
+        (layer, (weights, inputs)) = self._ahead or (None, (None, None))
+        outgoing, self._ahead, self._outgoing = self._outgoing, None, None
+        result, copied, parcel = self.transfers.in_call(
+            fn, args, weights=weights, activations=inputs,
+            grads=None if outgoing is None else outgoing.grads)
+        if layer is not None:
+            self._carried = self.carry.arrived(layer, copied)
+        if outgoing is not None:
+            self.sent[outgoing.key] = parcel
+        return result
+
+    def send(self, key, grads):
+        """The dispatched layer's gradient (reduced, in the host's dtype) on its way to the host,
+        its Parcel kept in sent[key]: now (eager), or inside the next layer's call (jit; the
+        pass's last layer's: left in `leaving`). Its device arrays are freed at the layer's
+        retire, once it is out."""
+        if self.copies == schedule.EAGER:
+            parcel = self.sent[key] = self.transfers.grads_out(grads, layer=True)
+            kept = {id(x) for x in parcel.token()}  # no copy when they share a device
+            self._free += [x for x in jax.tree.leaves(grads) if id(x) not in kept]
+            return
+        outgoing = Outgoing(key, grads, jax.tree.leaves(grads))
+        if self._last:  # its arrays freed by whoever sends it
+            self.leaving = outgoing
+        else:  # freed at this layer's retire, which comes after the next layer's call
+            self._outgoing = outgoing
+            self._free += outgoing.free
+
+    def done(self, token, free=(), drop=()):
+        """The dispatched layer's arrays: what its retire waits on, frees and drops."""
+        self._done = (token, free, drop)
 
 
 class Activations:
