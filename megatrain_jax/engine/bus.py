@@ -101,8 +101,8 @@ class HostBus(_Policy):
         return bus
 
     def on_skip(self, unit, old, packing):
-        return old if old is not None else self.make(unit.params, packing)  # old: still the
-        # weights' copy
+        # old: still the weights' copy
+        return old if old is not None else self.make(unit.params, packing)
 
 
 class PinnedBus(_Policy):
