@@ -2,8 +2,8 @@
 engine/ importing nothing of megatrain_jax outside itself, no module standing on one above it
 (FORBIDDEN), one table of device peaks (scripts read megatrain_jax.machines'), short
 functions in the modules around the engine (issue 26), a step that reads only what it is
-given (issue 36) and asks the host only through its protocol, and scripts that read the engine
-through its public API (issue 47)."""
+given (issue 36) and asks the host only through its protocol, scripts that read the engine
+through its public API, and one module that writes bus copies (issue 47)."""
 
 import ast
 import pathlib
@@ -207,13 +207,93 @@ def test_scripts_read_the_engine_through_its_public_api():
     """No script reaches into an engine's host state (`engine.host`, the engine's internals,
     which its own tests may read): each figure a benchmark reads is a public property, method,
     counter or hook of StreamedEngine (docs/engine-api.md). And no module of the package judges
-    who reads the state by sys.getrefcount: readers hold leases (engine/direct.py)."""
+    who reads the state by sys.getrefcount: readers hold leases (engine/store.py)."""
     scripts = {path.name: name_reads(path.read_text(), "host", lambda n: n.endswith("engine"))
                for path in sorted((ROOT / "scripts").glob("*.py"))}
     assert {name: lines for name, lines in scripts.items() if lines} == {}
     counts = {module: name_reads(source, "getrefcount")
               for module, source in module_sources().items()}
     assert {module: lines for module, lines in counts.items() if lines} == {}
+
+
+# What writes a bus copy: making or refreshing one (bus.refresh), taking its raw pointers to write
+# it in place (packing's `targets`, the kernel's and the ring's casts), casting into them, or
+# setting a unit's or a ring slot's `bus`/`spare` (another object's: an engine's own `self.bus`
+# names its bus sharding or form)
+BUS_WRITE_CALLS = ("refresh", "targets", "cast_into")
+BUS_FIELDS = ("bus", "spare")
+BUS_WRITER = f"{ENGINE}.bus"
+
+
+def bus_writes(source: str) -> list:
+    """Line numbers of source's writes of a bus copy (BUS_WRITE_CALLS, BUS_FIELDS)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if name in BUS_WRITE_CALLS:
+                lines.append(node.lineno)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+              and node.attr in BUS_FIELDS
+              and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_the_bus_write_check_sees_calls_and_fields_not_text():
+    source = ('"""unit.bus = x"""\nunit.bus = make()\nslot.bus, slot.fetches = a, []\n'
+              'self.bus = form\nout = packing.targets(bus, "")\n# refresh(x)\ny = refresh(x)\n'
+              'cast_into(t, m)\nunit.spare = None\nz = unit.bus\nw = self.refreshed(x)\n')
+    assert bus_writes(source) == [2, 3, 5, 7, 8, 9]
+
+
+def test_one_module_writes_bus_copies():
+    """bus.py is the one writer of every bus copy (issue 47 item 1): made, filled, written in
+    place by the direct kernel (through the targets bus.py hands it) or the ring, refreshed,
+    released. packing.py defines `targets` and calls none."""
+    writes = {module: bus_writes(source) for module, source in module_sources().items()
+              if module.startswith(ENGINE)}
+    assert {module: lines for module, lines in writes.items() if lines} == {
+        BUS_WRITER: writes[BUS_WRITER]}
+    assert writes[BUS_WRITER]
+
+
+# What a branch on the update path or the bus form reads (update.py's and bus.py's own words)
+MODE_WORDS = {"direct", "kind", "in_place", "in_ring", "ring", "form", "is_params", "on_host",
+              "RING", "RESIDENT", "prepare_first"}
+MAX_COORDINATOR_LINES = 250
+
+
+def mode_branches(source: str, name: str) -> list:
+    """Line numbers of class `name`'s conditions (if, a conditional expression, a comprehension's
+    if, while) that read one of MODE_WORDS, as a name or an attribute."""
+    cls = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)
+               and n.name == name)
+    tests = [n.test for n in ast.walk(cls) if isinstance(n, (ast.If, ast.IfExp, ast.While))]
+    tests += [t for n in ast.walk(cls) if isinstance(n, ast.comprehension) for t in n.ifs]
+    return sorted({t.lineno for t in tests for n in ast.walk(t)
+                   if isinstance(n, ast.Attribute) and n.attr in MODE_WORDS
+                   or isinstance(n, ast.Name) and n.id in MODE_WORDS})
+
+
+def test_the_mode_branch_check_sees_conditions_not_calls():
+    source = ("class H:\n    def f(self):\n        self.update.apply(1)\n"
+              "        if self.update.kind == 'direct':\n            pass\n"
+              "        x = 1 if self.buses.in_ring(2) else 0\n"
+              "        return [u for u in self.units if u.ready]\n")
+    assert mode_branches(source, "H") == [4, 6]
+
+
+def test_the_host_state_coordinates_and_branches_on_no_mode():
+    """HostState holds the thread, the futures, the units' order and failures (issue 47 item 1):
+    at most MAX_COORDINATOR_LINES lines, no condition on the update path or the bus form (those
+    are update.py's and bus.py's)."""
+    source = (ROOT / PACKAGE / "engine/host.py").read_text()
+    cls = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)
+               and n.name == "HostState")
+    assert cls.end_lineno - cls.lineno + 1 <= MAX_COORDINATOR_LINES
+    assert mode_branches(source, "HostState") == []
 
 
 def test_data_stands_below_the_sources_package():

@@ -16,7 +16,9 @@ from toy_model import Embed, Head
 
 from megatrain_jax import StreamedEngine
 from megatrain_jax.config import OptimizerConfig
-from megatrain_jax.engine import direct, fused_adamw, transfer
+from megatrain_jax.engine import bus as bus_lib
+from megatrain_jax.engine import direct, fused_adamw, store, transfer
+from megatrain_jax.engine.packing import PerLeaf
 from megatrain_jax.engine.stream import Counters
 from megatrain_jax.recipes import build_optimizer
 
@@ -73,7 +75,7 @@ def test_direct_kernel_equals_the_ffi_kernel_bit_for_bit(shapes, grad_dtype, max
     lib = fused_adamw.kernel()
     assert fused_adamw.native()
     update = direct.DirectAdamW(hyper, max_grad_norm, CPU[0], Counters(), lib)
-    arrays = direct.UnitArrays.of(params, opt_state, lib)
+    arrays = store.UnitArrays.of(params, opt_state, lib)
     bus = [jnp.zeros(p.shape, jnp.bfloat16, device=CPU[0]) for p in jax.tree.leaves(params)]
     ffi = jax.jit(lambda p, o, g, b, norm: fused_adamw.update(
         hyper, p, o, g, b, norm, jnp.float32(0.5), max_grad_norm, jnp.bfloat16, True, unit=1))
@@ -84,7 +86,8 @@ def test_direct_kernel_equals_the_ffi_kernel_bit_for_bit(shapes, grad_dtype, max
         p, o, ffi_bus = ffi(*ffi_state, grads, [jnp.zeros_like(b) for b in bus], norm)
         ffi_state = (p, o)
         pieces = [in_pieces(g, state_dtype == "bfloat16") for g in jax.tree.leaves(grads)]
-        arrays = update.apply(1, arrays, pieces, norm, np.float32(0.5), bus, "a unit")
+        targets = bus_lib.kernel_targets(bus, PerLeaf.of(bus), arrays.p, "a unit")
+        arrays = update.apply(1, arrays, pieces, norm, np.float32(0.5), targets, "a unit")
         got_params, (adam, _, lr_state) = arrays.trees(np.asarray)
         want = (p, o[0].mu, o[0].nu, jax.tree.leaves(ffi_bus))
         got = (got_params, adam.mu, adam.nu, bus)
@@ -131,7 +134,7 @@ def test_engine_reads_gradients_in_place_and_writes_the_bus_in_place():
     the one the kernel writes, and nothing is copied on the update thread."""
     engine = engine_on((CPU[1], CPU[0]))
     host = engine.host
-    assert host.direct is not None and engine.transfers.out_kind == transfer.PINNED
+    assert host.update.kind == "direct" and engine.transfers.out_kind == transfer.PINNED
     pieces, kernel = {}, {}
     submit_all = host.submit_all
 
@@ -144,7 +147,7 @@ def test_engine_reads_gradients_in_place_and_writes_the_bus_in_place():
         submit_all(grads, grad_norm, scale)
 
     host.submit_all = spy
-    host.direct.on_kernel = lambda u, ranges: kernel.setdefault(u, []).append(
+    host.update.kernel.on_kernel = lambda u, ranges: kernel.setdefault(u, []).append(
         [(r.g, r.bus) for r in ranges])
     bus_pointers = []
     for _ in range(3):
@@ -311,7 +314,7 @@ def test_a_reference_that_is_not_a_reader_copies_nothing():
     lib = fused_adamw.kernel()
     counters = Counters()
     update = direct.DirectAdamW(hyper, None, CPU[0], counters, lib)
-    arrays = direct.UnitArrays.of(params, opt_state, lib)
+    arrays = store.UnitArrays.of(params, opt_state, lib)
     grads = lambda: [[np.asarray(rng.normal(size=x.shape), np.float32)] for x in arrays.p]
     stray = (arrays.owner[:8], arrays.p[0][:], arrays.m)  # noqa: F841 (held, never read)
     assert update.apply(1, arrays, grads(), 1.0, 1.0, None, "a unit") is arrays

@@ -166,10 +166,10 @@ def test_update_reuses_buffers(devices):
     if devices == "in_place":
         assert pointers(unit.bus) == bus_before
     else:  # the bus copy lives in the compute device's pinned memory; the staging buffer is reused
-        staging = pointers(host.staging[1])
+        staging = pointers(host.buses.staging[1])
         submit(engine, 2, grads, 1.0)
         engine.wait()
-        assert pointers(host.staging[1]) == staging
+        assert pointers(host.buses.staging[1]) == staging
     # As the step does it (bus released first): params and optax state still in place.
     unit = host.units[3]
     before = pointers((unit.params, unit.opt_state))
@@ -238,9 +238,9 @@ def test_each_mode_keeps_the_bus_copy_its_policy_says(tmp_path, devices, dtype, 
     engine = make_engine(optax.adam(1e-2), DEVICES[devices](), compute_dtype=dtype, disk_tier=tier)
     host = engine.host
     assert type(host.store) is (store_lib.DiskStore if disk else store_lib.RamStore)
-    assert [type(b) for b in host.buses] == [policy] * (L + 2)
+    assert [type(b) for b in host.buses.policies] == [policy] * (L + 2)
     pinned = policy is bus_lib.PinnedBus
-    assert sorted(host.staging) == ([0, 1, 2] if pinned else [])
+    assert sorted(host.buses.staging) == ([0, 1, 2] if pinned else [])
     grads = random_grads(host.unit_state(1)[0], np.random.default_rng(3))
     for update in (False, True):
         if update:
@@ -255,7 +255,7 @@ def test_each_mode_keeps_the_bus_copy_its_policy_says(tmp_path, devices, dtype, 
             np.testing.assert_array_equal(b, np.asarray(jnp.asarray(p).astype(dtype)))
         assert not disk or all(u.params is None for u in host.units)  # in the files, not RAM
     host.keep_bus_on_host(0)
-    assert host.buses[0].on_host and 0 not in host.staging
+    assert host.buses.policies[0].on_host and 0 not in host.buses.staging
     assert all(b.sharding.memory_kind != transfer.PINNED for b in jax.tree.leaves(host.bus(0)))
     engine.close()
 
@@ -553,7 +553,7 @@ def test_a_skipped_update_on_the_disk_tier_returns_its_buffer_once_the_bus_copy_
     copy is done."""
     engine = make_engine(optax.adam(1e-2), DEVICES["staged"](),
                          disk_tier=DiskTierOptions(str(tmp_path / "tier")))
-    policy = type(engine.host.buses[1])
+    policy = type(engine.host.buses.policies[1])
     on_skip = policy.on_skip
     monkeypatch.setattr(policy, "on_skip", lambda self, unit, old, packing: late_copy(
         on_skip(self, unit, old, packing)))

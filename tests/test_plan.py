@@ -266,7 +266,7 @@ def test_host_plan_matches_the_engine(engines, setup):
     held = nbytes({x.unsafe_buffer_pointer(): x for i in range(len(host.units))
                    for x in jax.tree.leaves((host.unit_state(i), host.bus(i)))})
     assert held == p.host["master"] + p.host["optimizer"] + p.host["bus"]
-    assert nbytes(host.staging) == p.host["staging"]
+    assert nbytes(host.buses.staging) == p.host["staging"]
     M, B, T, L, D = 2, 2, SEQ[setup], MODEL.num_layers, MODEL.hidden_size
     assert p.host["activations"] == (L * M * B * T * D * 4 if p.offload_activations else 0)
 

@@ -14,7 +14,7 @@ Modules, by concern:
   schedule.py   the order of a pass's fetches, dispatches and waits (and the step's around them),
                 written once, with its one interpreter (walk): executed by stream.py, simulated
                 by step_time, read by plan
-  transfer.py   every host<->device copy (weights, batch, activations, gradients, bus refresh),
+  transfer.py   every host<->device copy of the step (weights, batch, activations, gradients),
                 eager or made inside the jitted calls (the copies' form)
   packing.py    how a unit's bus copy, fetch and gradient travel: a layer's as one flat array
                 (its leaves end to end at aligned offsets, split inside the jitted calls), the
@@ -24,20 +24,23 @@ Modules, by concern:
   decode.py     StreamedDecoder: forwards that carry a per-layer state (a KV cache), to generate
   stream.py     a pass run to the schedule with back-pressure, activation offload, counters;
                 the copies' form owned by its LayerStream (call, send)
-  host.py       host state: per unit the master weights, optax state and bus copy; the thread
-                that runs each unit's host update, in order, and its failures
-  update.py     how the host updates one unit, chosen once: the fused AdamW called directly
-                (direct.py), the fused AdamW in a jit (through jax.ffi), or optax in a jit
-  direct.py     the host update called directly: the fused AdamW kernel on numpy state the
-                engine owns, each gradient read and each bus copy written where it lies; the
-                readers of that state and their leases (copy-on-write while one lives)
+  host.py       HostState, the coordinator of the three owners below: the thread that runs
+                each unit's host update, in order, its futures and its failures
+  update.py     every host update behind one interface (apply), chosen once: the fused AdamW
+                called directly (direct.py), the fused AdamW in a jit (through jax.ffi), or
+                optax in a jit; the non-finite skip and the timing once
+  direct.py     the fused AdamW kernel called directly on store.py's numpy state, each
+                gradient read where it lies, the bus copy's cast written through bus.py's
+                pointers (copy-on-write while a reader's lease lives)
   fused_adamw.py  the project's AdamW (`adamw`: optax.adamw, marked for the fused update) and its
                 kernel (fused_adamw.cc, built on first use; a JAX fallback, bit for bit)
-  store.py      where a unit's master weights and optax state live: RAM, or the disk tier
-  bus.py        how a unit's bus copy is kept: the weights themselves, a host buffer rewritten
-                in place, or the accelerator's pinned memory through a staging buffer; or
-                (bus="ring") the layers' in a ring of buffers, each filled before its fetch
-                (the master cast into a bus copy through its leaves' pointers)
+  store.py      every unit's state and its layout (Unit, Layout, UnitArrays and its readers'
+                leases); where it lives between updates: RAM, the direct update's buffers, or
+                the disk tier
+  bus.py        every bus copy and every write of it, the one writer (Buses): the weights
+                themselves, a host buffer rewritten in place, or the accelerator's pinned
+                memory through a staging buffer; or (bus="ring") the layers' in a ring of
+                buffers, each filled before its fetch
   tier.py       the disk tier: each unit's master weights and optax state in a file
   functions.py  the jitted device functions
   parallel.py   placement: one device, or data parallel over a mesh of devices and processes

@@ -1,5 +1,12 @@
-"""How a unit's bus copy (its weights in the compute dtype, ready to cross to the device) is kept:
-one policy per unit, chosen once by `choose` (HostState's `buses`).
+"""Every unit's bus copy (its weights in the compute dtype, ready to cross to the device) and every
+write of it: the one module that makes, fills, writes in place, refreshes and releases a bus copy
+(tests/test_architecture.py holds the package to that). `Buses` owns them all for the host state:
+the bus form (resident copies, or the layer units' in a `Ring`), each unit's policy, the pinned
+policy's staging buffers, the debug mode's fetches, and the update's side of each write: the
+buffer a jitted update donates and what it returns (`take`, `updated`, `skipped`), the pointers
+the direct kernel writes its cast through (`kernel_targets`, `after_kernel`).
+
+One policy per unit, chosen once by `choose`:
 
     ParamsBus  the bus copy IS the fp32 master weights: state and compute share a device, fp32
                compute, the state in RAM
@@ -30,6 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from megatrain_jax.engine import fused_adamw, transfer
+
+
+def refresh(bus, sharding):
+    """A new bus copy (written by the host update on the host device) copied to where the compute
+    device reads it (`sharding`: its pinned host memory): on the host-update thread."""
+    return jax.tree.map(lambda x: transfer.across_clients(x, sharding), bus)
 
 
 class _Policy:
@@ -72,7 +85,7 @@ class HostBus(_Policy):
             params = jax.tree.map(lambda p: jnp.array(p, copy=True, device=self.host_device),
                                   params)
         cast = jax.tree.map(lambda p: p.astype(self.compute_dtype), params)
-        return transfer.refresh(packing.packed(cast, self.host), self.host)
+        return refresh(packing.packed(cast, self.host), self.host)
 
     def release(self, unit):
         """Kept for the update to write in place (the plan counts bus copies and gradients
@@ -113,7 +126,7 @@ class PinnedBus(_Policy):
 
     def make(self, params, packing):
         cast = jax.tree.map(lambda p: p.astype(self.compute_dtype), params)
-        return transfer.refresh(packing.packed(cast, self.host), self.sharding)
+        return refresh(packing.packed(cast, self.host), self.sharding)
 
     def make_staging(self, bus, host_device):
         """The staging buffer, made before the first update so that it compiles once per unit
@@ -130,7 +143,7 @@ class PinnedBus(_Policy):
 
     def after_update(self, unit, bus):
         self.staging[self.key] = bus  # reused by the next unit: this copy is waited for
-        return transfer.refresh(bus, self.sharding)
+        return refresh(bus, self.sharding)
 
     def on_skip(self, unit, old, packing):
         bus = self.make(unit.params, packing)
@@ -161,6 +174,235 @@ def choose(compute_dtype, compute_device, host_device, in_ram: bool, staging: di
         return where, [on_host] * 3, on_host
     return where, [PinnedBus(compute_dtype, where, staging, key, host.host) for key in range(3)], \
         on_host
+
+
+# ----------------------------------------------------------------------------- every unit's
+DEBUG_BUS = "MEGATRAIN_DEBUG_BUS"
+
+
+class Buses:
+    """Every unit's bus copy, for the host state (host.py), which hands each call the unit's
+    record (store.Unit: its `bus`, and `spare`, are written here alone).
+
+    `form`, `why`: RESIDENT (each unit's copy kept all step) or RING (the layer units' in a
+    `Ring` of ring_size(prefetch) buffers, filled before each fetch), decided once the first
+    block is known (`decide`). `in_place`: the update writes each bus copy where it lies (the
+    direct kernel): never released, never staged. `policies[u]`: unit u's policy (module
+    docstring); `fetches`: debug mode's fetches still copying, per unit (else None)."""
+
+    def __init__(self, compute_dtype, compute_device, host_device, *, in_ram: bool,
+                 in_place: bool, form: str, prefetch: int, data_parallel: bool,
+                 pool: Optional[int], counters):
+        """form: FORMS' RESIDENT, RING or auto (choose_form, from the bytes of each in `pool`,
+        the pinned pool, None where the compute device has none); in_ram: the state stays in
+        RAM (not the disk tier)."""
+        self.compute_dtype, self.host_device = jnp.dtype(compute_dtype), host_device
+        self.in_place, self.prefetch, self.pool, self.counters = in_place, prefetch, pool, counters
+        self.staging = {}  # the pinned policy's buffers, per unit structure
+        self.sharding, self._by_structure, self._on_host = choose(
+            self.compute_dtype, compute_device, host_device, in_ram, self.staging)
+        if form not in FORMS:
+            raise ValueError(f"bus must be one of {', '.join(FORMS)}, got {form!r}")
+        no_ring = why_not_ring(self.is_params, not in_ram, data_parallel)
+        if form == RING and no_ring:
+            raise ValueError(f"bus='ring' cannot run: {no_ring}")
+        self.form, self.why = RESIDENT, "asked for"  # until `decide`
+        if form == "auto" and no_ring:
+            self.why, form = f"auto: the ring cannot run ({no_ring})", RESIDENT
+        self._asked = form
+        # Debug mode (DEBUG_BUS=1), on both update paths: the fetches of a unit's bus copy still
+        # copying are kept until the unit's update, which refuses to write the copy while one of
+        # them still is (direct.py: when the bus copy may be written)
+        self.debug = os.environ.get(DEBUG_BUS) == "1"
+        self.fetches = {} if self.debug else None
+        self.ring, self.policies, self.layout, self.store = None, [], None, None
+
+    @property
+    def is_params(self) -> bool:
+        """Whether a bus copy is the fp32 master weights themselves (ParamsBus)."""
+        return self._by_structure[0].is_params
+
+    def attach(self, layout, store, weights):
+        """The units' layout and store (store.py); weights(u): unit u's fp32 weights once its
+        update and (with the disk tier) every other has finished, to rebuild a bus copy from."""
+        self.layout, self.store, self.weights = layout, store, weights
+        self.policies = [self._by_structure[layout.structure(u)]
+                         for u in range(layout.last + 1)]
+
+    def decide(self, first, last):
+        """The form, from the bytes of each (first, last: the stage units' params; the first
+        block's layout known)."""
+        if self._asked == RESIDENT:
+            return
+        size = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
+        pinned = lambda layers: self.compute_dtype.itemsize * (
+            size(first) + size(last) + layers * self.layout.packing(1).size)  # (a flat one's
+        # padding too)
+        self.form, self.why = choose_form(
+            self._asked, resident_pinned=pinned(self.layout.last - 1),
+            ring_pinned=pinned(ring_size(self.prefetch)), pool=self.pool)
+
+    def in_ring(self, u: int) -> bool:
+        """Whether unit u's bus copy is made in the bus ring (a layer unit, with RING)."""
+        return self.form == RING and u not in (0, self.layout.last)
+
+    def make(self, u: int, params):
+        """A bus copy of unit u's weights `params`, as its policy keeps it, packed as u travels."""
+        return self.policies[u].make(params, self.layout.packing(u))
+
+    def new(self, u: int, unit):
+        """Unit u's first bus copy, from its weights (none in the ring: its fills make it). New,
+        never the old one rewritten: a fetch of the old one may still be copying (a load right
+        after an evaluation), and keeps it until it is done."""
+        unit.bus = unit.spare = None
+        if not self.in_ring(u):
+            unit.bus = self.make(u, self.store.view(u, unit)[0])
+
+    def finish(self, units: list):
+        """After every unit is made: the ring's buffers (made like a bus copy of layer 0's
+        weights, then rewritten), the staging buffers (one per structure, pinned only)."""
+        if self.form == RING:
+            self.ring = Ring(lambda: self.make(1, self.store.view(1, units[1])[0]),
+                             ring_size(self.prefetch), writer(self.layout.packing(1)), self.debug)
+        for u in (0, 1, self.layout.last):
+            if not self.in_place and not self.in_ring(u):
+                self.policies[u].make_staging(units[u].bus, self.host_device)
+
+    def example(self, units: list):
+        """A bus copy of a layer unit, as the fetches take it (for Transfers.check)."""
+        return self.ring.slots[0].bus if self.ring is not None else units[1].bus
+
+    def nbytes(self, units: list) -> int:
+        """Bytes of the bus copies held now: each unit's (or the buffer kept for its update to
+        write), the ring's, the staging buffers; none for a copy that is the weights."""
+        trees = [(unit.bus, unit.spare) for unit, policy in zip(units, self.policies)
+                 if not policy.is_params]
+        trees += [slot.bus for slot in self.ring.slots] if self.ring is not None else []
+        return transfer.nbytes((trees, list(self.staging.values())))
+
+    # ------------------------------------------------------------------- the step's side
+    def get(self, u: int, unit):
+        """Unit u's bus copy, its update finished (a layer unit's with the ring: filled into the
+        ring's next slot, for one fetch)."""
+        if self.in_ring(u):
+            return self.ring.fill(u, self.store.master(u, unit))
+        if unit.bus is None:  # released by a step that then failed: still the weights' copy
+            unit.bus, unit.spare = unit.spare, None
+        if unit.bus is None:  # (given back to the pinned pool): rebuilt from the weights
+            unit.bus = self.make(u, self.weights(u))
+        return unit.bus
+
+    def fetched(self, u: int, copies):
+        """Debug mode: `copies` (device arrays) are a fetch of unit u's bus copy, to be done before
+        u's update writes it. The unit's earlier fetches already done are let go of (in a loop of
+        evaluations no update comes to take them: they would stay on the device)."""
+        if self.fetches is not None:
+            self.fetches[u] = _copying(self.fetches.get(u, ())) + jax.tree.leaves(copies)
+        if self.in_ring(u):
+            self.ring.fetched(u, copies)
+
+    def read(self, u: int, token=None):
+        """Unit u's latest fetch has been read: by work now done (token None), or by the work
+        that makes `token`, not waited for. Frees its bus ring slot."""
+        if self.in_ring(u):
+            if token is None:
+                self.ring.retired(u)
+            else:
+                self.ring.released(u, token)
+
+    def release(self, u: int, unit):
+        """After a unit's last use in a step (a host buffer is kept for the update to write in
+        place, a pinned one goes back to the accelerator's pinned pool). An update in place keeps
+        every bus copy where it is."""
+        if not self.in_place and not self.in_ring(u):
+            self.policies[u].release(unit)
+
+    def keep_on_host(self, u: int, unit):
+        """Unit u's bus copy stays in host memory, where the host reads it (the host lookup,
+        engine/lookup.py); on an accelerator it is no longer refreshed to its pinned memory."""
+        if self.policies[u].on_host:
+            return
+        self.staging.pop(self.layout.structure(u), None)
+        self.policies[u] = self._on_host
+        self.new(u, unit)
+
+    def loaded(self, u: int, unit):
+        """Unit u's state was replaced: its bus copy made anew from it."""
+        self.new(u, unit)
+
+    # ------------------------------------------------------------------- the update's side
+    def check(self, u: int):
+        """Debug mode: refuses to write unit u's bus copy while a fetch of it still copies."""
+        copying = _copying((self.fetches or {}).pop(u, ()))
+        if copying:
+            raise RuntimeError(f"{self.layout.name(u)}: its bus copy would be written while "
+                               f"{len(copying)} of its fetched arrays are still being copied (the "
+                               f"update must start after every fetch of the unit fed its "
+                               f"gradient)")
+
+    def writes(self, u: int) -> bool:
+        """Whether unit u's update makes a bus copy (not when the copy is the weights, nor in
+        the ring, whose fills make it)."""
+        return not (self.policies[u].is_params or self.in_ring(u))
+
+    def take(self, u: int, unit):
+        """Before a jitted update of unit u: the buffer it donates for its new bus copy (None:
+        none), checked first (`check`); the unit has no bus copy until `updated` or `skipped`."""
+        self.check(u)
+        old = self.policies[u].old_for_update(unit) if not self.in_ring(u) else None
+        unit.bus = unit.spare = None
+        return old
+
+    def updated(self, u: int, unit, new):
+        """The jitted update's output `new` (None where it `writes` none) is u's bus copy."""
+        if self.in_ring(u):
+            return
+        unit.bus = self.policies[u].after_update(unit, new)
+        if not self.policies[u].on_host:  # the refresh to the accelerator's pinned memory
+            self.counters.host_copy_bytes += transfer.nbytes(unit.bus)
+
+    def skipped(self, u: int, unit, old):
+        """A non-finite norm skipped the update: the bus copy still the weights' (`old`, what
+        `take` gave)."""
+        if not self.in_ring(u):
+            unit.bus = self.policies[u].on_skip(unit, old, self.layout.packing(u))
+
+    def kernel_targets(self, u: int, unit, master: list) -> Optional[list]:
+        """Before the direct kernel's update of unit u: per leaf the packing.Target it writes the
+        new weights' bf16 cast through (an fp32 one is `after_kernel`'s), checked against the
+        `master` leaves; None where the update `writes` no bus copy."""
+        self.check(u)
+        if not self.writes(u):
+            return None
+        return kernel_targets(unit.bus, self.layout.packing(u), master, self.layout.name(u))
+
+    def after_kernel(self, u: int, unit, targets, master: list, copied: bool):
+        """After it: an fp32 bus copy's leaves copied over from the new `master` (by every core);
+        the unit's state `copied` (a reader held the old): a bus copy that is the weights is
+        made again from the new ones."""
+        if targets is not None:
+            lib = fused_adamw.kernel()
+            for out, p in zip(targets, master):
+                if out.dtype == jnp.float32:
+                    lib.megatrain_copy(out.pointer, p.ctypes.data, p.nbytes)
+        if copied and self.policies[u].is_params:
+            self.new(u, unit)
+
+
+def kernel_targets(bus, packing, master: list, what: str) -> list:
+    """The bus copy `bus`'s leaves as packing.Target, each checked against its `master` leaf (the
+    same number of elements, in bfloat16 or float32): one ValueError line naming `what`."""
+    targets = packing.targets(bus, what)
+    for out, p in zip(targets, master, strict=True):
+        if out.size != p.size or out.dtype not in (jnp.bfloat16, jnp.float32):
+            raise ValueError(f"{what}: its bus copy is {out.dtype} of {out.size} elements, not "
+                             f"{p.size} in bfloat16 or float32")
+    return targets
+
+
+def _copying(arrays) -> list:
+    """The arrays still being copied (not deleted, not ready)."""
+    return [x for x in arrays if not x.is_deleted() and not x.is_ready()]
 
 
 # ----------------------------------------------------------------------------- the ring
@@ -203,7 +445,7 @@ class Ring:
 
     `write(bus, master)` writes the compute-dtype cast of the master leaves (numpy fp32) into a
     slot's bus copy through its leaves' pointers (`writer`). `debug`: the fetches of each slot
-    are kept (HostState.fetched) and a fill refuses to write while one is still copying."""
+    are kept (Buses.fetched) and a fill refuses to write while one is still copying."""
 
     def __init__(self, make, size: int, write, debug: bool):
         self.make, self.size, self.write, self.debug = make, size, write, debug

@@ -69,8 +69,8 @@ class StreamedDecoder:
         self.bus = bus_lib.sharding(self.compute_device, self.host_device)  # as HostState's
         self.on_layer = None  # on_layer(layer) after each layer's work is dispatched (tests)
         dtype = jnp.dtype(compute_dtype)
-        cast = lambda tree, where: transfer.refresh(
-            jax.tree.map(lambda p: jnp.asarray(p).astype(dtype), tree), where)
+        cast = lambda tree, where: jax.tree.map(
+            lambda p: transfer.across_clients(jnp.asarray(p).astype(dtype), where), tree)
 
         with jax.default_device(self.host_device):
             stages_def, stages = stages_split((first, last))

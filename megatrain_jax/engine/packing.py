@@ -179,7 +179,7 @@ class Flat:
     def packed(self, tree, host):
         """`tree` (host arrays or numpy, each leaf in the one dtype) in one array on `host`, the
         host device's sharding (made by XLA there: a buffer an update may donate)."""
-        return _pack(self, transfer.refresh(tree, host))
+        return _pack(self, jax.tree.map(lambda x: transfer.across_clients(x, host), tree))
 
     def targets(self, bus, what: str) -> list:
         _deleted(bus, what)

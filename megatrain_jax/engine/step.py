@@ -159,7 +159,7 @@ class StepParts:
     def fetched(self, w):
         """What a step may delete of a fetch: with state and compute on one device (no
         accelerator), a fetch is the bus copy itself, which must live on; in debug mode the host
-        state keeps every fetch until the unit's update (HostState.fetched)."""
+        state keeps every fetch until the unit's update (bus.Buses.fetched)."""
         if self.placement.weights == self.host.bus_sharding or self.host.fetches is not None:
             return ()
         return w

@@ -203,13 +203,14 @@ class StreamedEngine:
         # kept on the compute device for the run (a few numbers a layer), each passed beside its
         # layer's weights
         self._constants_on_device = [self.placement.put_weights(c) for c in self.block_constants]
-        self.bus = self.host.bus_form
-        ring = self.host.ring
+        self.bus = self.host.buses.form
+        ring = self.host.buses.ring
         log.info("bus copies: %s (%s)", f"the layers' in a ring of {len(ring.slots)} buffers, the "
-                 f"stages' resident" if ring else "every unit's resident", self.host.bus_why)
+                 f"stages' resident" if ring else "every unit's resident", self.host.buses.why)
         # where the plan counts them: bus copies in the compute device's pinned host memory
         try:
-            self.transfers.check(self.host.bus_example(), self.host.bus_sharding.memory_kind)
+            self.transfers.check(self.host.buses.example(self.host.units),
+                                 self.host.bus_sharding.memory_kind)
         except BaseException:
             self.host.close()  # its thread and the disk tier's files
             raise
@@ -503,11 +504,7 @@ class StreamedEngine:
         the engine holds now, besides the state: each unit's, or the buffer kept for its update
         to write (`bus="ring"`: the stage units' and the ring's buffers), and the update's
         staging buffers; none for a unit whose bus copy is its fp32 weights themselves."""
-        host = self.host
-        trees = [(unit.bus, unit.spare) for unit, policy in zip(host.units, host.buses)
-                 if not policy.is_params]
-        trees += [slot.bus for slot in host.ring.slots] if host.ring is not None else []
-        return transfer.nbytes((trees, list(host.staging.values())))
+        return self.host.buses.nbytes(self.host.units)
 
     def load_state(self, state: dict):
         """Replaces the training state with `state` (same structure as `state()`), unit by unit,

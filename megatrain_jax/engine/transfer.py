@@ -1,11 +1,11 @@
 """Every copy between host and device memory: weights in, batch in, activations out and back,
-gradients out, bus refresh. Each returns what to wait on: the copied arrays themselves (a jax
+gradients out (a bus copy's own copies, made and refreshed, are bus.py's). Each returns what to wait on: the copied arrays themselves (a jax
 array is ready when its copy is done), or for gradients a `Parcel`.
 
 Copies made on the thread that dispatches device work stay inside the compute device's client:
 its `device` memory and its `pinned_host` memory, which it reads and writes by DMA. The hop
 between that client and the CPU client, where the host state and optax live, is made only on
-the host-update thread (`arrive`, `refresh`, called by engine/host.py), so it never blocks
+the host-update thread (`arrive`, called by engine/update.py; bus.py's `refresh`), so it never blocks
 dispatch. With no accelerator (state and compute on one device) nothing crosses.
 
 A backend whose compute device has no `pinned_host` memory takes the documented fallback:
@@ -149,12 +149,6 @@ def arrive(tree, sharding):
     parcel = lambda x: isinstance(x, Parcel)
     move = lambda x: x.arrive(sharding) if parcel(x) else across_clients(x, sharding)
     return jax.tree.map(move, tree, is_leaf=parcel)
-
-
-def refresh(bus, sharding):
-    """A new bus copy (written by the host update on the host device) copied to where the compute
-    device reads it (`sharding`: its pinned host memory): on the host-update thread."""
-    return jax.tree.map(lambda x: across_clients(x, sharding), bus)
 
 
 class Transfers:
