@@ -18,6 +18,9 @@ import typing
 import yaml
 
 from megatrain_jax.attention import DEFAULT_BLOCK, IMPLEMENTATIONS
+from megatrain_jax.engine.bus import FORMS as BUS_FORMS
+from megatrain_jax.engine.fused_adamw import STATE_DTYPES
+from megatrain_jax.engine.transfer import COPIES
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.model import ModelConfig
 
@@ -25,8 +28,8 @@ from megatrain_jax.model import ModelConfig
 SCHEDULES = ("cosine", "linear", "constant", "wsd")  # optimizer.schedule
 FORMATS = ("text", "sft", "preference")  # data.format
 OVERLONG = ("truncate", "skip")  # data.overlong (sft: a conversation longer than seq_len + 1)
-DPO_LOSSES = ("sigmoid", "ipo")  # dpo.loss (megatrain_jax.dpo.LOSSES)
-STATE_DTYPES = ("float32", "bfloat16")  # optimizer.state_dtype (engine/fused_adamw.py's)
+DPO_LOSSES = ("sigmoid", "ipo")  # dpo.loss (megatrain_jax/dpo.py)
+COMPUTE_DTYPES = ("bfloat16", "float32")  # train.compute_dtype, train.grad_dtype
 
 
 def did_you_mean(key: str, choices, prefix: str = "") -> str:
@@ -40,6 +43,11 @@ def _at_least(least: int, section: str, **values):
     for key, value in values.items():
         if value < least:
             raise ConfigError(f"{section}.{key} must be >= {least}, got {value}")
+
+
+def _true_false_auto(key: str, value):
+    if value not in (True, False, "auto"):
+        raise ConfigError(f"{key} must be true, false or auto, got {value!r}")
 
 
 def _one_of(key: str, value: str, choices):
@@ -239,18 +247,14 @@ class TrainConfig:
         _at_least(0, "train", prefetch=self.prefetch, tile_size=self.tile_size,
                   loss_vocab_chunk=self.loss_vocab_chunk, attention_block=self.attention_block)
         for key in ("compute_dtype", "grad_dtype"):
-            if getattr(self, key) not in ("bfloat16", "float32"):
+            if getattr(self, key) not in COMPUTE_DTYPES:
                 raise ConfigError(f"train.{key} must be bfloat16 or float32, "
                                   f"got {getattr(self, key)!r}")
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every must be >= 0 (0: only at the end), "
                               f"got {self.eval_every}")
-        if self.offload_activations not in (True, False, "auto"):
-            raise ConfigError(f"train.offload_activations must be true, false or auto, "
-                              f"got {self.offload_activations!r}")
-        if self.host_lookup not in (True, False, "auto"):
-            raise ConfigError(f"train.host_lookup must be true, false or auto, "
-                              f"got {self.host_lookup!r}")
+        _true_false_auto("train.offload_activations", self.offload_activations)
+        _true_false_auto("train.host_lookup", self.host_lookup)
         if self.attention not in IMPLEMENTATIONS:
             raise ConfigError(f"train.attention must be one of {', '.join(IMPLEMENTATIONS)}, "
                               f"got {self.attention!r}")
@@ -313,20 +317,18 @@ class LoggingConfig:
 # offload: where each layer's fp32 master weights and optimizer state live between its updates,
 # one of two tiers picked by offload.tier (see Config.offload); the disk tier's keys are its own.
 # offload.copies, a key of both tiers: how a layer's weights come in and its gradient goes out
-# (engine/step.py): auto (inside the jitted calls on a GPU, else eager), eager, jit
-COPIES = ("auto", "eager", "jit")
+# (engine/step.py): auto (inside the jitted calls on a GPU, else eager), eager, jit (COPIES,
+# engine/transfer.py's).
 # offload.bus, a key of both tiers: how the layers' bus copies (their weights in the compute
 # dtype, which the device fetches) are kept (engine/bus.py): auto (the ring where the plan says
 # host memory is short for resident ones and the ring fits), resident (every unit's, all step),
-# ring (the layers' in a ring of prefetch + 2 buffers, filled just before each fetch)
-BUS = ("auto", "resident", "ring")
+# ring (the layers' in a ring of prefetch + 2 buffers, filled just before each fetch) (BUS_FORMS,
+# engine/bus.py's FORMS).
 
 
 def _check_copies(copies, bus):
-    if copies not in COPIES:
-        raise ConfigError(f"offload.copies must be one of {', '.join(COPIES)}, got {copies!r}")
-    if bus not in BUS:
-        raise ConfigError(f"offload.bus must be one of {', '.join(BUS)}, got {bus!r}")
+    _one_of("offload.copies", copies, COPIES)
+    _one_of("offload.bus", bus, BUS_FORMS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,7 +336,7 @@ class RamTier:
     """offload.tier=ram: in host RAM (~16 B/param)."""
     tier: str = dataclasses.field(default="ram", init=False)
     copies: str = "auto"  # (both tiers': see COPIES)
-    bus: str = "auto"  # (both tiers': see BUS)
+    bus: str = "auto"  # (both tiers': see BUS_FORMS)
 
     def __post_init__(self):
         _check_copies(self.copies, self.bus)
@@ -350,7 +352,7 @@ class DiskTier:
     bit-identical training. See engine/tier.py."""
     tier: str = dataclasses.field(default="disk", init=False)
     copies: str = "auto"  # (both tiers': see COPIES)
-    bus: str = "auto"  # (both tiers': see BUS)
+    bus: str = "auto"  # (both tiers': see BUS_FORMS)
     path: str = ""  # a directory of its own on a fast local disk (NVMe)
     read_ahead: int = 1  # layers read ahead of the one being updated (and written behind)
     # O_DIRECT, so the disk moves the bytes and the page cache does not fill with the model:
@@ -362,9 +364,7 @@ class DiskTier:
         are then refused (_build_choice), so that a wrong value is named as such first."""
         _at_least(0, "offload", read_ahead=self.read_ahead)
         _check_copies(self.copies, self.bus)
-        if self.direct_io not in (True, False, "auto"):
-            raise ConfigError(f"offload.direct_io must be true, false or auto, "
-                              f"got {self.direct_io!r}")
+        _true_false_auto("offload.direct_io", self.direct_io)
 
     def check(self):
         if not self.path:

@@ -33,12 +33,10 @@ import numpy as np
 
 from megatrain_jax import checkpoint
 from megatrain_jax.chat import ChatTemplate
-from megatrain_jax.config import ConfigError
+from megatrain_jax.config import DPO_LOSSES, ConfigError
 from megatrain_jax.data import DataError
 from megatrain_jax.loss import IGNORE_ID
 from megatrain_jax.model import LMHead
-
-LOSSES = ("sigmoid", "ipo")  # dpo.loss
 
 
 class PreferenceHead(LMHead):
@@ -46,8 +44,8 @@ class PreferenceHead(LMHead):
     returns (sum of the pairs' losses, the number of pairs, statistics summed over pairs)."""
 
     def __init__(self, head: LMHead, *, beta: float, loss: str = "sigmoid"):
-        if loss not in LOSSES:
-            raise ValueError(f"dpo.loss must be one of {', '.join(LOSSES)}, got {loss!r}")
+        if loss not in DPO_LOSSES:
+            raise ValueError(f"dpo.loss must be one of {', '.join(DPO_LOSSES)}, got {loss!r}")
         self.cfg, self.execution = head.cfg, head.execution
         self.norm = head.norm
         if head.cfg.tie_embeddings:

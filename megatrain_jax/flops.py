@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 
 from megatrain_jax.config import Config, ConfigError
+from megatrain_jax.engine import bus as bus_lib
 from megatrain_jax.engine import lookup, packing, stage_units, transfer, update
 from megatrain_jax.engine.functions import stage_parts
 from megatrain_jax.machines import Machine
@@ -153,11 +154,11 @@ class Counts:
     lookup_setting: bool | None = None  # train.host_lookup as the engine takes it (None: auto)
     # the form of the layers' weights in and gradients out (offload.copies as the engine
     # resolves it: engine/transfer.py's copies_form): "eager" or "jit"
-    copies: str = "eager"
+    copies: str = transfer.EAGER
     # how the layers' bus copies are kept (offload.bus as the plan resolves it: engine/bus.py):
     # "resident" (every unit's all step) or "ring" (prefetch + 2 layer buffers; the stages'
     # resident)
-    bus: str = "resident"
+    bus: str = bus_lib.RESIDENT
     # elements of a layer's bus copy, fetched weights and gradient as they travel flat (the
     # engine's packing.Flat: its leaves end to end, each at an aligned offset); 0: leaf by leaf,
     # `layer` elements (packing.why_per_leaf)
@@ -285,7 +286,7 @@ def host_lookup_off(c: Counts, tokens: int) -> str:
     (lookup.why_off) on the config's shapes, copies form and train.host_lookup."""
     rows = c.micro_batches * tokens * c.hidden * c.compute  # every micro-batch's, one way
     return lookup.why_off(c.lookup_setting, c.lookup_serves, rows, c.first, c.compute, c.grad,
-                          in_calls=c.copies == "jit")
+                          in_calls=c.copies == transfer.JIT)
 
 
 def host_lookup(c: Counts, tokens: int) -> bool:

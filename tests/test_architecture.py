@@ -443,3 +443,59 @@ def test_the_step_asks_the_host_only_through_its_protocol():
     host_field = next(n for n in ast.walk(ast.parse(step)) if isinstance(n, ast.AnnAssign)
                       and n.target.id == "host")
     assert ast.unparse(host_field.annotation) == HOST_PROTOCOL[1]
+
+
+# The engine's choice lists (issue 47 item 6), each spelled out once where its concept lives:
+# the copies' forms (schedule.EAGER, JIT; transfer.COPIES adds auto), the bus forms (bus.RESIDENT,
+# RING; bus.FORMS adds auto), the host updates (update.HOST_UPDATES)
+CHOICE_WORDS = ({"auto", "eager", "jit"}, {"auto", "resident", "ring"}, {"auto", "direct", "jit"})
+CHOICE_HOMES = {"megatrain_jax/engine/schedule.py", "megatrain_jax/engine/bus.py",
+                "megatrain_jax/engine/update.py"}
+# config.py's names for the engine's lists: imported, never its own
+CONFIG_IMPORTS = {"COPIES": (f"{ENGINE}.transfer", "COPIES"),
+                  "BUS_FORMS": (f"{ENGINE}.bus", "FORMS"),
+                  "STATE_DTYPES": (f"{ENGINE}.fused_adamw", "STATE_DTYPES")}
+
+
+def choice_literals(source: str) -> list:
+    """Line numbers of source's tuple, list or set literals of two or more strings, all words of
+    one of CHOICE_WORDS's lists (a choice list spelled out)."""
+    return sorted(node.lineno for node in ast.walk(ast.parse(source))
+                  if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) >= 2
+                  and all(isinstance(e, ast.Constant) and isinstance(e.value, str)
+                          for e in node.elts)
+                  and any({e.value for e in node.elts} <= words for words in CHOICE_WORDS))
+
+
+def config_names(source: str) -> dict:
+    """{name: (module, name) it is imported from, or None where config.py assigns it}."""
+    out = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            out.update({a.asname or a.name: (node.module, a.name) for a in node.names})
+        elif isinstance(node, ast.Assign):
+            out.update({t.id: None for t in node.targets if isinstance(t, ast.Name)})
+    return out
+
+
+def test_the_choice_list_check_sees_literals_and_imports_not_text():
+    source = ('"""("eager", "jit")"""\nA = ("auto", "eager", "jit")\nB = ["resident", "ring"]\n'
+              'C = ("auto", "x")\nD = ("eager", JIT)\nE = "eager" in {"jit", "eager"}\n'
+              'from m import F as COPIES\nSTATE_DTYPES = 1\n')
+    assert choice_literals(source) == [2, 3, 6]
+    names = config_names(source)
+    assert (names["COPIES"], names["STATE_DTYPES"]) == (("m", "F"), None)
+
+
+def test_each_choice_list_is_spelled_out_once():
+    """The copies' forms, the bus forms and the host updates are written out only where they
+    live (the engine's schedule, bus and update modules), nowhere else in the package or the
+    scripts; config.py validates with the engine's own lists (imported, so a new form is one
+    edit), and the engine never imports config."""
+    found = {str(path.relative_to(ROOT)): choice_literals(path.read_text())
+             for folder in (PACKAGE, "scripts") for path in sorted((ROOT / folder).rglob("*.py"))}
+    found = {path: lines for path, lines in found.items() if lines}
+    assert sorted(found) == sorted(CHOICE_HOMES)
+    assert all(len(lines) == 1 for lines in found.values()), found
+    names = config_names((ROOT / PACKAGE / "config.py").read_text())
+    assert {name: names.get(name) for name in CONFIG_IMPORTS} == CONFIG_IMPORTS

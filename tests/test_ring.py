@@ -315,7 +315,7 @@ def test_a_bad_offload_bus_is_one_line_exit_2(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert commands.train(["offload.bus=rings", f"run_dir={run_dir}"]) == 2
     assert capsys.readouterr().err.strip() == ("error: offload.bus must be one of auto, "
-                                               "resident, ring, got 'rings'")
+                                               "resident, ring, got 'rings' (did you mean ring?)")
     assert not run_dir.exists()
 
 

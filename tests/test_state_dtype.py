@@ -123,7 +123,7 @@ def test_the_state_is_bf16_through_optax_and_the_plan_counts_it():
 
 
 def test_the_config_and_the_kernel_name_the_same_dtypes():
-    assert config_lib.STATE_DTYPES == fused_adamw.STATE_DTYPES
+    assert config_lib.STATE_DTYPES is fused_adamw.STATE_DTYPES
     with pytest.raises(ValueError, match="state_dtype must be one of float32, bfloat16"):
         fused_adamw.adamw(1e-3, state_dtype="float16")
 

@@ -407,7 +407,7 @@ def _copying(arrays) -> list:
 
 # ----------------------------------------------------------------------------- the ring
 RESIDENT, RING = "resident", "ring"
-FORMS = ("auto", RESIDENT, RING)
+FORMS = ("auto", RESIDENT, RING)  # offload.bus
 
 
 @dataclasses.dataclass

@@ -27,13 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from megatrain_jax.engine.schedule import HOST_READ
+from megatrain_jax.engine.schedule import EAGER, FORMS, HOST_READ, JIT
 
 log = logging.getLogger(__name__)
 
 PINNED = "pinned_host"
-COPIES = ("auto", "eager", "jit")
-EAGER, JIT = "eager", "jit"  # (engine/schedule.py's forms)
+COPIES = ("auto",) + FORMS  # offload.copies: schedule.FORMS (EAGER, JIT) or auto
 
 
 def nbytes(tree) -> int:
