@@ -332,7 +332,7 @@ def _check_copies(copies, bus):
 
 
 @dataclasses.dataclass(frozen=True)
-class RamTier:
+class RamTierConfig:
     """offload.tier=ram: in host RAM (~16 B/param)."""
     tier: str = dataclasses.field(default="ram", init=False)
     copies: str = "auto"  # (both tiers': see COPIES)
@@ -346,7 +346,7 @@ class RamTier:
 
 
 @dataclasses.dataclass(frozen=True)
-class DiskTier:
+class DiskTierConfig:
     """offload.tier=disk: in files under offload.path, read just before each layer's update and
     written back after it: ~2-4 B/param of RAM for the bus copies plus a few layers in flight;
     bit-identical training. See engine/tier.py."""
@@ -440,8 +440,8 @@ class Config:
     dpo: DPOConfig = DPOConfig()
     # One of the tiers, picked by offload.tier: {tier: ram} (the default) or {tier: disk, path:
     # ..., read_ahead: ..., direct_io: ...}; a disk key with the ram tier is an error.
-    offload: typing.Union[RamTier, DiskTier] = dataclasses.field(default=RamTier(),
-                                                                 metadata={"choice": "tier"})
+    offload: typing.Union[RamTierConfig, DiskTierConfig] = dataclasses.field(
+        default=RamTierConfig(), metadata={"choice": "tier"})
     distributed: DistributedConfig = DistributedConfig()
     run_dir: str = "runs/tiny"
 
@@ -494,7 +494,7 @@ def _build(cls, data: dict, prefix: str):
     for name, value in _mapping(data, prefix, fields).items():
         f = fields[name]
         typ = hints[f.name]
-        if "choice" in f.metadata:  # e.g. offload: RamTier or DiskTier, picked by offload.tier
+        if "choice" in f.metadata:  # e.g. offload: RamTierConfig or DiskTierConfig, by offload.tier
             kwargs[f.name] = _build_choice(typing.get_args(typ), f.metadata["choice"], value,
                                            f"{prefix}{name}.", f.default)
         elif dataclasses.is_dataclass(typ):
@@ -665,8 +665,8 @@ def from_dict(data: dict) -> Config:
     offload became a choice holds the disk tier's keys whatever the tier: with the ram tier, where
     they meant nothing, they are dropped."""
     offload = data.get("offload")
-    if isinstance(offload, dict) and offload.get("tier", RamTier.tier) == RamTier.tier:
-        dead = set(_keys(DiskTier)) - set(_keys(RamTier))
+    if isinstance(offload, dict) and offload.get("tier", RamTierConfig.tier) == RamTierConfig.tier:
+        dead = set(_keys(DiskTierConfig)) - set(_keys(RamTierConfig))
         data = {**data, "offload": {k: v for k, v in offload.items() if k not in dead}}
     cfg = _build(Config, data, "")
     _check(cfg)

@@ -20,7 +20,7 @@ import functools
 from typing import Callable
 
 
-from megatrain_jax.config import Config, ConfigError, DiskTier
+from megatrain_jax.config import Config, ConfigError, DiskTierConfig
 from megatrain_jax.engine import bus as bus_lib
 from megatrain_jax.flops import (ASSUMED_MFU, Counts, counts, devices_assumed, flops_per_token,
                                   host_lookup_off, local_devices, tokens_to_hide, with_layers)
@@ -77,7 +77,8 @@ def _plan(cfg: Config, machine: Machine, execution: Execution, choice) -> Plan:
     offload, offload_reason, options = _offload(cfg, c, workspace, machine)
     device = device_bytes(c, B * T, offload, workspace)
     c, bus_reason, bus_forms = _bus_form(cfg, c, machine, B * T, offload, peak_bytes(device))
-    read_ahead = getattr(cfg.offload, "read_ahead", DiskTier.read_ahead)  # ram tier: the default
+    # the ram tier: the disk tier's default
+    read_ahead = getattr(cfg.offload, "read_ahead", DiskTierConfig.read_ahead)
     host_by_tier = {"ram": host_bytes(c, B * T, offload),
                     "disk": host_bytes_on_disk(c, B * T, offload, read_ahead)}
     host = host_by_tier[cfg.offload.tier]

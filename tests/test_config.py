@@ -12,9 +12,9 @@ import optax
 import pytest
 
 from megatrain_jax import commands
-from megatrain_jax.config import (SCHEDULES, Config, ConfigError, DiskTier, OptimizerConfig,
-                                  RamTier, from_dict, load_config, resume_changes, resume_keys,
-                                  to_dict)
+from megatrain_jax.config import (SCHEDULES, Config, ConfigError, DiskTierConfig,
+                                  OptimizerConfig, RamTierConfig, from_dict, load_config,
+                                  resume_changes, resume_keys, to_dict)
 from megatrain_jax.recipes import build_optimizer, build_schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -257,7 +257,7 @@ def test_a_config_saved_before_the_choice_is_accepted_by_config(tmp_path):
     their defaults), given back to --config, loads: the defaults meant nothing and still don't."""
     path = tmp_path / "config.yaml"
     path.write_text("offload:\n  tier: ram\n  path: ''\n  read_ahead: 1\n  direct_io: auto\n")
-    assert load_config(str(path)).offload == RamTier()
+    assert load_config(str(path)).offload == RamTierConfig()
     path.write_text("offload:\n  tier: ram\n  path: ''\n  read_ahead: 2\n")
     with pytest.raises(ConfigError, match="^offload.read_ahead is a key of offload.tier=disk"):
         load_config(str(path))
@@ -265,12 +265,13 @@ def test_a_config_saved_before_the_choice_is_accepted_by_config(tmp_path):
 
 def test_the_disk_keys_belong_to_the_disk_tier():
     ram = load_config(None)
-    assert ram.offload == RamTier() and ram.offload.tier == "ram"
+    assert ram.offload == RamTierConfig() and ram.offload.tier == "ram"
     assert not hasattr(ram.offload, "path")  # no dead keys: the ram tier has none of its own
     disk = load_config(None, ["offload.tier=disk", "offload.path=/nvme/t", "offload.read_ahead=3",
                               "offload.direct_io=false"])
-    assert disk.offload == DiskTier(path="/nvme/t", read_ahead=3, direct_io=False)
-    assert load_config(None, ["offload.tier=disk", "offload.path=/t"]).offload == DiskTier(path="/t")
+    assert disk.offload == DiskTierConfig(path="/nvme/t", read_ahead=3, direct_io=False)
+    assert (load_config(None, ["offload.tier=disk", "offload.path=/t"]).offload
+            == DiskTierConfig(path="/t"))
     assert to_dict(ram)["offload"] == {"tier": "ram", "copies": "auto", "bus": "auto"}
     assert to_dict(disk)["offload"] == {"tier": "disk", "copies": "auto", "bus": "auto",
                                         "path": "/nvme/t", "read_ahead": 3, "direct_io": False}
@@ -285,7 +286,7 @@ def test_a_config_saved_before_the_choice_loads_with_the_ram_tier():
     saved["offload"] = {"tier": "ram", "path": "", "read_ahead": 1, "direct_io": "auto"}
     assert from_dict(saved) == Config()
     saved["offload"] = {"tier": "disk", "path": "/t", "read_ahead": 2, "direct_io": "auto"}
-    assert from_dict(saved).offload == DiskTier(path="/t", read_ahead=2)
+    assert from_dict(saved).offload == DiskTierConfig(path="/t", read_ahead=2)
 
 
 def test_every_config_file_loads_to_the_values_it_had():
@@ -301,7 +302,7 @@ def test_every_config_file_loads_to_the_values_it_had():
         cfg = Config() if name == "defaults" else load_config(os.path.join(ROOT, name))
         if expected["offload.tier"] == "ram":
             dead = {k: expected.pop(f"offload.{k}") for k in DISK_KEYS}
-            assert dead == {k: getattr(DiskTier(), k) for k in DISK_KEYS}
+            assert dead == {k: getattr(DiskTierConfig(), k) for k in DISK_KEYS}
         loaded = flat(json.loads(json.dumps(to_dict(cfg))))
         assert loaded.pop("offload.copies") == "auto"  # a key of both tiers since, its default
         assert loaded.pop("offload.bus") == "auto"  # (as offload.copies)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from megatrain_jax.config import (Config, DataConfig, DistributedConfig, OptimizerConfig,
-                                  RamTier,
+                                  RamTierConfig,
                                   TrainConfig)
 from megatrain_jax.data import document_context
 from megatrain_jax.engine import StreamedEngine
@@ -47,7 +47,7 @@ SEQ = {"resident": 64, "offloaded": 64, "lookup": 32, "padded": 64}  # each engi
 
 def config(seq, offload=False, grad_dtype="float32", document_mask=False, prefetch=1,
            model=MODEL, compute_dtype="float32", copies="auto") -> Config:
-    return Config(model=model, optimizer=OptimizerConfig(), offload=RamTier(copies=copies),
+    return Config(model=model, optimizer=OptimizerConfig(), offload=RamTierConfig(copies=copies),
                   data=DataConfig(seq_len=seq, batch_size=2, micro_batches=2,
                                   document_mask=document_mask),
                   train=TrainConfig(steps=4, compute_dtype=compute_dtype, grad_dtype=grad_dtype,
