@@ -77,7 +77,7 @@ class HostBus(_Policy):
 
     def __init__(self, compute_dtype, host_device):
         self.compute_dtype, self.host_device = compute_dtype, host_device
-        self.host = jax.sharding.SingleDeviceSharding(host_device)
+        self.host_sharding = jax.sharding.SingleDeviceSharding(host_device)
 
     def make(self, params, packing):
         if self.compute_dtype == jnp.float32:  # (the disk tier, where the weights leave RAM
@@ -85,7 +85,7 @@ class HostBus(_Policy):
             params = jax.tree.map(lambda p: jnp.array(p, copy=True, device=self.host_device),
                                   params)
         cast = jax.tree.map(lambda p: p.astype(self.compute_dtype), params)
-        return refresh(packing.packed(cast, self.host), self.host)
+        return refresh(packing.packed(cast, self.host_sharding), self.host_sharding)
 
     def release(self, unit):
         """Kept for the update to write in place (the plan counts bus copies and gradients
@@ -118,15 +118,15 @@ class PinnedBus(_Policy):
     memory each update): the hazard is speed, not correctness."""
     is_params, on_host = False, False
 
-    def __init__(self, compute_dtype, sharding, staging: dict, key: int, host):
-        """host: the host device's sharding, where a flat bus copy is packed."""
+    def __init__(self, compute_dtype, sharding, staging: dict, key: int, host_sharding):
+        """host_sharding: the host device's, where a flat bus copy is packed."""
         self.compute_dtype, self.sharding, self.staging, self.key = (compute_dtype, sharding,
                                                                      staging, key)
-        self.host = host
+        self.host_sharding = host_sharding
 
     def make(self, params, packing):
         cast = jax.tree.map(lambda p: p.astype(self.compute_dtype), params)
-        return refresh(packing.packed(cast, self.host), self.sharding)
+        return refresh(packing.packed(cast, self.host_sharding), self.sharding)
 
     def make_staging(self, bus, host_device):
         """The staging buffer, made before the first update so that it compiles once per unit
@@ -172,7 +172,8 @@ def choose(compute_dtype, compute_device, host_device, in_ram: bool, staging: di
     where = sharding(compute_device, host_device)
     if where.memory_kind != transfer.PINNED:
         return where, [on_host] * 3, on_host
-    return where, [PinnedBus(compute_dtype, where, staging, key, host.host) for key in range(3)], \
+    return where, [PinnedBus(compute_dtype, where, staging, key, host.host_sharding)
+                   for key in range(3)], \
         on_host
 
 

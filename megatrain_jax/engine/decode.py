@@ -65,8 +65,8 @@ class StreamedDecoder:
         self.compute = self.placement.weights
         self.counters = Counters()
         self.transfers = transfer.Transfers(self.placement, self.host_device, self.counters)
-        host = self.transfers.host
-        self.bus = bus_lib.sharding(self.compute_device, self.host_device)  # as HostState's
+        host = self.transfers.host_sharding
+        self.bus_sharding = bus_lib.sharding(self.compute_device, self.host_device)  # as HostState
         self.on_layer = None  # on_layer(layer) after each layer's work is dispatched (tests)
         dtype = jnp.dtype(compute_dtype)
         cast = lambda tree, where: jax.tree.map(
@@ -81,14 +81,14 @@ class StreamedDecoder:
                     block_def = graphdef
                 elif graphdef != block_def:
                     raise ValueError(f"block {i} differs in structure from block 0")
-                self.layers.append(cast(params, self.bus))
+                self.layers.append(cast(params, self.bus_sharding))
                 self.constants.append(jax.device_put(constants, self.compute))
                 del params
         leaves, treedef = jax.tree.flatten(stages)
         parts = stage_parts(stages_def, stages, jax.ShapeDtypeStruct((1, 1), jnp.int32),
                             head=logits)
         self.first_weights = cast(parts.take("first", leaves), host)
-        self.head_weights = cast(parts.take("last", leaves), self.bus)
+        self.head_weights = cast(parts.take("last", leaves), self.bus_sharding)
         del stages, leaves
         merge = lambda part, w: merge_part(stages_def, treedef, getattr(parts, part), w)
 
@@ -127,7 +127,7 @@ class StreamedDecoder:
     def _forward(self, tokens, run_layer):
         tokens = self.transfers.batch_to_host(jnp.asarray(tokens, jnp.int32))
         x, = self.transfers.rows_in([self._first(self.first_weights, tokens)])
-        fetched = (lambda w: w) if self.bus != self.compute else (lambda w: ())
+        fetched = (lambda w: w) if self.bus_sharding != self.compute else (lambda w: ())
         logits = None
         stream = LayerStream(range(self.num_layers + 1), self._fetch, self.prefetch)
         for i, w in stream:  # the layers, then the head

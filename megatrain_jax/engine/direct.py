@@ -45,7 +45,7 @@ class DirectAdamW:
     def __init__(self, hyper, max_grad_norm, host_device, counters, lib):
         self.hyper, self.max_grad_norm, self.counters, self.lib = (hyper, max_grad_norm,
                                                                    counters, lib)
-        self.host = jax.sharding.SingleDeviceSharding(host_device)
+        self.host_sharding = jax.sharding.SingleDeviceSharding(host_device)
         self.on_kernel = None  # on_kernel(u, ranges), when set: each call's ranges (for tests)
         self._decays = {}  # per params structure: the leaves' weight-decay flags
 
@@ -54,11 +54,11 @@ class DirectAdamW:
                                                           max_grad_norm, unit)
             return jnp.stack([s[k] for k in fused_adamw.SCALARS]), count, lr_count
 
-        self._scalars = jax.jit(scalars, out_shardings=self.host)
+        self._scalars = jax.jit(scalars, out_shardings=self.host_sharding)
 
     def wrap(self, x):
         """A host-device jax array over numpy x (zero-copy where the CPU client aliases it)."""
-        return jax.device_put(x, self.host)
+        return jax.device_put(x, self.host_sharding)
 
     def decays(self, arrays: UnitArrays) -> list:
         key = arrays.params_def

@@ -44,12 +44,12 @@ class HostState:
     def __init__(self, stages, blocks, optimizer: optax.GradientTransformation, *, max_grad_norm,
                  compute_dtype, grad_dtype, compute_device, host_device, counters, num_blocks: int,
                  disk_tier: Optional[tier_lib.DiskTierOptions] = None, shards=None,
-                 host_update: str = "auto", bus: str = bus_lib.RESIDENT, prefetch: int = 1,
-                 data_parallel: bool = False, pinned_pool: Optional[int] = None,
-                 host_threads: Optional[int] = None):
+                 host_update: str = "auto", bus_form: str = bus_lib.RESIDENT,
+                 prefetch: int = 1, data_parallel: bool = False,
+                 pinned_pool: Optional[int] = None, host_threads: Optional[int] = None):
         """stages: the stages' params (param_split((first, last))); blocks: an iterable of the
         blocks' params (with the disk tier, one in RAM at a time); shards (shard.Shards): keep
-        this process's rows of every leaf; bus: bus.FORMS' (bus.Buses: `buses.form`, `.why`)."""
+        this process's rows of every leaf; bus_form: of bus.FORMS (chosen: `buses.form`, `.why`)."""
         self.update, why = update_lib.choose(
             optimizer, max_grad_norm, host_update, disk_tier, compute_dtype=compute_dtype,
             grad_dtype=grad_dtype, host_device=host_device, counters=counters)
@@ -59,28 +59,28 @@ class HostState:
             raise ValueError("shard_host_state with the disk tier is not supported")
         self.optimizer, self.counters, self.host_device = optimizer, counters, host_device
         self.compute_dtype, self.grad_dtype = jnp.dtype(compute_dtype), jnp.dtype(grad_dtype)
-        self.host = jax.sharding.SingleDeviceSharding(host_device)
+        self.host_sharding = jax.sharding.SingleDeviceSharding(host_device)
         self.last = 1 + num_blocks
         self.buses = bus_lib.Buses(
             compute_dtype, compute_device, host_device, in_ram=disk_tier is None,
-            in_place=self.update.in_place, form=bus, prefetch=prefetch,
+            in_place=self.update.in_place, form=bus_form, prefetch=prefetch,
             data_parallel=data_parallel, pool=pinned_pool, counters=counters)
         self.bus_sharding = self.buses.sharding
         self.failed = None  # why the state is unknown: a host update failed (see ready)
         self.on_update = None  # on_update(u), when set: the host thread starts unit u's update
         layout = self.units_layout = store_lib.Layout(num_blocks, optimizer, stages, shards,
-                                                      self.buses.is_params, self.host)
+                                                      self.buses.is_params, self.host_sharding)
         self.shapes, self.stage_units = layout.shapes, layout.stage_units
         self.packing, self.layout, self.check_load = layout.packing, layout.of, layout.check_load
         self.stage_leaves = layout.stage_leaves
-        self.store = store_lib.choose(disk_tier, layout, self.host,
+        self.store = store_lib.choose(disk_tier, layout, self.host_sharding,
                                       getattr(self.update, "kernel", None))
         # a bus copy made anew from a unit's weights reads them as a reader would (store.view)
         self.buses.attach(layout, self.store, lambda u: self.unit_state(u, self.store.view)[0])
         # what a step tells of its fetches goes to their owner (bus.Buses)
         self.fetches, self.fetched, self.read = (self.buses.fetches, self.buses.fetched,
                                                  self.buses.read)
-        self.update.bind(self.store, self.buses, layout, self.host, counters)
+        self.update.bind(self.store, self.buses, layout, self.host_sharding, counters)
         self.units = []
         try:
             self._build(blocks)

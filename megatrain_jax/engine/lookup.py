@@ -181,7 +181,7 @@ class HostBackward:
 
     def _backward(self) -> tuple:
         host, f, parts = self.sp.host, self.sp.functions, self.sp.parts
-        on_host = host.host
+        on_host = host.host_sharding
         dxs = self.rows_grad.arrive(on_host)
         layers_sq, last_sq, weight = transfer.arrive(self.scalars, on_host)
         acc = self.table.zeros([x.shape for x in self.w], host.host_device)

@@ -176,10 +176,11 @@ class Flat:
         return jax.tree.unflatten(self.treedef, [packed[o:o + n].reshape(s) for (o, n), s in
                                                  zip(self.spans, self.shapes)])
 
-    def packed(self, tree, host):
-        """`tree` (host arrays or numpy, each leaf in the one dtype) in one array on `host`, the
-        host device's sharding (made by XLA there: a buffer an update may donate)."""
-        return _pack(self, jax.tree.map(lambda x: transfer.across_clients(x, host), tree))
+    def packed(self, tree, host_sharding):
+        """`tree` (host arrays or numpy, each leaf in the one dtype) in one array on
+        `host_sharding`, the host device's (made by XLA there: a buffer an update may donate)."""
+        return _pack(self, jax.tree.map(lambda x: transfer.across_clients(x, host_sharding),
+                                        tree))
 
     def targets(self, bus, what: str) -> list:
         _deleted(bus, what)

@@ -5,8 +5,9 @@ A step fetches a unit's bus copy (`bus`, `stage_bus`: each once its pending host
 finished), says when a fetch of it was made (`fetched`) and read (`read`) and when the step is
 done with the unit (`release_bus`), and queues the step's updates (`submit_all`). It reads the
 units' layout (`last`, `shapes`, `stage_units`, `stage_leaves`), where the host's arrays live and
-in which dtype the host takes gradients (`host`, `host_device`, `grad_dtype`, `bus_sharding`),
-whether debug mode keeps every fetch (`fetches`), and the counters. Nothing else of the host.
+in which dtype the host takes gradients (`host_sharding`, `host_device`, `grad_dtype`,
+`bus_sharding`), whether debug mode keeps every fetch (`fetches`), and the counters. Nothing else
+of the host.
 """
 
 from typing import Any, Optional, Protocol, runtime_checkable
@@ -27,7 +28,7 @@ class StepHost(Protocol):
     shapes: dict  # {0: the whole stages' leaf shapes, 1: a block's}, logical (unsharded)
     stage_units: dict  # {0 and last: (params, opt_state) of that unit, jax.ShapeDtypeStruct trees}
     grad_dtype: np.dtype  # the dtype the host update takes gradients in
-    host: jax.sharding.Sharding  # the host device's memory, where the host lookup's work runs
+    host_sharding: jax.sharding.Sharding  # the host device's memory: the host lookup's work
     host_device: jax.Device
     bus_sharding: jax.sharding.Sharding  # where bus copies live
     fetches: Optional[dict]  # debug mode (not None): every fetch kept until its unit's update

@@ -69,12 +69,13 @@ class Layout:
     `stage_units`: the stage units' (params, opt_state) layouts (jax.ShapeDtypeStruct trees),
     `block_layout` a block unit's, made with the first block (`add_block`)."""
 
-    def __init__(self, num_blocks: int, optimizer, stages, shards, bus_is_params: bool, host):
-        """stages: the whole stages' params, put on `host` (the host device's sharding) in fp32,
+    def __init__(self, num_blocks: int, optimizer, stages, shards, bus_is_params: bool,
+                 host_sharding):
+        """stages: the whole stages' params, put on `host_sharding` (the host device's) in fp32,
         then as `split` their two units' params (this process's rows where `shards`,
         shard.Shards, cut them)."""
         self.last, self.optimizer, self.shards = 1 + num_blocks, optimizer, shards
-        self.bus_is_params, self.host = bus_is_params, host
+        self.bus_is_params, self.host_sharding = bus_is_params, host_sharding
         stages = self._to_host(stages)
         self.shapes = {0: [tuple(p.shape) for p in jax.tree.leaves(stages)]}
         self.split = stage_units.split(shards.cut(stages) if shards is not None else stages)
@@ -97,7 +98,7 @@ class Layout:
 
     def _to_host(self, params):
         return jax.device_put(jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params),
-                              self.host)
+                              self.host_sharding)
 
     def add_block(self, whole):
         """A block's params as its unit holds them (fp32 on the host device, the sharded
@@ -210,11 +211,11 @@ class DiskStore(RamStore):
     donate = (3,)
 
     def __init__(self, init, options: tier_lib.DiskTierOptions, num_units: int, last_shapes,
-                 host):
+                 host_sharding):
         """last_shapes: the last unit's (params, opt_state) shapes, for its file's layout (the
-        files are made before that unit is); host: the host device's sharding."""
+        files are made before that unit is); host_sharding: the host device's."""
         super().__init__(init)
-        self.options, self.num_units, self.host = options, num_units, host
+        self.options, self.num_units, self.host_sharding = options, num_units, host_sharding
         self.last_layout = tier_lib.UnitLayout.of(*last_shapes)
         self.tier = None  # made once the first block is known (all blocks share its layout)
 
@@ -240,7 +241,7 @@ class DiskStore(RamStore):
 
     def load(self, u: int, unit):
         """The state from its file (read ahead)."""
-        unit.params, unit.opt_state = self.tier.load(u, self.host)
+        unit.params, unit.opt_state = self.tier.load(u, self.host_sharding)
 
     def store(self, u: int, unit):
         """Written back behind, out of RAM."""

@@ -263,7 +263,7 @@ class Activations:
                 raise ValueError(f"train.offload_activations=true: the compute device "
                                  f"{compute_device} ({compute_device.platform} backend) has no "
                                  f"pinned_host memory (it has {', '.join(sorted(kinds))})")
-            self.host = self.device.with_memory_kind("pinned_host")
+            self.pinned_sharding = self.device.with_memory_kind("pinned_host")
         self._saved = {}
 
     def save(self, layer: int, xs):
@@ -272,7 +272,8 @@ class Activations:
         if not self.offload:
             self._saved[layer] = xs
             return ()
-        self._saved[layer] = self.transfers.activations(xs, self.host, "activations out")
+        self._saved[layer] = self.transfers.activations(xs, self.pinned_sharding,
+                                                        "activations out")
         return xs
 
     def pinned(self, layer: int):

@@ -192,7 +192,7 @@ class StreamedEngine:
                               compute_device=self.compute_device, host_device=self.host_device,
                               counters=self.counters, num_blocks=num_layers,
                               disk_tier=disk_tier, shards=self.placement.shards,
-                              host_update=host_update, bus=bus, prefetch=prefetch,
+                              host_update=host_update, bus_form=bus, prefetch=prefetch,
                               data_parallel=self.placement.data_parallel,
                               pinned_pool=(bus_lib.pinned_pool_bytes()
                                            if self.compute_device.platform == "gpu"

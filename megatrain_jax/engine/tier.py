@@ -365,8 +365,8 @@ class DiskTier:
         with self._lock:
             self._upcoming.append(u)
 
-    def load(self, u: int, host) -> tuple:
-        """(params, opt_state) of unit u as arrays on `host` (a sharding) aliasing its read
+    def load(self, u: int, host_sharding) -> tuple:
+        """(params, opt_state) of unit u as arrays on `host_sharding` aliasing its read
         buffer, which must not be donated nor used after `store(u)`; its read was started ahead,
         and the reads of the next read_ahead queued units start now."""
         with self._lock:
@@ -382,7 +382,7 @@ class DiskTier:
         # fresh XLA arrays instead took most of the host thread's time, each page faulted in
         # (docs/benchmarks.md, "Disk tier": no copy in). The update must then not donate them:
         # HostState compiles a non-donating update for the tier.
-        state = jax.tree.map(lambda x: jax.device_put(x, host), self.layouts[u].views(buffer))
+        state = jax.tree.map(lambda x: jax.device_put(x, host_sharding), self.layouts[u].views(buffer))
         with self._lock:
             self._loaned[u] = buffer
         self.wait_s += t1 - t0

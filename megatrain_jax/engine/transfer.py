@@ -169,7 +169,7 @@ class Transfers:
             log.warning("%s (%s backend) has no %s memory: gradients and bus copies cross "
                         "directly to the host device %s (copies across clients, on the "
                         "dispatching thread)", compute, compute.platform, PINNED, host_device)
-        self.host = jax.sharding.SingleDeviceSharding(host_device)
+        self.host_sharding = jax.sharding.SingleDeviceSharding(host_device)
 
     def _event(self, what):
         if self.on_event is not None:
@@ -232,7 +232,7 @@ class Transfers:
 
     def batch_to_host(self, x):
         """A step's inputs for the host lookup: to the host device, not across the bus."""
-        return self.put(x, self.host)
+        return self.put(x, self.host_sharding)
 
     def batch_in(self, tree):
         """This process's rows of a step's micro-batches (stacked) on the compute devices."""
@@ -279,7 +279,7 @@ class Transfers:
 
     def _out(self, x):
         if self.out_kind is None:
-            return self.host
+            return self.host_sharding
         return jax.sharding.SingleDeviceSharding(next(iter(x.sharding.device_set)),
                                                  memory_kind=self.out_kind)
 

@@ -122,11 +122,11 @@ class _Update:
     """The interface (module docstring): `apply`'s frame, once for every strategy."""
     in_place = False
 
-    def bind(self, store, buses, layout, host, counters):
-        """store, layout: the units' (store.py); buses: their bus copies (bus.Buses); host: the
-        host device's sharding; counters: stream.Counters."""
-        self.store, self.buses, self.layout, self.host, self.counters = (store, buses, layout,
-                                                                         host, counters)
+    def bind(self, store, buses, layout, host_sharding, counters):
+        """store, layout: the units' (store.py); buses: their bus copies (bus.Buses);
+        host_sharding: the host device's; counters: stream.Counters."""
+        self.store, self.buses, self.layout, self.host_sharding, self.counters = (
+            store, buses, layout, host_sharding, counters)
 
     def apply(self, u: int, unit, grads, grad_norm, scale):
         """Unit u's update (`unit`, its store.Unit), on the host thread."""
@@ -193,9 +193,10 @@ class _InJit(_Update):
 
     def _arrive(self, grads, grad_norm, scale):
         if isinstance(grads, transfer.Parcel):  # the hop between the clients (copies, counted)
+            on_host = self.host_sharding.device_set
             self.counters.host_copy_bytes += sum(
-                p.nbytes for p in grads.token() if p.sharding.device_set != self.host.device_set)
-        grads, grad_norm, scale = transfer.arrive((grads, grad_norm, scale), self.host)
+                p.nbytes for p in grads.token() if p.sharding.device_set != on_host)
+        grads, grad_norm, scale = transfer.arrive((grads, grad_norm, scale), self.host_sharding)
         jax.block_until_ready((grads, grad_norm))
         return grads, grad_norm, scale
 
