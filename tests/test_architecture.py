@@ -218,8 +218,8 @@ def test_scripts_read_the_engine_through_its_public_api():
 
 # What writes a bus copy: making or refreshing one (bus.refresh), taking its raw pointers to write
 # it in place (packing's `targets`, the kernel's and the ring's casts), casting into them, or
-# setting a unit's or a ring slot's `bus`/`spare` (another object's: an engine's own `self.bus`
-# names its bus sharding or form)
+# setting a unit's or a ring slot's `bus`/`spare` (another object's: StreamedEngine's own
+# `self.bus` names its bus form)
 BUS_WRITE_CALLS = ("refresh", "targets", "cast_into")
 BUS_FIELDS = ("bus", "spare")
 BUS_WRITER = f"{ENGINE}.bus"
