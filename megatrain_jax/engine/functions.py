@@ -211,11 +211,14 @@ class DeviceFunctions:
             _, vjp = jax.vjp(lambda w: embed_one(w, inputs), w32)
             return tree_add(acc, vjp(dx.astype(jnp.float32))[0])
 
+        def embed_bwd_into(w, inputs, dxs, acc):
+            """The first part's gradient over the micro-batches, added to `acc` (fp32)."""
+            return each(lambda acc, xd: (embed_bwd_one(w, *xd, acc), None), acc,
+                        (inputs, dxs))[0]
+
         def embed_bwd(w, inputs, dxs):
             """The first part's gradient in fp32, summed over the devices."""
-            acc = each(lambda acc, xd: (embed_bwd_one(w, *xd, acc), None), f32_zeros(w),
-                       (inputs, dxs))[0]
-            return on.reduce(acc)[0]
+            return on.reduce(embed_bwd_into(w, inputs, dxs, f32_zeros(w)))[0]
 
         def block_fwd(layer, x, context):
             """(y, aux): aux None for a block that returns y alone. layer: (its weights, its
@@ -318,9 +321,7 @@ class DeviceFunctions:
         self.leaf_squares = jax.jit(lambda xs: [sum_squares(x) for x in xs])
         # The first stage on the host CPU device (engine/lookup.py), where its inputs are.
         self.host_embed = jax.jit(embed)
-        self.host_embed_bwd = jax.jit(
-            lambda w, inputs, dxs, acc: each(lambda acc, xd: (embed_bwd_one(w, *xd, acc), None),
-                                             acc, (inputs, dxs))[0], donate_argnums=(3,))
+        self.host_embed_bwd = jax.jit(embed_bwd_into, donate_argnums=(3,))
         self.norm_and_scale = jax.jit(norm_and_scale)
         # (stream.Counters) every call on the dispatching thread; not the user's aux_loss nor the
         # helpers traced inside the calls

@@ -210,12 +210,7 @@ class Transfers:
             self._event("weights in, in the call")
         if activations is not None:
             self._event("activations in, in the call")
-        parcel = None
-        if grads is not None:
-            leaves, treedef = jax.tree.flatten(sent)
-            parcel = Parcel(treedef, [[x] for x in leaves])
-            self.counters.bytes_d2h += self._bytes("gradient", leaves, layer=True)
-            self._event("gradient out, in the call")
+        parcel = None if grads is None else self.made_out(sent, layer=True)
         return result, (None, None) if fetched is None else fetched, parcel
 
     def rows_in(self, rows):
@@ -262,11 +257,12 @@ class Transfers:
         self._event("gradient out")
         return parcel
 
-    def made_out(self, tree) -> Parcel:
-        """A gradient a call made in the compute device's pinned host memory (the jit form's
-        stages' gradient, DeviceFunctions.stages): on its way out already, as grads_out's."""
+    def made_out(self, tree, layer: bool = False) -> Parcel:
+        """A gradient a call made in the compute device's pinned host memory (a layer's, sent by
+        the next layer's call; the jit form's stages' gradient, DeviceFunctions.stages): on its
+        way out already, as grads_out's. layer: a layer's."""
         leaves, treedef = jax.tree.flatten(tree)
-        self.counters.bytes_d2h += nbytes(leaves)
+        self.counters.bytes_d2h += self._bytes("gradient", leaves, layer)
         self._event("gradient out, in the call")
         return Parcel(treedef, [[x] for x in leaves])
 
