@@ -45,6 +45,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from megatrain_jax.engine.store import path_str
 from megatrain_jax.errors import CheckpointError, SaveError
 
 _in_flight = weakref.WeakKeyDictionary()  # manager -> step of its last asynchronous save
@@ -272,19 +273,6 @@ def check_writable(directory, what: str = "", error=CheckpointError):
     except OSError as e:
         raise error(f"{what or f'checkpoint directory {directory}'} is not writable "
                     f"({e.strerror or e})") from None
-
-
-def path_str(path) -> str:
-    """Orbax's metadata spells namedtuple fields as dict keys; name both alike: a/b/0/mu/wq."""
-    parts = []
-    for key in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
 
 
 def _shapes(tree) -> dict:

@@ -45,6 +45,12 @@ def refresh(bus, sharding):
     return jax.tree.map(lambda x: transfer.across_clients(x, sharding), bus)
 
 
+def copy_of(tree, dtype, sharding):
+    """A bus copy of `tree` (weights anywhere) in `dtype` where the compute device reads it
+    (`sharding`), made once: the decoder's (engine/decode.py), which no update writes."""
+    return refresh(jax.tree.map(lambda p: jnp.asarray(p).astype(dtype), tree), sharding)
+
+
 class _Policy:
     def make_staging(self, bus, host_device):
         """The update's reused output buffer for units structured as `bus`: only PinnedBus has
@@ -483,7 +489,7 @@ class Ring:
                 slot.bus, slot.fetches = self._new(), []
                 self.fresh += 1
         if self.debug:
-            copying = [x for x in slot.fetches if not x.is_deleted() and not x.is_ready()]
+            copying = _copying(slot.fetches)
             if copying:
                 raise RuntimeError(f"bus ring slot {s} would be rewritten for layer {u - 1} while "
                                    f"{len(copying)} of the arrays fetched from it are still being "

@@ -69,8 +69,7 @@ class StreamedDecoder:
         self.bus_sharding = bus_lib.sharding(self.compute_device, self.host_device)  # as HostState
         self.on_layer = None  # on_layer(layer) after each layer's work is dispatched (tests)
         dtype = jnp.dtype(compute_dtype)
-        cast = lambda tree, where: jax.tree.map(
-            lambda p: transfer.across_clients(jnp.asarray(p).astype(dtype), where), tree)
+        cast = lambda tree, where: bus_lib.copy_of(tree, dtype, where)
 
         with jax.default_device(self.host_device):
             stages_def, stages = stages_split((first, last))

@@ -40,7 +40,6 @@ class DirectAdamW:
     kernel in a jit (tests/test_direct.py): the same loop, the same scalars (fused_adamw.
     step_scalars, jitted alone on the host device). The host update's strategy where it runs
     (update.choose)."""
-    kind = "direct"
 
     def __init__(self, hyper, max_grad_norm, host_device, counters, lib):
         self.hyper, self.max_grad_norm, self.counters, self.lib = (hyper, max_grad_norm,

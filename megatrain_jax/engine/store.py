@@ -259,9 +259,6 @@ class DiskStore(RamStore):
             return unit.params, unit.opt_state
         return self.tier.view(u)
 
-    def lend(self, u: int, unit) -> tuple:
-        return self.view(u, unit)
-
     def flush(self):
         self.tier.flush()
 
@@ -461,10 +458,23 @@ class _Lease:
 
 
 # ----------------------------------------------------------------------------- a loaded state
+def path_str(path) -> str:
+    """A tree path as a/b/0/mu/wq: Orbax's metadata spells namedtuple fields as dict keys; both
+    are named alike (the checkpoints' names, checkpoint.py)."""
+    parts = []
+    for key in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
 def _path(path) -> str:
     """A leaf's path as params/w or opt_state/0/mu/w (as a checkpoint names it)."""
-    keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path[1:]]
-    return "/".join([("params", "opt_state")[path[0].idx], *keys])
+    return "/".join([("params", "opt_state")[path[0].idx], path_str(path[1:])])
 
 
 def _leaves(tree) -> dict:
