@@ -221,14 +221,16 @@ def counts(cfg: Config, execution: Execution, machine: Machine, *,
                                        for x in jax.tree.leaves(jax.eval_shape(init, tree)))
     devices = (local_devices(cfg, machine) or 1) * cfg.distributed.num_processes
     disk = cfg.offload.tier == "disk"
-    fp32 = jnp.dtype(cfg.train.compute_dtype) == jnp.float32
+    compute = jnp.dtype(cfg.train.compute_dtype)
+    fp32 = compute == jnp.float32
+    direct = update.why_not_direct(optimizer, disk) is None
     block_packing = packing.choose(  # as HostState takes it (bus.choose: the bus copy)
         block, stage=False, sharded=cfg.distributed.shard_optimizer and devices > 1,
-        bus_is_params=machine.compute_on_host and fp32 and not disk)
+        bus_is_params=machine.compute_on_host and fp32 and not disk, update_in_jit=not direct)
     return Counts(
         layers=cfg.model.num_layers, prefetch=cfg.train.prefetch,
         micro_batches=cfg.data.micro_batches, hidden=cfg.model.hidden_size,
-        compute=jnp.dtype(cfg.train.compute_dtype).itemsize,
+        compute=compute.itemsize,
         grad=jnp.dtype(cfg.train.grad_dtype).itemsize, context=cfg.data.document_mask,
         layer=size(block), active_layer=size(block) - _idle_expert_params(cfg.model),
         first=size(parts.take("first", leaves)),
@@ -237,13 +239,12 @@ def counts(cfg: Config, execution: Execution, machine: Machine, *,
         optimizer=sum(map(optimizer_bytes, stage_units.split(stages)))
         + cfg.model.num_layers * optimizer_bytes(block),
         accelerator=not machine.compute_on_host,
-        direct=update.why_not_direct(optimizer, disk) is None,
+        direct=direct,
         stages_state=4 * size(stages) + optimizer_bytes(stages),
         layer_state=4 * size(block) + optimizer_bytes(block),
         host_shards=cfg.distributed.num_processes if cfg.distributed.shard_optimizer else 1,
-        lookup_serves=lookup.serves(
-            (local_devices(cfg, machine) or 1) > 1 or cfg.distributed.num_processes > 1, parts,
-            stage_units.indices(stage_units.split(stages)[0])),
+        lookup_serves=lookup.serves(devices > 1, parts,
+                                    stage_units.indices(stage_units.split(stages)[0])),
         lookup_setting=lookup_setting, copies=copies_form(cfg, machine),
         layer_flat=block_packing.size if block_packing.flat else 0)
 

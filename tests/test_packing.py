@@ -86,7 +86,9 @@ def test_flat_layers_train_the_leaf_by_leaf_bits(name, tmp_path, monkeypatch):
     setup = dict(SETUPS[name])
     documents = setup.pop("documents", False)
     engine = build(setup, tmp_path, "flat")
-    assert engine.host.packing(1).flat and not engine.host.packing(0).flat
+    # flat where the update is the direct kernel's; a jitted update takes leaves (why_per_leaf)
+    assert engine.host.packing(1).flat == (engine.host_update == "direct")
+    assert not engine.host.packing(0).flat
     flat = train(engine, documents)
     engine.close()
     monkeypatch.setattr(packing, "why_per_leaf", lambda **why: "the form before")
@@ -186,7 +188,8 @@ def test_a_deleted_or_misshapen_bus_copy_is_one_line_naming_the_unit():
 
 def test_which_units_travel_leaf_by_leaf():
     assert packing.why_per_leaf(stage=False, sharded=False, bus_is_params=False) is None
-    for why in ({"stage": True}, {"sharded": True}, {"bus_is_params": True}):
+    for why in ({"stage": True}, {"sharded": True}, {"bus_is_params": True},
+                {"update_in_jit": True}):
         kwargs = {"stage": False, "sharded": False, "bus_is_params": False, **why}
         assert packing.why_per_leaf(**kwargs)
         assert not packing.choose(TREE, **kwargs).flat

@@ -60,7 +60,6 @@ class HostState:
         self.optimizer, self.counters, self.host_device = optimizer, counters, host_device
         self.compute_dtype, self.grad_dtype = jnp.dtype(compute_dtype), jnp.dtype(grad_dtype)
         self.host_sharding = jax.sharding.SingleDeviceSharding(host_device)
-        self.last = 1 + num_blocks
         self.buses = bus_lib.Buses(
             compute_dtype, compute_device, host_device, in_ram=disk_tier is None,
             in_place=self.update.in_place, form=bus_form, prefetch=prefetch,
@@ -69,8 +68,9 @@ class HostState:
         self.failed = None  # why the state is unknown: a host update failed (see ready)
         self.on_update = None  # on_update(u), when set: the host thread starts unit u's update
         layout = self.units_layout = store_lib.Layout(num_blocks, optimizer, stages, shards,
-                                                      self.buses.is_params, self.host_sharding)
-        self.shapes, self.stage_units = layout.shapes, layout.stage_units
+                                                      self.buses.is_params, self.host_sharding,
+                                                      self.update.in_jit)
+        self.shapes, self.stage_units, self.last = layout.shapes, layout.stage_units, layout.last
         self.packing, self.layout, self.check_load = layout.packing, layout.of, layout.check_load
         self.stage_leaves = layout.stage_leaves
         self.store = store_lib.choose(disk_tier, layout, self.host_sharding,

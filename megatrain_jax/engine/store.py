@@ -70,12 +70,13 @@ class Layout:
     `block_layout` a block unit's, made with the first block (`add_block`)."""
 
     def __init__(self, num_blocks: int, optimizer, stages, shards, bus_is_params: bool,
-                 host_sharding):
+                 host_sharding, update_in_jit: bool = False):
         """stages: the whole stages' params, put on `host_sharding` (the host device's) in fp32,
         then as `split` their two units' params (this process's rows where `shards`,
         shard.Shards, cut them)."""
         self.last, self.optimizer, self.shards = 1 + num_blocks, optimizer, shards
         self.bus_is_params, self.host_sharding = bus_is_params, host_sharding
+        self.update_in_jit = update_in_jit  # packing.why_per_leaf
         stages = self._to_host(stages)
         self.shapes = {0: [tuple(p.shape) for p in jax.tree.leaves(stages)]}
         self.split = stage_units.split(shards.cut(stages) if shards is not None else stages)
@@ -90,7 +91,8 @@ class Layout:
 
     def _packing(self, params, stage: bool):
         return packing_lib.choose(params, stage=stage, sharded=self.shards is not None,
-                                  bus_is_params=self.bus_is_params)
+                                  bus_is_params=self.bus_is_params,
+                                  update_in_jit=self.update_in_jit)
 
     def _first_rows(self, params) -> list:
         shapes = [x.shape for x in jax.tree.leaves(params)]

@@ -121,6 +121,7 @@ def packed(step):
 class _Update:
     """The interface (module docstring): `apply`'s frame, once for every strategy."""
     in_place = False
+    in_jit = False  # a jitted call on the unit's leaves (packing.why_per_leaf)
 
     def bind(self, store, buses, layout, host_sharding, counters):
         """store, layout: the units' (store.py); buses: their bus copies (bus.Buses);
@@ -180,6 +181,7 @@ class _InJit(_Update):
     same call into the buffer bus.Buses gives it to donate. XLA:CPU spreads each large fused
     loop over all cores."""
     prepare_first = False
+    in_jit = True
 
     def bind(self, store, buses, layout, host, counters):
         super().bind(store, buses, layout, host, counters)
