@@ -11,9 +11,10 @@ deletes one array, whatever the number of leaves.
 
 Leaf by leaf (`PerLeaf`), each leaf an array of its own, where `why_per_leaf` says: the stage
 units (what a step fetches of them is a part, "first" or "last", taken from both units' leaves:
-a few leaves), the sharded host layout (shard.py cuts every leaf by its rows) and a bus copy that
+a few leaves), the sharded host layout (shard.py cuts every leaf by its rows), a bus copy that
 is the fp32 master itself (no accelerator and fp32 compute: no copy is made at all, the weights
-are the update's own arrays). `choose` decides, for every unit structure, in this one place.
+are the update's own arrays) and a host update that is a jitted call on leaves (update.py's
+_InJit). `choose` decides, for every unit structure, in this one place.
 
 Both packings have one interface: `pack(tree, dtype)` and `unpack(packed)` inside a jitted
 function, `packed(tree, host)` a host tree in one array on the host device, `targets(bus, what)`
