@@ -9,17 +9,17 @@ from flax import nnx
 from toy_model import Embed
 
 from megatrain_jax import StreamedEngine
-from megatrain_jax.engine import stream
+from megatrain_jax.engine import fused_adamw, stream
 from megatrain_jax.model import ModelConfig, make_block, make_stages
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=8, num_heads=4,
                   num_kv_heads=2)
 
 
-def engine_for(cfg, *, compute_dtype=jnp.float32, **kwargs):
+def engine_for(cfg, *, compute_dtype=jnp.float32, optimizer=None, **kwargs):
     first, last = make_stages(cfg, seed=0)
     return StreamedEngine(first=first, last=last, make_block=lambda i: make_block(cfg, 0, i),
-                          num_layers=cfg.num_layers, optimizer=optax.adamw(1e-2),
+                          num_layers=cfg.num_layers, optimizer=optimizer or optax.adamw(1e-2),
                           max_grad_norm=1.0, compute_dtype=compute_dtype,
                           compute_device=jax.devices("cpu")[0], host_device=jax.devices("cpu")[1],
                           **kwargs)
@@ -32,6 +32,11 @@ def batch(cfg, num_micro=2, seq=16, seed=0):
 
 def on_compute(a, kind="device"):
     return a.sharding.device_set == {jax.devices("cpu")[0]} and a.sharding.memory_kind == kind
+
+
+# the project's AdamW: the direct update, with which a layer travels as one array (a jitted
+# update takes leaves: packing.why_per_leaf)
+DIRECT = lambda: fused_adamw.adamw(1e-2)
 
 
 def count_resident_weights(engine, monkeypatch=None):
@@ -58,7 +63,7 @@ def count_resident_weights(engine, monkeypatch=None):
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_at_most_prefetch_plus_one_layers_resident(prefetch):
-    engine = engine_for(CFG, compute_dtype=jnp.bfloat16, prefetch=prefetch)
+    engine = engine_for(CFG, compute_dtype=jnp.bfloat16, prefetch=prefetch, optimizer=DIRECT())
     assert count_resident_weights(engine) == prefetch + 1
     engine.close()
 
@@ -66,7 +71,7 @@ def test_at_most_prefetch_plus_one_layers_resident(prefetch):
 def test_resident_count_sees_layers_left_to_python(monkeypatch):
     """Guards the test above: without explicit deletes, the count reaches the model's depth."""
     monkeypatch.setattr(stream, "delete", lambda tree, counters=None: None)
-    engine = engine_for(CFG, compute_dtype=jnp.bfloat16, prefetch=1)
+    engine = engine_for(CFG, compute_dtype=jnp.bfloat16, prefetch=1, optimizer=DIRECT())
     assert count_resident_weights(engine) >= CFG.num_layers
     engine.close()
 
